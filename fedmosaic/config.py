@@ -1,0 +1,279 @@
+"""Experiment configuration: dataclasses loaded from TOML, with dotted ``--set`` overrides.
+
+Unknown keys, wrong types and impossible combinations raise :class:`ConfigError` naming the key,
+before any data is loaded or any model is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fmnist"  # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
+    root: str = ""  # explicit data folder; else $FEDMOSAIC_DATA, then system locations
+    download: bool = False  # opt-in download for users with internet (never in tests/CI)
+    emnist_split: str = "balanced"  # letters | balanced
+    partition: str = "dirichlet"  # iid | dirichlet | pathological | skewed
+    alpha: float = 0.1  # dirichlet concentration (beta in some papers)
+    classes_per_client: int = 2  # pathological / skewed
+    num_clients: int = 20
+    min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
+    max_tries: int = 1000  # dirichlet: give up (error) after this many redraws
+    split: str = "pool_75_25"  # pool_75_25 (PFLlib/HtFLlib) | 8_1_1 (FedGH: train/val/test)
+    val_fraction: float = 0.0  # pool_75_25: fraction of each client's train part held out for validation
+    public_size: int = 0  # server-held public/alignment split carved out before partitioning
+    subsample: float = 1.0  # fraction of the pooled dataset to use (quick experiments)
+    normalize: str = "half"  # half (0.5/0.5 as PFLlib) | dataset (per-dataset mean/std)
+    synthetic_size: int = 2000  # synthetic dataset: number of images
+    synthetic_classes: int = 10
+    synthetic_shape: list[int] = field(default_factory=lambda: [1, 28, 28])
+
+
+@dataclass
+class ModelConfig:
+    family: str = "htfe8-gray"  # a named heterogeneous family or a single architecture
+    feature_dim: int = 512
+    projection: str = "linear"  # linear (learnable) | pool (HtFLlib's parameter-free average pool)
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 100
+    clients_per_round: int = 0  # 0 -> use participation
+    participation: float = 1.0  # fraction of clients sampled per round
+    local_epochs: int = 1
+    batch_size: int = 10
+    lr: float = 0.01
+    optimizer: str = "sgd"  # sgd | adam
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
+    eval_every: int = 1
+    eval_batch_size: int = 1000
+    finetune_epochs: int = 0  # used by algorithms with a fine-tuning stage (FedBABU)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+
+
+@dataclass
+class SimConfig:
+    check_wire: bool = False  # round-trip every payload through the wire codec and compare
+    progress: bool = True
+    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+
+@dataclass
+class ExperimentConfig:
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "sim": SimConfig,
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.partition": ("iid", "dirichlet", "pathological", "skewed"),
+    "data.split": ("pool_75_25", "8_1_1"),
+    "data.normalize": ("half", "dataset"),
+    "data.emnist_split": ("letters", "balanced"),
+    "model.projection": ("linear", "pool"),
+    "train.optimizer": ("sgd", "adam"),
+}
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            return False
+        return not args or all(_type_ok(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    if tp is float and isinstance(value, int):
+        return float(value)
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
+    """Construct ``cls`` from ``values``, rejecting unknown keys and wrong types by name."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {name!r}; valid keys: {known}")
+        tp = hints[key]
+        if not _type_ok(value, tp):
+            raise ConfigError(
+                f"{name} = {value!r} has type {type(value).__name__}, expected {_type_name(tp)}"
+            )
+        kwargs[key] = _coerce(value, tp)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{where}]: {exc}") from exc
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def parse_value(text: str) -> Any:
+    """Parse a ``--set`` value as a TOML literal (numbers, booleans, lists); else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a raw (TOML-shaped) dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        dotted, text = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = raw
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {dotted!r}: {p!r} is not a table")
+        node[parts[-1]] = parse_value(text.strip())
+    return raw
+
+
+def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+    raw = dict(raw)
+    top_known = {"seed", *SECTIONS, "algorithm"}
+    for key in raw:
+        if key not in top_known:
+            raise ConfigError(f"unknown key {key!r}; valid top-level keys: {', '.join(sorted(top_known))}")
+    seed = raw.get("seed", 0)
+    if not _type_ok(seed, int):
+        raise ConfigError(f"seed = {seed!r} must be an int")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        value = raw.get(name, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a table, got {value!r}")
+        sections[name] = build_dataclass(cls, value, name)
+    algo = raw.get("algorithm", {"name": "lg_fedavg"})
+    if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
+        raise ConfigError("[algorithm] must be a table with a string key 'name'")
+    cfg = ExperimentConfig(seed=seed, algorithm=dict(algo), **sections)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+    return from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
+    for dotted, choices in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{dotted} = {value!r}; choose one of {', '.join(choices)}")
+    d, t = cfg.data, cfg.train
+    positive = {
+        "data.num_clients": d.num_clients,
+        "train.rounds": t.rounds,
+        "train.batch_size": t.batch_size,
+        "train.eval_every": t.eval_every,
+        "train.eval_batch_size": t.eval_batch_size,
+        "train.local_epochs": t.local_epochs,
+    }
+    for k, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{k} = {v} must be >= 1")
+    if d.partition == "dirichlet" and d.alpha <= 0:
+        raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
+    if d.partition in ("pathological", "skewed") and d.classes_per_client < 1:
+        raise ConfigError(f"data.classes_per_client = {d.classes_per_client} must be >= 1")
+    if not 0.0 < d.subsample <= 1.0:
+        raise ConfigError(f"data.subsample = {d.subsample} must be in (0, 1]")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
+    if d.public_size < 0:
+        raise ConfigError(f"data.public_size = {d.public_size} must be >= 0")
+    if not 0.0 < t.participation <= 1.0:
+        raise ConfigError(f"train.participation = {t.participation} must be in (0, 1]")
+    if not 0 <= t.clients_per_round <= d.num_clients:
+        raise ConfigError(
+            f"train.clients_per_round = {t.clients_per_round} must be in [0, data.num_clients={d.num_clients}]"
+        )
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr = {t.lr} must be > 0")
+    if t.device != "cpu" and not t.device.startswith("cuda"):
+        raise ConfigError(f"train.device = {t.device!r}; use cpu, cuda or cuda:N")
+    # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).
+    from fedmosaic.algorithms import build_algorithm
+    from fedmosaic.models import family_members
+
+    algo = build_algorithm(cfg.algorithm)
+    try:
+        members = family_members(cfg.model.family)
+    except KeyError as exc:
+        raise ConfigError(f"model.family = {cfg.model.family!r}: {exc.args[0]}") from None
+    heterogeneous = len({m for m in members}) > 1 and d.num_clients > 1
+    if heterogeneous and not algo.supports_heterogeneous:
+        raise ConfigError(
+            f"algorithm.name = {cfg.algorithm['name']!r} needs identical client models, but "
+            f"model.family = {cfg.model.family!r} is heterogeneous; pick a single architecture "
+            f"(e.g. model.family = \"{members[0]}\")"
+        )
+    algo.check_config(cfg)
