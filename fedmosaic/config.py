@@ -21,7 +21,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    dataset: str = "fmnist"  # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
+    dataset: str = (
+        "fmnist"  # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
+    )
     root: str = ""  # explicit data folder; else $FEDMOSAIC_DATA, then system locations
     download: bool = False  # opt-in download for users with internet (never in tests/CI)
     emnist_split: str = "balanced"  # letters | balanced
@@ -32,7 +34,9 @@ class DataConfig:
     min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
     max_tries: int = 1000  # dirichlet: give up (error) after this many redraws
     split: str = "pool_75_25"  # pool_75_25 (PFLlib/HtFLlib) | 8_1_1 (FedGH: train/val/test)
-    val_fraction: float = 0.0  # pool_75_25: fraction of each client's train part held out for validation
+    val_fraction: float = (
+        0.0  # pool_75_25: fraction of each client's train part held out for validation
+    )
     public_size: int = 0  # server-held public/alignment split carved out before partitioning
     subsample: float = 1.0  # fraction of the pooled dataset to use (quick experiments)
     normalize: str = "half"  # half (0.5/0.5 as PFLlib) | dataset (per-dataset mean/std)
@@ -62,7 +66,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
     eval_every: int = 1
     eval_batch_size: int = 1000
-    finetune_epochs: int = 0  # used by algorithms with a fine-tuning stage (FedBABU)
+    finetune_epochs: int = (
+        -1
+    )  # fine-tuning after the last round: -1 = the algorithm's default, 0 = none
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 
@@ -190,7 +196,9 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     top_known = {"seed", *SECTIONS, "algorithm"}
     for key in raw:
         if key not in top_known:
-            raise ConfigError(f"unknown key {key!r}; valid top-level keys: {', '.join(sorted(top_known))}")
+            raise ConfigError(
+                f"unknown key {key!r}; valid top-level keys: {', '.join(sorted(top_known))}"
+            )
     seed = raw.get("seed", 0)
     if not _type_ok(seed, int):
         raise ConfigError(f"seed = {seed!r} must be an int")
@@ -274,6 +282,6 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"algorithm.name = {cfg.algorithm['name']!r} needs identical client models, but "
             f"model.family = {cfg.model.family!r} is heterogeneous; pick a single architecture "
-            f"(e.g. model.family = \"{members[0]}\")"
+            f'(e.g. model.family = "{members[0]}")'
         )
     algo.check_config(cfg)

@@ -55,7 +55,9 @@ class ClientModel(nn.Module):
         missing = sorted(set(own) - set(state))
         extra = sorted(set(state) - set(own))
         if missing or extra:
-            raise ValueError(f"state for part {part!r}: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(
+                f"state for part {part!r}: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         with torch.no_grad():
             for k, v in own.items():
                 src = state[k]

@@ -1,0 +1,3 @@
+"""fedmosaic: heterogeneous, personalized federated learning."""
+
+__version__ = "0.1.0"

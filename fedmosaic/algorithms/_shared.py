@@ -1,0 +1,119 @@
+"""Helpers shared by several algorithms: weighted averaging, class means, shared-weight base."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+
+
+def weighted_average(
+    states: Sequence[dict[str, Tensor]], weights: Sequence[float]
+) -> dict[str, Tensor]:
+    """Sample-weighted mean of state dicts.
+
+    Floating tensors: ``sum_k (w_k / sum w) * x_k`` in float32. Integer buffers (BatchNorm's
+    ``num_batches_tracked``) are not averaged; the maximum is kept.
+    """
+    if not states:
+        raise ValueError("weighted_average of no states")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weighted_average: weights sum to zero")
+    out: dict[str, Tensor] = {}
+    for k, first in states[0].items():
+        if first.is_floating_point():
+            acc = torch.zeros_like(first)
+            for s, w in zip(states, weights, strict=True):
+                acc.add_(s[k], alpha=float(w) / total)
+            out[k] = acc
+        else:
+            out[k] = torch.stack([s[k] for s in states]).amax(0)
+    return out
+
+
+def check_state_like(state: dict[str, Tensor], template: dict[str, Tensor], what: str) -> None:
+    """Raise :class:`PayloadError` if ``state`` differs from ``template`` in names/dtypes/shapes."""
+    if state.keys() != template.keys():
+        extra = sorted(set(state) - set(template))[:5]
+        missing = sorted(set(template) - set(state))[:5]
+        raise PayloadError(f"{what}: unexpected tensors {extra}, missing {missing}")
+    for k, t in template.items():
+        x = state[k]
+        if x.dtype != t.dtype or x.shape != t.shape:
+            raise PayloadError(
+                f"{what}: {k} is {x.dtype}{tuple(x.shape)}, expected {t.dtype}{tuple(t.shape)}"
+            )
+
+
+@torch.no_grad()
+def class_means(
+    model: ClientModel, data: ClientData, num_classes: int, batch_size: int = 1000
+) -> tuple[Tensor, Tensor]:
+    """Exact per-class mean representation over the training split, in eval mode.
+
+    Returns ``protos [C, d]`` (zero rows for absent classes) and ``counts [C]`` (int64).
+    """
+    was_training = model.training
+    model.eval()
+    d = model.feature_dim
+    sums = torch.zeros(num_classes, d, device=data.device)
+    counts = torch.zeros(num_classes, dtype=torch.long, device=data.device)
+    for x, y in data.iter_batches("train", batch_size):
+        f = model.features(x)  # [B, d]
+        sums.index_add_(0, y, f.float())
+        counts.index_add_(0, y, torch.ones_like(y))
+    model.train(was_training)
+    protos = sums / counts.clamp(min=1).unsqueeze(1).to(sums.dtype)
+    return protos.cpu(), counts.cpu()
+
+
+@dataclass(frozen=True)
+class SharedState(Payload):
+    """A state dict of the shared part (parameters and buffers)."""
+
+    state: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
+    """Base for the average-a-part family: FedAvg, FedProx, FedPer, FedRep, LG-FedAvg, FedBABU.
+
+    Subclasses set ``shared`` (a model part) and may override the client's loss or phases.
+    """
+
+    Broadcast: ClassVar[type[Payload]] = SharedState
+    Upload: ClassVar[type[Payload]] = SharedState
+    shared: ClassVar[str] = "all"
+
+    def init_server(self, spec: FederationSpec) -> dict[str, Tensor]:
+        return spec.build_model(0).part_state(self.shared)
+
+    def broadcast(self, state: dict[str, Tensor], client_id: int, round_num: int) -> SharedState:
+        return SharedState(state)
+
+    def aggregate(
+        self, state: dict[str, Tensor], uploads: Sequence[Weighted[SharedState]], round_num: int
+    ) -> dict[str, Tensor]:
+        return weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+
+    def validate_upload(
+        self, state: dict[str, Tensor], upload: SharedState, client_id: int
+    ) -> None:
+        check_state_like(upload.state, state, f"client {client_id} {self.shared} state")
+
+    def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
+        model.load_part_state(self.shared, msg.state)
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
+    ) -> SharedState:
+        return SharedState(model.part_state(self.shared))

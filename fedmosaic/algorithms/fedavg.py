@@ -1,0 +1,31 @@
+"""FedAvg (McMahan et al., AISTATS 2017): average the whole model, weighted by sample counts.
+
+Shared: every parameter and buffer of the (identical) client models. Nothing stays local, so
+it needs a homogeneous federation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.registry import ALGORITHMS
+
+Broadcast = SharedState
+Upload = SharedState
+ServerState = dict[str, Tensor]
+
+
+@ALGORITHMS.register("fedavg")
+@dataclass(frozen=True)
+class FedAvg(SharedWeights):
+    """Federated averaging of the whole model."""
+
+    supports_heterogeneous: ClassVar[bool] = False
+    shared: ClassVar[str] = "all"
+    paper: ClassVar[str] = (
+        "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+    )

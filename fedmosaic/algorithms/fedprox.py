@@ -1,0 +1,51 @@
+"""FedProx (Li et al., MLSys 2020): FedAvg plus a proximal term to the round's global model.
+
+Shared: the whole model (homogeneous federation). Client loss:
+``CE + mu/2 * sum_p ||w_p - w_p^global||^2`` over parameters (not buffers); ``mu = 0`` is FedAvg.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ALGORITHMS
+
+Broadcast = SharedState
+Upload = SharedState
+ServerState = dict[str, Tensor]
+
+
+def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
+    """``sum_p ||w_p - g_p||^2`` over the model's trainable parameters."""
+    total = None
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            d = (p - global_state[name]).pow(2).sum()
+            total = d if total is None else total + d
+    assert total is not None, "proximal term over no trainable parameters"
+    return total
+
+
+@ALGORITHMS.register("fedprox")
+@dataclass(frozen=True)
+class FedProx(SharedWeights):
+    """FedAvg with a proximal term ``mu/2 ||w - w_global||^2`` in the client loss."""
+
+    mu: float = 0.01  # proximal strength (PFLlib default 0.01? papers sweep 0.001-1)
+    supports_heterogeneous: ClassVar[bool] = False
+    shared: ClassVar[str] = "all"
+    paper: ClassVar[str] = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
+
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
+    ) -> Tensor:
+        ce = F.cross_entropy(model(x), y)
+        if self.mu == 0:
+            return ce
+        return ce + 0.5 * self.mu * proximal_term(model, msg.state)

@@ -1,0 +1,45 @@
+"""Local: every client trains only on its own data; nothing is exchanged.
+
+The lower bound every personalized-FL paper reports. Messages are empty payloads (0 tensors), so
+the bytes counted are only the wire format's framing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import nn
+
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Empty, Payload
+from fedmosaic.core.registry import ALGORITHMS
+
+Broadcast = Empty
+Upload = Empty
+ServerState = None
+
+
+@ALGORITHMS.register("local")
+@dataclass(frozen=True)
+class Local(Algorithm[None, Empty, Empty]):
+    """Local training only (no federation)."""
+
+    Broadcast: ClassVar[type[Payload]] = Empty
+    Upload: ClassVar[type[Payload]] = Empty
+    paper: ClassVar[str] = "baseline: local training only"
+
+    def init_server(self, spec: FederationSpec) -> None:
+        return None
+
+    def broadcast(self, state: None, client_id: int, round_num: int) -> Empty:
+        return Empty()
+
+    def aggregate(self, state: None, uploads: Sequence[Weighted[Empty]], round_num: int) -> None:
+        return None
+
+    def upload(self, model: ClientModel, extras: nn.Module, data: ClientData, msg: Empty) -> Empty:
+        return Empty()

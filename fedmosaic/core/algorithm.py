@@ -1,0 +1,165 @@
+"""The algorithm contract: server half and client half of one method, side by side.
+
+An :class:`Algorithm` is a frozen dataclass whose fields are its hyperparameters; it holds no
+mutable state. Server state goes in and out of ``init_server``/``aggregate``; client state lives
+in the client's model and its ``extras`` module (persistent across rounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+
+if TYPE_CHECKING:
+    from fedmosaic.config import ExperimentConfig
+    from fedmosaic.core.client import ClientData
+    from fedmosaic.core.training import TrainSettings
+
+S = TypeVar("S")
+B = TypeVar("B", bound=Payload)
+U = TypeVar("U", bound=Payload)
+
+
+@dataclass(frozen=True)
+class Weighted(Generic[U]):
+    """An upload with its client id and weight (number of local training examples)."""
+
+    client_id: int
+    weight: float
+    payload: U
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of local training: which parameters train and for how many epochs.
+
+    ``trainable`` entries are model parts (``all``, ``encoder``, ``head``) or qualified parameter
+    name prefixes (``encoder.conv1``). ``train_extras`` also trains the client's extras module.
+    """
+
+    trainable: tuple[str, ...] = ("all",)
+    epochs: int = 1
+    train_extras: bool = True
+    name: str = "train"
+
+
+@dataclass(frozen=True)
+class FederationSpec:
+    """What both halves may know about the federation before round 1."""
+
+    num_clients: int
+    num_classes: int
+    feature_dim: int
+    input_shape: tuple[int, int, int]
+    members: tuple[str, ...]  # architecture member string per client
+    num_train: tuple[int, ...]  # training examples per client
+    seed: int
+    rounds: int
+    build_model: Callable[[int], ClientModel]  # fresh, deterministic model of client i's arch
+    public: Tensor | None = None  # server-held public inputs, normalized float [P, C, H, W]
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len(set(self.members)) == 1
+
+
+def payload_to(msg: B, device: torch.device | str) -> B:
+    """The same payload with every tensor on ``device`` (no copy when already there)."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        if isinstance(v, Tensor):
+            changes[f.name] = v.to(device)
+        elif isinstance(v, dict):
+            changes[f.name] = {k: t.to(device) for k, t in v.items()}
+    return dataclasses.replace(msg, **changes)
+
+
+class Algorithm(ABC, Generic[S, B, U]):
+    """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters."""
+
+    Broadcast: ClassVar[type[Payload]]
+    Upload: ClassVar[type[Payload]]
+    supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = ""
+
+    # ---- configuration -------------------------------------------------------------------
+    def check_config(self, cfg: ExperimentConfig) -> None:  # noqa: B027 - optional hook
+        """Raise ``ConfigError`` for combinations this method cannot run."""
+
+    # ---- server half ---------------------------------------------------------------------
+    @abstractmethod
+    def init_server(self, spec: FederationSpec) -> S: ...
+
+    @abstractmethod
+    def broadcast(self, state: S, client_id: int, round_num: int) -> B: ...
+
+    @abstractmethod
+    def aggregate(self, state: S, uploads: Sequence[Weighted[U]], round_num: int) -> S: ...
+
+    def validate_upload(self, state: S, upload: U, client_id: int) -> None:  # noqa: B027
+        """Server-side checks beyond the payload's own (shapes against the state); raise PayloadError."""
+
+    # ---- client half ---------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        """Persistent client-side extras (FML meme model, FedRoD personal head, ...)."""
+        return nn.Module()
+
+    def receive(self, model: ClientModel, extras: nn.Module, msg: B) -> None:  # noqa: B027
+        """Load the shared parts from the server's message into the client's model."""
+
+    def before_fit(  # noqa: B027
+        self,
+        model: ClientModel,
+        extras: nn.Module,
+        data: ClientData,
+        msg: B,
+        settings: TrainSettings,
+        gen: torch.Generator,
+    ) -> None:
+        """Extra local work before the training phases (e.g. KT-pFL's distillation step)."""
+
+    def phases(self, round_num: int, epochs: int) -> Sequence[Phase]:
+        return (Phase(("all",), epochs),)
+
+    def loss(self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: B) -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    @abstractmethod
+    def upload(self, model: ClientModel, extras: nn.Module, data: ClientData, msg: B) -> U: ...
+
+    def predict(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, msg: B
+    ) -> dict[str, Tensor]:
+        """Scores ``[B, C]`` per evaluation mode; ``acc`` is the headline one."""
+        return {"acc": model(x)}
+
+    def finetune_phases(self, epochs: int | None) -> Sequence[Phase]:
+        """Local fine-tuning after the last round (FedBABU, layer expansion); none by default.
+
+        ``epochs=None`` means the algorithm's own default (``[train] finetune_epochs = -1``).
+        """
+        return ()
+
+    # ---- descriptions --------------------------------------------------------------------
+    @classmethod
+    def hyperparameters(cls) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out

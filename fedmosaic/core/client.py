@@ -1,0 +1,152 @@
+"""What a client does in a round (fit / evaluate / fine-tune): used by every runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.training import TrainSettings, TrainStats, run_phases
+
+
+class ImageSource(Protocol):
+    """Where client data lives: uint8 images held once, normalized per batch."""
+
+    def batch(self, idx: Tensor, device: torch.device | str = "cpu") -> Tensor: ...
+
+
+@dataclass
+class ClientData:
+    """One client's splits as row indices into a shared image source."""
+
+    client_id: int
+    source: ImageSource
+    labels: Tensor  # int64 [N] for the whole dataset
+    splits: dict[str, Tensor]  # "train" | "val" | "test" -> int64 row indices
+    num_classes: int
+    device: str = "cpu"
+    _y: dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    def rows(self, split: str) -> Tensor:
+        return self.splits.get(split, torch.empty(0, dtype=torch.long))
+
+    def num(self, split: str) -> int:
+        return int(self.rows(split).numel())
+
+    @property
+    def num_train(self) -> int:
+        return self.num("train")
+
+    def targets(self, split: str) -> Tensor:
+        if split not in self._y:
+            self._y[split] = self.labels[self.rows(split)].to(self.device)
+        return self._y[split]
+
+    def train_batch(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Normalized inputs and labels for positions within the training split."""
+        rows = self.rows("train")[pos]
+        return self.source.batch(rows, self.device), self.targets("train")[pos.to(self.device)]
+
+    def iter_batches(self, split: str, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """In-order batches (evaluation, prototype collection)."""
+        rows, y = self.rows(split), self.targets(split)
+        for start in range(0, rows.numel(), batch_size):
+            yield (
+                self.source.batch(rows[start : start + batch_size], self.device),
+                y[start : start + batch_size],
+            )
+
+    def class_counts(self, split: str = "train") -> Tensor:
+        return torch.bincount(self.targets(split).cpu(), minlength=self.num_classes)  # [C]
+
+
+@dataclass
+class FitOutput:
+    upload: Payload
+    num_examples: int
+    stats: TrainStats
+
+
+def fit(
+    algo: Algorithm,
+    model: ClientModel,
+    extras: nn.Module,
+    msg: Payload,
+    data: ClientData,
+    settings: TrainSettings,
+    seed: int,
+    round_num: int,
+    epochs: int,
+) -> FitOutput:
+    """Receive the broadcast, train the algorithm's phases, and build the upload."""
+    cid = data.client_id
+    seeding.seed_torch(seed, round_num, cid, "fit")  # dropout / augmentation / in-loss sampling
+    gen = seeding.torch_generator(seed, round_num, cid, "batches")
+    msg = payload_to(msg, settings.device)
+    algo.receive(model, extras, msg)
+    algo.before_fit(model, extras, data, msg, settings, gen)
+    stats = run_phases(
+        algo, model, extras, msg, data, algo.phases(round_num, epochs), settings, gen
+    )
+    model.eval()
+    extras.eval()
+    with torch.no_grad():
+        upload = algo.upload(model, extras, data, msg)
+    return FitOutput(payload_to(upload, "cpu"), data.num_train, stats)
+
+
+def evaluate(
+    algo: Algorithm,
+    model: ClientModel,
+    extras: nn.Module,
+    msg: Payload,
+    data: ClientData,
+    splits: tuple[str, ...],
+    batch_size: int,
+    receive: bool = True,
+) -> dict[str, dict[str, int]]:
+    """Correct counts per split and prediction mode, plus ``n`` (examples) per split.
+
+    ``receive=False`` evaluates the client's model as it is (after fine-tuning); ``msg`` is still
+    passed to ``predict`` (prototype methods classify against the broadcast prototypes).
+    """
+    msg = payload_to(msg, data.device)
+    if receive:
+        algo.receive(model, extras, msg)
+    model.eval()
+    extras.eval()
+    out: dict[str, dict[str, int]] = {}
+    with torch.inference_mode():
+        for split in splits:
+            counts: dict[str, int] = {"n": data.num(split)}
+            for x, y in data.iter_batches(split, batch_size):
+                for mode, scores in algo.predict(model, extras, x, msg).items():
+                    counts[mode] = counts.get(mode, 0) + int((scores.argmax(1) == y).sum())
+            out[split] = counts
+    return out
+
+
+def finetune(
+    algo: Algorithm,
+    model: ClientModel,
+    extras: nn.Module,
+    msg: Payload,
+    data: ClientData,
+    settings: TrainSettings,
+    seed: int,
+    phases: Sequence[Phase],
+) -> TrainStats:
+    """Local fine-tuning after the last round (FedBABU-style), on the training split."""
+    cid = data.client_id
+    seeding.seed_torch(seed, 0, cid, "finetune")
+    gen = seeding.torch_generator(seed, 0, cid, "finetune-batches")
+    msg = payload_to(msg, settings.device)
+    algo.receive(model, extras, msg)
+    return run_phases(algo, model, extras, msg, data, phases, settings, gen)

@@ -1,0 +1,166 @@
+"""The Transport seam and the one round loop (sampling, fit, aggregate, evaluate, history)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.metrics import aggregate_accuracy
+
+log = logging.getLogger("fedmosaic")
+MAX_EXAMPLES = 10**9  # a reply claiming more examples than this is not a real client
+
+
+@dataclass
+class FitResult:
+    client_id: int
+    upload: Payload
+    num_examples: int
+    bytes_up: int
+    bytes_down: int
+    loss: float = math.nan
+
+
+@dataclass
+class EvalResult:
+    client_id: int
+    counts: dict[str, dict[str, int]]  # split -> {"n": examples, mode: correct}
+
+
+class Transport(Protocol):
+    """How messages reach clients: in-process simulator, worker processes, or Flower."""
+
+    def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]: ...
+
+    def evaluate(
+        self, round_num: int, messages: dict[int, Payload], receive: bool = True
+    ) -> list[EvalResult]: ...
+
+    def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None: ...
+
+
+@dataclass
+class RoundPlan:
+    num_clients: int
+    rounds: int
+    clients_per_round: int
+    eval_every: int = 1
+    finetune_epochs: int = -1  # -1: the algorithm's default; 0: no fine-tuning
+
+
+def sample_clients(seed: int, round_num: int, num_clients: int, k: int) -> list[int]:
+    """The round's participants: ``k`` distinct clients, sorted, from the round's own stream."""
+    if k >= num_clients:
+        return list(range(num_clients))
+    rng = seeding.numpy_rng(seed, round_num, seeding.SERVER, "sample")
+    return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
+
+
+def summarize_eval(results: Sequence[EvalResult]) -> dict[str, Any]:
+    """Round-level accuracy statistics per split and prediction mode."""
+    rec: dict[str, Any] = {}
+    by_id = sorted(results, key=lambda r: r.client_id)
+    splits = sorted({s for r in by_id for s in r.counts})
+    for split in splits:
+        modes = sorted({m for r in by_id for m in r.counts.get(split, {}) if m != "n"})
+        totals = [r.counts.get(split, {}).get("n", 0) for r in by_id]
+        if sum(totals) == 0:
+            continue
+        for mode in modes:
+            correct = [r.counts.get(split, {}).get(mode, 0) for r in by_id]
+            stats = aggregate_accuracy(correct, totals)
+            prefix = mode if split == "test" else f"{split}_{mode}"
+            for k, v in stats.items():
+                rec[f"{prefix}_{k}"] = v
+    return rec
+
+
+def per_client_acc(
+    results: Sequence[EvalResult], split: str = "test", mode: str = "acc"
+) -> dict[int, float]:
+    out = {}
+    for r in results:
+        c = r.counts.get(split, {})
+        if c.get("n", 0) > 0:
+            out[r.client_id] = c.get(mode, 0) / c["n"]
+    return out
+
+
+@dataclass
+class History:
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    final_eval: list[EvalResult] = field(default_factory=list)
+    finetune_eval: list[EvalResult] = field(default_factory=list)
+    participants: list[list[int]] = field(default_factory=list)
+
+
+def run_rounds(
+    algo: Algorithm,
+    spec: FederationSpec,
+    transport: Transport,
+    plan: RoundPlan,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[History, Any]:
+    """Run the federation; returns the history and the final server state."""
+    state = algo.init_server(spec)
+    history = History()
+    last_eval: list[EvalResult] = []
+    for t in range(1, plan.rounds + 1):
+        rec: dict[str, Any] = {"round": t}
+        sampled = sample_clients(spec.seed, t, plan.num_clients, plan.clients_per_round)
+        t0 = time.perf_counter()
+        messages = {c: algo.broadcast(state, c, t) for c in sampled}
+        results = transport.fit(t, messages)
+        t1 = time.perf_counter()
+        uploads, rejected = [], []
+        for r in results:
+            try:
+                if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
+                    raise PayloadError(f"implausible example count {r.num_examples}")
+                algo.validate_upload(state, r.upload, r.client_id)
+            except PayloadError as exc:
+                log.warning("round %d: dropped the reply of client %d: %s", t, r.client_id, exc)
+                rejected.append(r.client_id)
+                continue
+            uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
+        rec["rejected"] = rejected
+        if uploads:
+            state = algo.aggregate(state, uploads, t)
+        t2 = time.perf_counter()
+        rec["participants"] = [u.client_id for u in uploads]
+        rec["num_sampled"] = len(sampled)
+        rec["bytes_up"] = sum(r.bytes_up for r in results)
+        rec["bytes_down"] = sum(r.bytes_down for r in results)
+        rec["bytes_up_per_client"] = rec["bytes_up"] / max(len(results), 1)
+        rec["bytes_down_per_client"] = rec["bytes_down"] / max(len(results), 1)
+        losses = [r.loss for r in results if not math.isnan(r.loss)]
+        rec["train_loss"] = float(np.mean(losses)) if losses else math.nan
+        if t % plan.eval_every == 0 or t == plan.rounds:
+            eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in range(plan.num_clients)}
+            last_eval = transport.evaluate(t, eval_msgs)
+            rec.update(summarize_eval(last_eval))
+        t3 = time.perf_counter()
+        rec["seconds_train"] = t1 - t0
+        rec["seconds_aggregate"] = t2 - t1
+        rec["seconds_eval"] = t3 - t2
+        rec["seconds"] = t3 - t0
+        history.rounds.append(rec)
+        history.participants.append(rec["participants"])
+        if on_round is not None:
+            on_round(rec)
+    history.final_eval = last_eval
+    ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
+    if plan.finetune_epochs != 0 and ft_phases:
+        msgs = {c: algo.broadcast(state, c, plan.rounds + 1) for c in range(plan.num_clients)}
+        transport.finetune(msgs, ft_phases)
+        history.finetune_eval = transport.evaluate(plan.rounds + 1, msgs, receive=False)
+    return history, state

@@ -1,0 +1,34 @@
+"""Per-(seed, round, client, purpose) random streams, identical in every runtime.
+
+Every random choice in a run derives from the experiment seed through :func:`derive`, so the
+simulator (serial or multi-process) and Flower clients draw exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+SERVER = -1  # client id used for server-side streams
+
+
+def derive(seed: int, round_num: int, client_id: int, purpose: str) -> int:
+    """A 63-bit seed for one stream; ``purpose`` separates independent uses."""
+    tag = zlib.crc32(purpose.encode())
+    ss = np.random.SeedSequence([seed & 0xFFFFFFFF, round_num, client_id + 1, tag])
+    return int(ss.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def torch_generator(seed: int, round_num: int, client_id: int, purpose: str) -> torch.Generator:
+    return torch.Generator().manual_seed(derive(seed, round_num, client_id, purpose))
+
+
+def numpy_rng(seed: int, round_num: int, client_id: int, purpose: str) -> np.random.Generator:
+    return np.random.default_rng(derive(seed, round_num, client_id, purpose))
+
+
+def seed_torch(seed: int, round_num: int, client_id: int, purpose: str) -> None:
+    """Seed torch's global RNG (dropout, augmentations, sampling inside losses)."""
+    torch.manual_seed(derive(seed, round_num, client_id, purpose))
