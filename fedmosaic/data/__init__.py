@@ -1,0 +1,50 @@
+"""Datasets, partitioners and per-client splits. Importing this package registers every dataset
+loader in ``DATASETS`` and every partitioner in ``PARTITIONERS``."""
+
+from fedmosaic.data.datasets import (
+    STATS,
+    DatasetError,
+    ImageDataset,
+    clear_cache,
+    load_dataset,
+    load_pickle,
+    read_idx,
+    search_dirs,
+)
+from fedmosaic.data.federated import (
+    ClientSplit,
+    FederatedData,
+    build_federated_data,
+    format_histograms,
+    plot_histograms,
+)
+from fedmosaic.data.partition import (
+    PartitionError,
+    dirichlet,
+    iid,
+    partition,
+    pathological,
+    skewed,
+)
+
+__all__ = [
+    "STATS",
+    "ClientSplit",
+    "DatasetError",
+    "FederatedData",
+    "ImageDataset",
+    "PartitionError",
+    "build_federated_data",
+    "clear_cache",
+    "dirichlet",
+    "format_histograms",
+    "iid",
+    "load_dataset",
+    "load_pickle",
+    "partition",
+    "pathological",
+    "plot_histograms",
+    "read_idx",
+    "search_dirs",
+    "skewed",
+]

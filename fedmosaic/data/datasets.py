@@ -1,0 +1,681 @@
+"""Image datasets as one pooled uint8 tensor: readers for IDX, CIFAR pickles and Tiny-ImageNet.
+
+Every loader returns an :class:`ImageDataset` whose rows are the official train split followed by
+the official test split (federated benchmarks pool both and re-split per client). Loaders are
+registered in :data:`fedmosaic.core.registry.DATASETS` as ``(cfg: DataConfig, seed) -> ImageDataset``.
+
+Where files are looked for, in order: ``data.root`` (the folder itself, then the dataset's usual
+subfolder names), ``$FEDMOSAIC_DATA`` (same), system locations (Debian's
+``dataset-fashion-mnist`` package), then the download cache (``$FEDMOSAIC_CACHE`` or
+``~/.cache/fedmosaic``), which is filled only when ``data.download = true``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import math
+import os
+import pickle
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedmosaic.config import DataConfig
+from fedmosaic.core.registry import DATASETS
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be found or read; the message names the file and the problem."""
+
+
+@dataclass
+class ImageDataset:
+    """A whole dataset held once in memory; rows are addressed by int64 indices."""
+
+    name: str
+    images: torch.Tensor  # uint8 [N, C, H, W]: official train rows first, then test rows, pooled
+    labels: torch.Tensor  # int64 [N], values in [0, num_classes)
+    num_classes: int
+    mean: tuple[float, ...]  # per-channel dataset mean, in [0, 1] units
+    std: tuple[float, ...]  # per-channel dataset std, in [0, 1] units
+    num_train: int  # how many leading rows came from the official train split
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.ndim != 4:
+            raise DatasetError(
+                f"{self.name}: images must be uint8 [N, C, H, W], got {self.images.dtype} "
+                f"{tuple(self.images.shape)}"
+            )
+        if self.labels.shape != (self.images.shape[0],):
+            raise DatasetError(
+                f"{self.name}: {self.images.shape[0]} images but labels of shape "
+                f"{tuple(self.labels.shape)}"
+            )
+        if len(self.mean) != self.images.shape[1] or len(self.std) != self.images.shape[1]:
+            raise DatasetError(f"{self.name}: mean/std need one value per channel")
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        c, h, w = self.images.shape[1:]
+        return int(c), int(h), int(w)
+
+
+# Published per-channel statistics (pixels scaled to [0, 1]), computed on the train splits.
+STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fmnist": ((0.2860,), (0.3530,)),
+    "emnist-letters": ((0.1722,), (0.3309,)),
+    "emnist-balanced": ((0.1751,), (0.3332,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "tinyimagenet": ((0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262)),
+}
+
+# Patched by tests so a machine's installed datasets do not leak into "missing file" checks.
+SYSTEM_DIRS: dict[str, list[Path]] = {
+    "fmnist": [Path("/usr/share/datasets/fashion-mnist")],
+}
+
+# Usual folder names under a data root (ours, the archives' own, torchvision's raw layout).
+SUBDIRS: dict[str, list[str]] = {
+    "fmnist": ["fashion-mnist", "fmnist", "FashionMNIST/raw"],
+    "mnist": ["mnist", "MNIST/raw"],
+    "emnist": ["emnist", "gzip", "EMNIST/raw"],
+    "cifar10": ["cifar-10-batches-py"],
+    "cifar100": ["cifar-100-python"],
+    "tinyimagenet": ["tiny-imagenet-200"],
+}
+
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+
+# ----------------------------------------------------------------------------- locating files
+
+
+def cache_dir() -> Path:
+    """Where opt-in downloads go: ``$FEDMOSAIC_CACHE`` or ``~/.cache/fedmosaic``."""
+    env = os.environ.get("FEDMOSAIC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedmosaic"
+
+
+def search_dirs(name: str, cfg: DataConfig) -> list[Path]:
+    """Candidate folders for dataset ``name``, in search order."""
+    bases: list[Path] = []
+    if cfg.root:
+        bases.append(Path(cfg.root).expanduser())
+    env = os.environ.get("FEDMOSAIC_DATA")
+    if env:
+        bases.append(Path(env).expanduser())
+    dirs: list[Path] = []
+    for base in bases:
+        dirs.append(base)
+        dirs.extend(base / sub for sub in SUBDIRS.get(name, []))
+    dirs.extend(SYSTEM_DIRS.get(name, []))
+    cache = cache_dir() / name
+    dirs.append(cache)
+    dirs.extend(cache / sub for sub in SUBDIRS.get(name, []))
+    return list(dict.fromkeys(dirs))  # drop duplicates, keep order
+
+
+def _idx_file(folder: Path, stem: str) -> Path | None:
+    """``folder/stem`` or ``folder/stem.gz``, whichever exists (plain first)."""
+    for p in (folder / stem, folder / f"{stem}.gz"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _locate(
+    name: str,
+    cfg: DataConfig,
+    resolve: Callable[[Path], list[Path] | None],
+    download: Callable[[Path], None],
+    expected: str,
+    apt_hint: str = "",
+) -> list[Path]:
+    """Resolve a dataset's files in the first folder that has all of them.
+
+    ``resolve(folder)`` returns the dataset's file paths in that folder, or None if incomplete.
+    ``download(dest)`` fetches the dataset into ``dest`` (used only when ``cfg.download``).
+    """
+    dirs = search_dirs(name, cfg)
+    for d in dirs:
+        if d.is_dir():
+            found = resolve(d)
+            if found is not None:
+                return found
+    if cfg.download:
+        dest = cache_dir() / name
+        dest.mkdir(parents=True, exist_ok=True)
+        download(dest)
+        for d in [dest, *(dest / s for s in SUBDIRS.get(name, []))]:
+            found = resolve(d) if d.is_dir() else None
+            if found is not None:
+                return found
+        raise DatasetError(f"{name}: download to {dest} finished but the expected files are absent")
+    # Flag folders that exist but miss files: usually a typo'd root or a partial copy.
+    searched = "\n  ".join(
+        f"{d}  (exists, without all the files)" if d.is_dir() else str(d) for d in dirs
+    )
+    fixes = [
+        "set data.root (or --set data.root=PATH) to a folder holding the files",
+        "set the environment variable FEDMOSAIC_DATA to such a folder",
+        "set data.download = true to fetch it into the cache (needs internet)",
+    ]
+    if apt_hint:
+        fixes.insert(0, apt_hint)
+    raise DatasetError(
+        f"{name}: dataset files not found (expected {expected}). Searched:\n  {searched}\n"
+        "To fix, either:\n  - " + "\n  - ".join(fixes)
+    )
+
+
+def _stamp(paths: Sequence[Path]) -> tuple[tuple[str, int, int], ...]:
+    """Cache key: resolved path, size and mtime (a rewritten file is read again)."""
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append((str(p.resolve()), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- IDX
+
+
+def _read_bytes(path: Path) -> bytes:
+    """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read file: {exc}") from exc
+    if path.suffix == ".gz" or raw[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DatasetError(
+                f"{path}: corrupt gzip file ({exc}); delete it and re-fetch"
+            ) from exc
+    return raw
+
+
+def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
+    """Read an IDX file (``*-idx3-ubyte``, ``*-idx1-ubyte``, optionally gzipped) as uint8.
+
+    Header: magic ``00 00 <dtype> <ndim>`` then ``ndim`` big-endian uint32 sizes, then the data.
+    Only dtype 0x08 (unsigned byte) is accepted; ``ndim`` (if given) must match.
+    """
+    path = Path(path)
+    raw = _read_bytes(path)
+    if len(raw) < 4:
+        raise DatasetError(f"{path}: truncated IDX file: {len(raw)} bytes, no 4-byte magic number")
+    magic = raw[:4].hex()
+    if raw[0] != 0 or raw[1] != 0:
+        raise DatasetError(f"{path}: not an IDX file (magic number 0x{magic}, expected 0x0000....)")
+    if raw[2] != 0x08:
+        raise DatasetError(
+            f"{path}: IDX data type 0x{raw[2]:02x} is not supported (magic 0x{magic}); "
+            "expected 0x08 (unsigned byte)"
+        )
+    nd = raw[3]
+    if nd == 0 or (ndim is not None and nd != ndim):
+        want = ndim if ndim is not None else ">= 1"
+        raise DatasetError(
+            f"{path}: IDX file has {nd} dimensions (magic 0x{magic}), expected {want}"
+        )
+    header = 4 + 4 * nd
+    if len(raw) < header:
+        raise DatasetError(
+            f"{path}: truncated IDX file: expected at least {header} header bytes, found {len(raw)}"
+        )
+    dims = struct.unpack(f">{nd}I", raw[4:header])
+    expected = header + math.prod(dims)
+    if len(raw) != expected:
+        what = "truncated IDX file" if len(raw) < expected else "IDX file has trailing bytes"
+        raise DatasetError(
+            f"{path}: {what}: expected {expected} bytes for shape {tuple(dims)}, found {len(raw)}"
+        )
+    # Copy: frombuffer over bytes is read-only, and torch wants writable memory.
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims).copy()
+
+
+def _read_idx_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``[N, H, W]`` and labels ``[N]`` from matching IDX files."""
+    images = read_idx(images_path, ndim=3)
+    labels = read_idx(labels_path, ndim=1)
+    if images.shape[0] != labels.shape[0]:
+        raise DatasetError(
+            f"{images_path} holds {images.shape[0]} images but {labels_path} holds "
+            f"{labels.shape[0]} labels; the files do not belong together"
+        )
+    return images, labels
+
+
+@functools.lru_cache(maxsize=4)
+def _load_idx_dataset(
+    stamp: tuple[tuple[str, int, int], ...], transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Decode train+test IDX files once per process; returns images [N,1,H,W], labels, num_train."""
+    paths = [Path(s[0]) for s in stamp]
+    xtr, ytr = _read_idx_pair(paths[0], paths[1])
+    xte, yte = _read_idx_pair(paths[2], paths[3])
+    if xtr.shape[1:] != xte.shape[1:]:
+        raise DatasetError(
+            f"{paths[0]} has images of size {xtr.shape[1:]} but {paths[2]} has {xte.shape[1:]}"
+        )
+    x = np.concatenate([xtr, xte])
+    if transpose:  # EMNIST stores each image transposed (column-major); make it upright.
+        x = np.ascontiguousarray(x.transpose(0, 2, 1))
+    y = np.concatenate([ytr, yte]).astype(np.int64)
+    return torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y), len(ytr)
+
+
+def _check_labels(name: str, labels: torch.Tensor, num_classes: int, where: object) -> None:
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise DatasetError(
+            f"{where}: {name} labels span [{int(labels.min())}, {int(labels.max())}], "
+            f"expected [0, {num_classes - 1}]"
+        )
+
+
+def _mnist_like(name: str, cfg: DataConfig, apt_hint: str = "") -> ImageDataset:
+    def resolve(d: Path) -> list[Path] | None:
+        found = [_idx_file(d, stem) for stem in MNIST_FILES]
+        return None if any(p is None for p in found) else [p for p in found if p is not None]
+
+    def download(dest: Path) -> None:
+        from fedmosaic.data import _download
+
+        _download.fetch_mnist_like(name, dest, MNIST_FILES)
+
+    paths = _locate(name, cfg, resolve, download, "{" + ", ".join(MNIST_FILES) + "}[.gz]", apt_hint)
+    images, labels, num_train = _load_idx_dataset(_stamp(paths), False)
+    _check_labels(name, labels, 10, f"{paths[1]} / {paths[3]}")
+    mean, std = STATS[name]
+    return ImageDataset(name, images, labels, 10, mean, std, num_train)
+
+
+@DATASETS.register("fmnist")
+def load_fmnist(cfg: DataConfig, seed: int) -> ImageDataset:
+    """Fashion-MNIST: 60000 + 10000 grayscale 28x28 images, 10 classes."""
+    hint = "install the Debian package: sudo apt-get install dataset-fashion-mnist"
+    return _mnist_like("fmnist", cfg, hint)
+
+
+@DATASETS.register("mnist")
+def load_mnist(cfg: DataConfig, seed: int) -> ImageDataset:
+    """MNIST: 60000 + 10000 grayscale 28x28 digits, 10 classes."""
+    return _mnist_like("mnist", cfg)
+
+
+EMNIST_CLASSES = {"letters": 26, "balanced": 47}
+
+
+@DATASETS.register("emnist")
+def load_emnist(cfg: DataConfig, seed: int) -> ImageDataset:
+    """EMNIST ``letters`` (26 classes, labels 1..26 shifted to 0..25) or ``balanced`` (47)."""
+    split = cfg.emnist_split
+    if split not in EMNIST_CLASSES:
+        raise DatasetError(f"data.emnist_split = {split!r}; choose one of letters, balanced")
+    stems = [
+        f"emnist-{split}-{part}-{kind}-ubyte"
+        for part in ("train", "test")
+        for kind in ("images-idx3", "labels-idx1")
+    ]
+
+    def resolve(d: Path) -> list[Path] | None:
+        found = [_idx_file(d, s) for s in stems]
+        return None if any(p is None for p in found) else [p for p in found if p is not None]
+
+    def download(dest: Path) -> None:
+        from fedmosaic.data import _download
+
+        _download.fetch_emnist(dest, [f"{s}.gz" for s in stems])
+
+    paths = _locate("emnist", cfg, resolve, download, f"emnist-{split}-*-ubyte[.gz]")
+    images, labels, num_train = _load_idx_dataset(_stamp(paths), True)
+    if split == "letters":
+        labels = labels - 1  # letters are labelled 1..26 in the files
+    num_classes = EMNIST_CLASSES[split]
+    _check_labels(f"emnist-{split}", labels, num_classes, f"{paths[1]} / {paths[3]}")
+    mean, std = STATS[f"emnist-{split}"]
+    return ImageDataset(f"emnist-{split}", images, labels, num_classes, mean, std, num_train)
+
+
+# ----------------------------------------------------------------------------- CIFAR pickles
+
+
+def _latin1_encode(obj: str, encoding: str = "utf-8") -> bytes:
+    # Python 3 protocol-2 pickles store bytes as _codecs.encode(str, "latin1"); allow only that.
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r} is not allowed")
+    return obj.encode("latin1")
+
+
+def _safe_globals() -> dict[tuple[str, str], Any]:
+    """The only globals a CIFAR pickle may reference: numpy array reconstruction, plain types."""
+    try:  # numpy >= 2 moved numpy.core to numpy._core; pickles may name either
+        from numpy._core import multiarray, numeric
+    except ImportError:  # numpy 1.26
+        from numpy.core import multiarray, numeric  # type: ignore[no-redef]
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        allowed[(mod, "_reconstruct")] = multiarray._reconstruct
+        allowed[(mod, "scalar")] = multiarray.scalar
+    for mod in ("numpy.core.numeric", "numpy._core.numeric"):
+        allowed[(mod, "_frombuffer")] = numeric._frombuffer
+    allowed[("numpy", "ndarray")] = np.ndarray
+    allowed[("numpy", "dtype")] = np.dtype
+    allowed[("_codecs", "encode")] = _latin1_encode
+    for t in (list, dict, tuple, set, frozenset, bytes, bytearray, str, int, float, bool):
+        allowed[("builtins", t.__name__)] = t
+        allowed[("__builtin__", t.__name__)] = t  # Python 2 pickles (the CIFAR originals)
+    return allowed
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Refuses every global outside :func:`_safe_globals` (no code runs while loading)."""
+
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _RestrictedUnpickler._allowed is None:
+            _RestrictedUnpickler._allowed = _safe_globals()
+        try:
+            return _RestrictedUnpickler._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refusing to load global {module}.{name}") from None
+
+
+def load_pickle(path: Path) -> Any:
+    """Unpickle a dataset file with the restricted unpickler; any failure names the file."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read file: {exc}") from exc
+    try:
+        # encoding="bytes": the original CIFAR files are Python 2 pickles with byte-string keys.
+        return _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except Exception as exc:  # any unpickling failure means a corrupt or foreign file
+        raise DatasetError(
+            f"{path}: corrupt or unsupported pickle ({type(exc).__name__}: {exc}); re-fetch it"
+        ) from exc
+
+
+def _cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR batch file: images [N, 3, 32, 32] uint8 and labels [N] int64."""
+    d = load_pickle(path)
+    if not isinstance(d, dict):
+        raise DatasetError(f"{path}: expected a pickled dict, found {type(d).__name__}")
+
+    def get(key: str) -> Any:
+        for k in (key.encode(), key):
+            if k in d:
+                return d[k]
+        raise DatasetError(f"{path}: no {key!r} entry (keys: {sorted(map(str, d))})")
+
+    data, labels = np.asarray(get("data")), np.asarray(get(label_key), dtype=np.int64)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise DatasetError(
+            f"{path}: 'data' must be uint8 [N, 3072], found {data.dtype} {list(data.shape)}"
+        )
+    if labels.shape != (data.shape[0],):
+        raise DatasetError(f"{path}: {data.shape[0]} images but {labels.size} labels")
+    # Each row is 1024 red, then green, then blue values, each a row-major 32x32 plane.
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+@functools.lru_cache(maxsize=2)
+def _load_cifar(
+    stamp: tuple[tuple[str, int, int], ...], label_key: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Decode CIFAR batches once per process; the last file is the test batch."""
+    parts = [_cifar_batch(Path(s[0]), label_key) for s in stamp]
+    x = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    num_train = len(y) - len(parts[-1][1])
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y), num_train
+
+
+def _cifar(name: str, cfg: DataConfig) -> ImageDataset:
+    if name == "cifar10":
+        stems, label_key, num_classes = (
+            [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"],
+            "labels",
+            10,
+        )
+    else:
+        stems, label_key, num_classes = ["train", "test"], "fine_labels", 100
+
+    def resolve(d: Path) -> list[Path] | None:
+        found = [d / s for s in stems]
+        return found if all(p.is_file() for p in found) else None
+
+    def download(dest: Path) -> None:
+        from fedmosaic.data import _download
+
+        _download.fetch_cifar(name, dest)
+
+    paths = _locate(name, cfg, resolve, download, ", ".join(stems))
+    images, labels, num_train = _load_cifar(_stamp(paths), label_key)
+    _check_labels(name, labels, num_classes, paths[0].parent)
+    mean, std = STATS[name]
+    return ImageDataset(name, images, labels, num_classes, mean, std, num_train)
+
+
+@DATASETS.register("cifar10")
+def load_cifar10(cfg: DataConfig, seed: int) -> ImageDataset:
+    """CIFAR-10 (python pickles): 50000 + 10000 RGB 32x32 images, 10 classes."""
+    return _cifar("cifar10", cfg)
+
+
+@DATASETS.register("cifar100")
+def load_cifar100(cfg: DataConfig, seed: int) -> ImageDataset:
+    """CIFAR-100 (python pickles): 50000 + 10000 RGB 32x32 images, 100 fine classes."""
+    return _cifar("cifar100", cfg)
+
+
+# ----------------------------------------------------------------------------- Tiny-ImageNet
+
+TINY_SIZE = 64
+
+
+def _decode_jpeg(path: Path) -> np.ndarray:
+    """One Tiny-ImageNet JPEG as uint8 [3, 64, 64] (grayscale files are converted to RGB)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"))  # [H, W, 3]
+    except (OSError, UnidentifiedImageError) as exc:
+        raise DatasetError(f"{path}: cannot decode image ({exc})") from exc
+    if arr.shape != (TINY_SIZE, TINY_SIZE, 3):
+        raise DatasetError(f"{path}: image is {arr.shape[1]}x{arr.shape[0]}, expected 64x64")
+    return arr.transpose(2, 0, 1)
+
+
+def _is_jpeg(p: Path) -> bool:
+    return p.suffix.lower() in (".jpeg", ".jpg")
+
+
+def _tiny_listing(root: Path) -> tuple[list[str], list[Path], list[int], int]:
+    """Class ids (sorted wnids), image paths (train then val), labels, and num_train."""
+    wnids_path = root / "wnids.txt"
+    try:
+        wnids = sorted({w.strip() for w in wnids_path.read_text().split() if w.strip()})
+    except OSError as exc:
+        raise DatasetError(f"{wnids_path}: cannot read file: {exc}") from exc
+    if not wnids:
+        raise DatasetError(f"{wnids_path}: lists no class ids")
+    cls = {w: i for i, w in enumerate(wnids)}
+    paths: list[Path] = []
+    labels: list[int] = []
+    for w in wnids:
+        folder = root / "train" / w / "images"
+        files = sorted(p for p in folder.glob("*") if _is_jpeg(p)) if folder.is_dir() else []
+        if not files:
+            raise DatasetError(f"{folder}: no JPEG images for class {w} (listed in {wnids_path})")
+        paths += files
+        labels += [cls[w]] * len(files)
+    num_train = len(paths)
+    ann = root / "val" / "val_annotations.txt"
+    try:
+        lines = ann.read_text().splitlines()
+    except OSError as exc:
+        raise DatasetError(f"{ann}: cannot read file: {exc}") from exc
+    rows = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < 2 or fields[1] not in cls:
+            raise DatasetError(f"{ann}:{lineno}: expected '<file>\\t<wnid>...', got {line!r}")
+        rows.append((fields[0], cls[fields[1]]))
+    for fname, label in sorted(rows):
+        p = root / "val" / "images" / fname
+        if not p.is_file():
+            raise DatasetError(f"{p}: listed in {ann} but missing")
+        paths.append(p)
+        labels.append(label)
+    return wnids, paths, labels, num_train
+
+
+@functools.lru_cache(maxsize=1)
+def _load_tiny(
+    root: str, stamp: tuple[tuple[str, int, int], ...]
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Decode every Tiny-ImageNet JPEG once per process: images, labels, num_train, classes."""
+    try:
+        import PIL  # noqa: F401  (Pillow decodes the JPEGs)
+    except ImportError:
+        raise DatasetError(
+            "tinyimagenet needs Pillow to decode JPEGs: pip install pillow"
+        ) from None
+    wnids, paths, labels, num_train = _tiny_listing(Path(root))
+    # Pillow releases the GIL while decoding, so threads give a real speed-up on 110k files.
+    workers = min(16, os.cpu_count() or 1) if len(paths) > 256 else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        arrays = list(pool.map(_decode_jpeg, paths))
+    x = np.stack(arrays)  # [N, 3, 64, 64]
+    return torch.from_numpy(x), torch.tensor(labels, dtype=torch.int64), num_train, len(wnids)
+
+
+@DATASETS.register("tinyimagenet")
+def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
+    """Tiny-ImageNet-200: train (100000) then val (10000) RGB 64x64 images; the unlabelled test
+    folder is ignored. Class index = position of the wnid in sorted order."""
+
+    def resolve(d: Path) -> list[Path] | None:
+        need = [d / "wnids.txt", d / "val" / "val_annotations.txt"]
+        return need if all(p.is_file() for p in need) and (d / "train").is_dir() else None
+
+    def download(dest: Path) -> None:
+        from fedmosaic.data import _download
+
+        _download.fetch_tinyimagenet(dest)
+
+    expected = "wnids.txt, train/<wnid>/images/*.JPEG, val/val_annotations.txt, val/images/"
+    paths = _locate("tinyimagenet", cfg, resolve, download, expected)
+    root = paths[0].parent
+    images, labels, num_train, num_classes = _load_tiny(str(root.resolve()), _stamp(paths))
+    mean, std = STATS["tinyimagenet"]
+    return ImageDataset("tinyimagenet", images, labels, num_classes, mean, std, num_train)
+
+
+# ----------------------------------------------------------------------------- in-memory datasets
+
+
+def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean/std of uint8 images [N, C, H, W], in [0, 1] units."""
+    x = images.to(torch.float64).div(255).transpose(0, 1).reshape(images.shape[1], -1)
+    std = x.std(dim=1).clamp_min(1e-6)
+    return tuple(x.mean(dim=1).tolist()), tuple(std.tolist())
+
+
+@DATASETS.register("digits")
+def load_digits(cfg: DataConfig, seed: int) -> ImageDataset:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes, no download).
+
+    There is no official train/test split, so the whole set is one pool: ``num_train = N``.
+    Pixel values 0..16 are scaled to 0..255; mean/std are computed from the data.
+    """
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    x = np.rint(np.asarray(bunch.images, dtype=np.float64) * (255.0 / 16.0)).astype(np.uint8)
+    images = torch.from_numpy(x).unsqueeze(1)  # [1797, 1, 8, 8]
+    labels = torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
+    mean, std = _channel_stats(images)
+    return ImageDataset("digits", images, labels, 10, mean, std, len(labels))
+
+
+@functools.lru_cache(maxsize=4)
+def _synthetic(
+    seed: int, size: int, num_classes: int, shape: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng([seed % 2**64, 0x5EED])  # SeedSequence wants seed >= 0
+    c, h, w = shape
+    # Each class has a mean image: a coarse random grid (at most 4x4 cells per channel) in
+    # [0.15, 0.85], blown up to H x W. Samples add pixel noise, so classes overlap a little
+    # per pixel but are easy to tell apart from the whole image: any model can learn them.
+    gh, gw = min(h, 4), min(w, 4)
+    coarse = rng.uniform(0.15, 0.85, size=(num_classes, c, gh, gw))
+    protos = coarse.repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
+    labels = rng.permutation(np.arange(size) % num_classes)  # balanced classes, shuffled
+    noise = rng.normal(0.0, 0.2, size=(size, c, h, w))
+    x = np.clip(protos[labels] + noise, 0.0, 1.0)
+    images = np.rint(x * 255).astype(np.uint8)  # [N, C, H, W]
+    return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
+
+
+@DATASETS.register("synthetic")
+def load_synthetic(cfg: DataConfig, seed: int) -> ImageDataset:
+    """A learnable synthetic dataset (class mean image + Gaussian noise), deterministic in
+    ``seed``, ``synthetic_size``, ``synthetic_classes`` and ``synthetic_shape``; one pool."""
+    if len(cfg.synthetic_shape) != 3 or min(cfg.synthetic_shape) < 1:
+        raise DatasetError(f"data.synthetic_shape = {cfg.synthetic_shape}; expected [C, H, W] >= 1")
+    c, h, w = (int(v) for v in cfg.synthetic_shape)
+    if cfg.synthetic_classes < 1 or cfg.synthetic_size < cfg.synthetic_classes:
+        raise DatasetError(
+            f"data.synthetic_size = {cfg.synthetic_size} must be >= data.synthetic_classes = "
+            f"{cfg.synthetic_classes} >= 1"
+        )
+    images, labels = _synthetic(seed, cfg.synthetic_size, cfg.synthetic_classes, (c, h, w))
+    mean, std = _channel_stats(images)
+    return ImageDataset("synthetic", images, labels, cfg.synthetic_classes, mean, std, len(labels))
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def load_dataset(cfg: DataConfig, seed: int) -> ImageDataset:
+    """Load ``cfg.dataset`` through the registry. Returned tensors may be shared with the
+    per-process decode cache: treat them as read-only."""
+    if cfg.dataset not in DATASETS:
+        raise DatasetError(
+            f"data.dataset = {cfg.dataset!r} is unknown; known: {', '.join(DATASETS.names())}"
+        )
+    return DATASETS.get(cfg.dataset)(cfg, seed)
+
+
+def clear_cache() -> None:
+    """Forget every decoded dataset held by this process."""
+    for fn in (_load_idx_dataset, _load_cifar, _load_tiny, _synthetic):
+        fn.cache_clear()

@@ -1,0 +1,256 @@
+"""Label-based partitioners: pure functions from labels to per-client index arrays.
+
+Every partitioner has the signature ``(labels, num_clients, rng, *, num_classes, alpha,
+classes_per_client, min_size, max_tries) -> list[np.ndarray]`` and ignores the keywords it does
+not use. Returned arrays are sorted int64 positions into ``labels``; they are pairwise disjoint.
+All randomness comes from ``rng``, so the same generator state gives the same split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fedmosaic.core.registry import PARTITIONERS
+
+
+class PartitionError(ValueError):
+    """A partition that cannot be made; the message says which setting to change."""
+
+
+def _prepare(
+    labels: np.ndarray, num_clients: int, num_classes: int | None
+) -> tuple[np.ndarray, int]:
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise PartitionError(
+            f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}"
+        )
+    if num_clients < 1:
+        raise PartitionError(f"num_clients = {num_clients} must be >= 1")
+    inferred = int(labels.max()) + 1 if labels.size else 0
+    c = inferred if num_classes is None else int(num_classes)
+    if labels.size and (labels.min() < 0 or inferred > c):
+        raise PartitionError(f"labels span [{labels.min()}, {labels.max()}] but num_classes = {c}")
+    return labels, c
+
+
+def _by_class(labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    return [np.flatnonzero(labels == c) for c in range(num_classes)]
+
+
+def _finish(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    return [
+        np.sort(np.concatenate(p)).astype(np.int64) if p else np.empty(0, np.int64) for p in parts
+    ]
+
+
+@PARTITIONERS.register("iid")
+def iid(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 1,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """Uniformly random, equal-sized shares (sizes differ by at most one)."""
+    labels, _ = _prepare(labels, num_clients, num_classes)
+    if labels.size < num_clients:
+        raise PartitionError(f"{labels.size} samples cannot give each of {num_clients} clients one")
+    perm = rng.permutation(labels.size)
+    return [np.sort(p).astype(np.int64) for p in np.array_split(perm, num_clients)]
+
+
+@PARTITIONERS.register("dirichlet")
+def dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 10,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """Per-class Dirichlet(alpha) proportions over clients (MOON / PFLlib convention).
+
+    For each class, shares are drawn from Dir(alpha); a client that already holds at least
+    N / num_clients samples gets a zero share of later classes. The whole draw is repeated until
+    every client has ``>= min_size`` samples, at most ``max_tries`` times.
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    n = labels.size
+    if alpha <= 0:
+        raise PartitionError(f"dirichlet: alpha = {alpha} must be > 0")
+    if n < num_clients * min_size:
+        raise PartitionError(
+            f"dirichlet: {n} samples cannot give {num_clients} clients >= min_size = {min_size} "
+            "each; use fewer clients or a smaller min_size"
+        )
+    by_class = _by_class(labels, c)
+    cap = n / num_clients  # the "fair share" beyond which a client gets no more classes
+    smallest = 0
+    for _ in range(max(1, max_tries)):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for idx_c in by_class:
+            if idx_c.size == 0:
+                continue
+            idx_c = rng.permutation(idx_c)
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            p = np.where(np.isfinite(p), p, 0.0) * (sizes < cap)
+            if p.sum() <= 0:
+                # Every open client drew ~0 (tiny alpha underflow): share evenly among them.
+                p = (sizes < cap).astype(np.float64)
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * idx_c.size).astype(np.int64)[:-1]
+            for j, chunk in enumerate(np.split(idx_c, cuts)):
+                parts[j].append(chunk)
+                sizes[j] += chunk.size
+        smallest = int(sizes.min())
+        if smallest >= min_size:
+            return _finish(parts)
+    raise PartitionError(
+        f"dirichlet: no split with every client >= min_size = {min_size} samples after "
+        f"{max_tries} tries (last smallest client: {smallest}); use a larger alpha "
+        f"(now {alpha}), a smaller min_size, fewer clients (now {num_clients}) or more max_tries"
+    )
+
+
+def _check_k(k: int, c: int, name: str) -> None:
+    if k < 1 or k > c:
+        raise PartitionError(f"{name}: classes_per_client = {k} must be in [1, num_classes = {c}]")
+
+
+@PARTITIONERS.register("pathological")
+def pathological(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 10,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """k classes per client with unbalanced sizes, following PFLlib's ``separate_data('pat')``.
+
+    Each client has k class slots. Classes are visited in order; class c goes to the first
+    ``ceil(num_clients * k / num_classes)`` clients that still have a free slot (so consecutive
+    clients share the same classes, as in PFLlib). The class's samples (shuffled) are split among
+    its m holders: m-1 sizes uniform in ``[max(per/10, min_size/num_classes), per)`` with
+    ``per = n_c / m`` (PFLlib's ``least_samples`` is our ``min_size``) and the rest to the last;
+    every holder gets at least one sample. Raises :class:`PartitionError` when some client would
+    not get exactly k classes or some class would have no holder (PFLlib fails or silently drops
+    there): choose ``num_clients * k`` a multiple of ``num_classes``, and ``k`` dividing it.
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    k = classes_per_client
+    _check_k(k, c, "pathological")
+    per_class = math.ceil(num_clients * k / c)  # how many clients hold each class
+    slots = np.full(num_clients, k)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for cls, idx_c in enumerate(_by_class(labels, c)):
+        holders = np.flatnonzero(slots > 0)[:per_class]
+        if holders.size == 0:
+            raise PartitionError(
+                f"pathological: class {cls} has no client left to hold it ({num_clients} clients "
+                f"x {k} classes with {per_class} clients per class); choose num_clients * "
+                f"classes_per_client as a multiple of num_classes = {c}"
+            )
+        m = holders.size
+        if idx_c.size < m:
+            raise PartitionError(
+                f"pathological: class {cls} has {idx_c.size} samples for {m} clients; use fewer "
+                "clients or a larger classes_per_client"
+            )
+        idx_c = rng.permutation(idx_c)
+        per = idx_c.size / m
+        low = max(1, int(max(per / 10, min_size / c)))
+        high = int(per)
+        if m > 1:
+            if low < high:
+                sizes = rng.integers(low, high, size=m - 1)
+            else:  # too few samples for a random range: split evenly
+                sizes = np.full(m - 1, max(1, high))
+        else:
+            sizes = np.empty(0, dtype=np.int64)
+        cuts = np.cumsum(sizes)
+        for holder, chunk in zip(holders, np.split(idx_c, cuts)):
+            parts[holder].append(chunk)
+        slots[holders] -= 1
+    short = np.flatnonzero(slots > 0)
+    if short.size:
+        raise PartitionError(
+            f"pathological: clients {short.tolist()} get fewer than classes_per_client = {k} "
+            f"classes with {num_clients} clients and {c} classes (each class goes to "
+            f"{per_class} clients); choose num_clients and classes_per_client so that "
+            f"num_clients * k / num_classes is a whole number of clients per class and those "
+            "blocks fill every client"
+        )
+    return _finish(parts)
+
+
+@PARTITIONERS.register("skewed")
+def skewed(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 1,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """Exactly k classes per client and equal client sizes (FedClassAvg's skewed split).
+
+    Classes are shuffled, then client i takes classes ``perm[(i*k + j) % C]`` for j < k, so each
+    class is held by as many clients as possible evenly. Every client takes the same number s of
+    samples of each of its classes, s = min over held classes of floor(n_c / holders_c); samples
+    beyond that are left out, so this partition does not cover the whole pool.
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    k = classes_per_client
+    _check_k(k, c, "skewed")
+    perm = rng.permutation(c)
+    held = [perm[(i * k + np.arange(k)) % c] for i in range(num_clients)]  # [num_clients][k]
+    holders = np.bincount(np.concatenate(held), minlength=c)
+    by_class = _by_class(labels, c)
+    s = min(by_class[cls].size // holders[cls] for cls in range(c) if holders[cls] > 0)
+    if s < 1 or k * s < min_size:
+        raise PartitionError(
+            f"skewed: some class has fewer samples than clients holding it (or clients would get "
+            f"fewer than min_size = {min_size}); use fewer clients or a larger classes_per_client"
+        )
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    taken = np.zeros(c, dtype=np.int64)  # how many holders of each class were served so far
+    shuffled = [rng.permutation(idx) for idx in by_class]
+    for i, classes in enumerate(held):
+        for cls in classes:
+            start = taken[cls] * s
+            parts[i].append(shuffled[cls][start : start + s])
+            taken[cls] += 1
+    return _finish(parts)
+
+
+def partition(
+    name: str,
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    **kwargs: object,
+) -> list[np.ndarray]:
+    """Run the registered partitioner ``name``."""
+    if name not in PARTITIONERS:
+        raise PartitionError(
+            f"data.partition = {name!r} is unknown; known: {', '.join(PARTITIONERS.names())}"
+        )
+    return PARTITIONERS.get(name)(labels, num_clients, rng, **kwargs)

@@ -1,0 +1,153 @@
+"""Broken dataset files raise DatasetError naming the file and the problem."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dataset_files import idx_bytes, isolate_search, write_cifar, write_idx, write_mnist, write_tiny
+
+from fedmosaic.config import DataConfig
+from fedmosaic.data import DatasetError, load_dataset, read_idx
+
+IMAGES = np.zeros((5, 4, 4), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    isolate_search(monkeypatch, tmp_path)
+
+
+def test_truncated_idx(tmp_path: Path) -> None:
+    path = tmp_path / "train-images-idx3-ubyte"
+    data = idx_bytes(IMAGES)
+    path.write_bytes(data[:-7])
+    with pytest.raises(DatasetError) as err:
+        read_idx(path)
+    msg = str(err.value)
+    assert str(path) in msg and "truncated" in msg
+    assert f"expected {len(data)} bytes" in msg and f"found {len(data) - 7}" in msg
+
+
+def test_truncated_header(tmp_path: Path) -> None:
+    path = tmp_path / "x-idx3-ubyte"
+    path.write_bytes(idx_bytes(IMAGES)[:9])
+    with pytest.raises(DatasetError, match="truncated"):
+        read_idx(path)
+
+
+def test_trailing_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "x-idx3-ubyte"
+    path.write_bytes(idx_bytes(IMAGES) + b"\0\0")
+    with pytest.raises(DatasetError, match="trailing bytes"):
+        read_idx(path)
+
+
+@pytest.mark.parametrize(
+    "magic, problem",
+    [
+        (b"\x08\x03\x00\x00", "not an IDX file"),
+        (b"\x00\x00\x0d\x03", "data type 0x0d"),  # float32 IDX: not what image files hold
+    ],
+)
+def test_wrong_magic(tmp_path: Path, magic: bytes, problem: str) -> None:
+    path = tmp_path / "x-idx3-ubyte"
+    path.write_bytes(magic + idx_bytes(IMAGES)[4:])
+    with pytest.raises(DatasetError, match=problem) as err:
+        read_idx(path)
+    assert str(path) in str(err.value)
+
+
+def test_wrong_ndim(tmp_path: Path) -> None:
+    path = write_idx(tmp_path / "labels-idx1-ubyte", IMAGES)
+    with pytest.raises(DatasetError, match="3 dimensions.*expected 1"):
+        read_idx(path, ndim=1)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_gzip(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    data = gzip.compress(idx_bytes(IMAGES))
+    path.write_bytes(b"not gzip at all" if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(DatasetError, match="corrupt gzip") as err:
+        read_idx(path)
+    assert str(path) in str(err.value)
+
+
+def test_count_mismatch_names_both_files(tmp_path: Path) -> None:
+    write_mnist(tmp_path, n_train=30)
+    labels = tmp_path / "train-labels-idx1-ubyte"
+    write_idx(labels, np.zeros(29, dtype=np.uint8))
+    with pytest.raises(DatasetError) as err:
+        load_dataset(DataConfig(dataset="mnist", root=str(tmp_path)), 0)
+    msg = str(err.value)
+    assert str(tmp_path / "train-images-idx3-ubyte") in msg and str(labels) in msg
+    assert "30 images" in msg and "29 labels" in msg
+
+
+def test_corrupt_file_inside_dataset(tmp_path: Path) -> None:
+    write_mnist(tmp_path, gz=True)
+    bad = tmp_path / "t10k-images-idx3-ubyte.gz"
+    bad.write_bytes(bad.read_bytes()[:20])
+    with pytest.raises(DatasetError, match="corrupt gzip") as err:
+        load_dataset(DataConfig(dataset="fmnist", root=str(tmp_path)), 0)
+    assert str(bad) in str(err.value)
+
+
+def test_label_out_of_range(tmp_path: Path) -> None:
+    write_mnist(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.full(10, 11, dtype=np.uint8))
+    with pytest.raises(DatasetError, match=r"labels span \[0, 11\]"):
+        load_dataset(DataConfig(dataset="mnist", root=str(tmp_path)), 0)
+
+
+def test_missing_dataset_lists_search(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="not found") as err:
+        load_dataset(DataConfig(dataset="cifar10", root=str(tmp_path)), 0)
+    assert str(tmp_path / "cifar-10-batches-py") in str(err.value)
+
+
+def test_truncated_cifar_pickle(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder, "cifar10")
+    bad = folder / "data_batch_3"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(DatasetError, match="corrupt or unsupported pickle") as err:
+        load_dataset(DataConfig(dataset="cifar10", root=str(tmp_path)), 0)
+    assert str(bad) in str(err.value)
+
+
+def test_cifar_wrong_content(tmp_path: Path) -> None:
+    folder = tmp_path / "cifar-100-python"
+    write_cifar(folder, "cifar100")
+    bad = folder / "test"
+    data = np.zeros((2, 100), dtype=np.uint8)
+    bad.write_bytes(pickle.dumps({b"data": data, b"fine_labels": [0, 1]}))
+    with pytest.raises(DatasetError, match=r"uint8 \[N, 3072\]") as err:
+        load_dataset(DataConfig(dataset="cifar100", root=str(tmp_path)), 0)
+    assert str(bad) in str(err.value)
+    bad.write_bytes(pickle.dumps({b"data": np.zeros((2, 3072), np.uint8)}))
+    with pytest.raises(DatasetError, match="no 'fine_labels' entry"):
+        load_dataset(DataConfig(dataset="cifar100", root=str(tmp_path)), 0)
+
+
+def test_tiny_missing_val_image(tmp_path: Path) -> None:
+    root = tmp_path / "tiny-imagenet-200"
+    write_tiny(root, ["n01", "n02"])
+    (root / "val" / "images" / "val_1.JPEG").unlink()
+    with pytest.raises(DatasetError, match="listed in .* but missing") as err:
+        load_dataset(DataConfig(dataset="tinyimagenet", root=str(tmp_path)), 0)
+    assert "val_1.JPEG" in str(err.value)
+
+
+def test_tiny_corrupt_jpeg(tmp_path: Path) -> None:
+    root = tmp_path / "tiny-imagenet-200"
+    write_tiny(root, ["n01", "n02"])
+    bad = root / "train" / "n02" / "images" / "n02_1.JPEG"
+    bad.write_bytes(b"\xff\xd8 not really a jpeg")
+    with pytest.raises(DatasetError, match="cannot decode image") as err:
+        load_dataset(DataConfig(dataset="tinyimagenet", root=str(tmp_path)), 0)
+    assert str(bad) in str(err.value)
