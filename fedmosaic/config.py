@@ -76,7 +76,9 @@ class TrainConfig:
 class SimConfig:
     check_wire: bool = False  # round-trip every payload through the wire codec and compare
     progress: bool = True
-    threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    threads: int = 0  # torch intra-op threads in the main process; 0 = leave torch's default
+    backend: str = "serial"  # serial (one process) | processes (worker processes, one thread each)
+    workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
 
 
 @dataclass
@@ -106,6 +108,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.emnist_split": ("letters", "balanced"),
     "model.projection": ("linear", "pool"),
     "train.optimizer": ("sgd", "adam"),
+    "sim.backend": ("serial", "processes"),
 }
 
 

@@ -67,22 +67,15 @@ def client_data(fed: FederatedData, device: str) -> list[ClientData]:
     return out
 
 
-def build_federation(cfg: ExperimentConfig) -> Federation:
-    """Load data, build every client's model and the algorithm (nothing trains yet)."""
-    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device = {cfg.train.device!r} but CUDA is not available")
-    if cfg.sim.threads > 0:
-        torch.set_num_threads(cfg.sim.threads)
-    algo = build_algorithm(cfg.algorithm)
-    fed = build_federated_data(cfg.data, cfg.seed)
+def make_spec(
+    cfg: ExperimentConfig, fed: FederatedData, clients: list[ClientData]
+) -> FederationSpec:
     members = family_members(cfg.model.family)
     n = fed.num_clients
-    build = model_builder(cfg, fed)
-    clients = client_data(fed, cfg.train.device)
     public = None
     if fed.public.numel() > 0:
         public = fed.batch(fed.public, "cpu")  # [P, C, H, W] normalized, server-held
-    spec = FederationSpec(
+    return FederationSpec(
         num_clients=n,
         num_classes=fed.num_classes,
         feature_dim=cfg.model.feature_dim,
@@ -91,15 +84,40 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
         num_train=tuple(c.num_train for c in clients),
         seed=cfg.seed,
         rounds=cfg.train.rounds,
-        build_model=build,
+        build_model=model_builder(cfg, fed),
         public=public,
         device=cfg.train.device,
     )
-    models = [build(i) for i in range(n)]
-    extras = []
-    for i in range(n):
-        seeding.seed_torch(cfg.seed, 0, i, "init-extras")
-        extras.append(algo.init_client(models[i], spec, clients[i]).to(cfg.train.device))
+
+
+def make_client(
+    cfg: ExperimentConfig, algo: Algorithm, spec: FederationSpec, data: ClientData
+) -> tuple[ClientModel, nn.Module]:
+    """A client's initial model and extras: a pure function of (config, seed, client id)."""
+    model = spec.build_model(data.client_id)
+    seeding.seed_torch(cfg.seed, 0, data.client_id, "init-extras")
+    extras = algo.init_client(model, spec, data).to(cfg.train.device)
+    return model, extras
+
+
+def build_federation(cfg: ExperimentConfig, with_clients: bool = True) -> Federation:
+    """Load data, build the algorithm and (unless a worker backend owns them) every client."""
+    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device = {cfg.train.device!r} but CUDA is not available")
+    if cfg.sim.threads > 0:
+        torch.set_num_threads(cfg.sim.threads)
+    algo = build_algorithm(cfg.algorithm)
+    fed = build_federated_data(cfg.data, cfg.seed)
+    clients = client_data(fed, cfg.train.device)
+    spec = make_spec(cfg, fed, clients)
+    models: list[ClientModel] = []
+    extras: list[nn.Module] = []
+    if with_clients:
+        for c in clients:
+            m, e = make_client(cfg, algo, spec, c)
+            models.append(m)
+            extras.append(e)
+    n = fed.num_clients
     k = cfg.train.clients_per_round or max(1, round(cfg.train.participation * n))
     plan = RoundPlan(n, cfg.train.rounds, k, cfg.train.eval_every, cfg.train.finetune_epochs)
     return Federation(
@@ -179,18 +197,36 @@ def _client_accs(r: EvalResult, prefix: str) -> dict[str, float]:
     return out
 
 
-def run_experiment(
-    cfg: ExperimentConfig,
-    progress: bool | None = None,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Run one experiment on the simulator and return the ``results.json`` document."""
+def client_costs(fed: Federation) -> list[float]:
+    """Estimated training cost per client: forward FLOPs per image x training examples."""
+    from fedmosaic.models import flops_per_image
+
+    per_member: dict[str, float] = {}
+    out = []
+    for c in fed.clients:
+        member = fed.spec.members[c.client_id]
+        if member not in per_member:
+            per_member[member] = float(
+                flops_per_image(fed.spec.build_model(c.client_id), fed.spec.input_shape)
+            )
+        out.append(per_member[member] * max(c.num_train, 1))
+    return out
+
+
+def make_transport(fed: Federation) -> Any:
+    """The simulator backend chosen by ``[sim] backend``."""
+    cfg = fed.cfg
+    if cfg.sim.backend == "processes":
+        import os
+
+        from fedmosaic.sim.processes import ProcessTransport
+
+        workers = cfg.sim.workers or os.cpu_count() or 1
+        return ProcessTransport(fed.algo, cfg, fed.fed, client_costs(fed), workers)
     from fedmosaic.sim.simulator import SimTransport
 
-    start = time.perf_counter()
-    fed = build_federation(cfg)
     splits = ("test", "val") if any(c.num("val") for c in fed.clients) else ("test",)
-    transport = SimTransport(
+    return SimTransport(
         fed.algo,
         fed.models,
         fed.extras,
@@ -201,6 +237,18 @@ def run_experiment(
         check_wire=cfg.sim.check_wire,
         eval_splits=splits,
     )
+
+
+def run_experiment(
+    cfg: ExperimentConfig,
+    progress: bool | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run one experiment on the simulator and return the ``results.json`` document."""
+
+    start = time.perf_counter()
+    fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
+    transport = make_transport(fed)
     show = cfg.sim.progress if progress is None else progress
     bar = None
     if show:
@@ -216,9 +264,13 @@ def run_experiment(
         if on_round is not None:
             on_round(rec)
 
-    history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick)
-    if bar is not None:
-        bar.close()
+    try:
+        history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick)
+    finally:
+        if bar is not None:
+            bar.close()
+        if hasattr(transport, "close"):
+            transport.close()
     return {
         "library": {"name": "fedmosaic", "version": fedmosaic.__version__},
         "environment": {"python": platform.python_version(), "torch": torch.__version__},

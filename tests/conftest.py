@@ -1,5 +1,49 @@
 """Shared test fixtures. Tests run single-threaded so the fast suite is stable on 2 cores."""
 
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# A tiny federation: 4 clients on synthetic 1x28x28 images, 4 classes, two CNN widths.
+TINY: dict[str, Any] = {
+    "seed": 0,
+    "data": {
+        "dataset": "synthetic",
+        "synthetic_size": 240,
+        "synthetic_classes": 4,
+        "synthetic_shape": [1, 28, 28],
+        "partition": "dirichlet",
+        "alpha": 1.0,
+        "min_size": 20,
+        "num_clients": 4,
+        "public_size": 40,
+    },
+    "model": {"family": "cnn1", "feature_dim": 16},
+    "train": {"rounds": 2, "batch_size": 10, "lr": 0.05, "eval_every": 1},
+    "sim": {"check_wire": True, "progress": False},
+    "algorithm": {"name": "fedavg"},
+}
+
+
+def tiny_raw(**sections: dict[str, Any]) -> dict[str, Any]:
+    """TINY with some keys replaced: ``tiny_raw(train={"rounds": 3}, algorithm={"name": "local"})``."""
+    raw = copy.deepcopy(TINY)
+    for section, values in sections.items():
+        if section == "algorithm":
+            raw["algorithm"] = dict(values)
+        elif isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:
+            raw[section] = values
+    return raw
+
+
+@pytest.fixture
+def tiny() -> dict[str, Any]:
+    return copy.deepcopy(TINY)

@@ -23,11 +23,12 @@ MAX_EXAMPLES = 10**9  # a reply claiming more examples than this is not a real c
 @dataclass
 class FitResult:
     client_id: int
-    upload: Payload
+    upload: Payload | None  # None when the reply could not be decoded (see ``error``)
     num_examples: int
     bytes_up: int
     bytes_down: int
     loss: float = math.nan
+    error: str | None = None
 
 
 @dataclass
@@ -124,6 +125,8 @@ def run_rounds(
         uploads, rejected = [], []
         for r in results:
             try:
+                if r.error is not None or r.upload is None:
+                    raise PayloadError(r.error or "no upload")
                 if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
                     raise PayloadError(f"implausible example count {r.num_examples}")
                 algo.validate_upload(state, r.upload, r.client_id)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh Debian machine: Fashion-MNIST (Debian package, when root with apt),
+# a virtual environment in .venv, PyTorch 2.13.0 (CPU wheel) and fedmosaic with its dev tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FMNIST=/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+if [ ! -f "$FMNIST" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing Debian's dataset-fashion-mnist"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null ||
+      echo "setup: warning: could not install dataset-fashion-mnist (the main job needs it)"
+  }
+fi
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+
+# Re-install only when the project's dependencies change (a stamp of pyproject.toml).
+STAMP=.venv/.fedmosaic-installed
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "setup: installing torch==2.13.0 and fedmosaic[dev] into .venv"
+  # torch first and pinned exactly: any looser spec would pull GBs of CUDA wheels.
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+  echo "$WANT" > "$STAMP"
+fi

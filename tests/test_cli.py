@@ -1,0 +1,70 @@
+import csv
+import json
+
+from conftest import tiny_raw
+
+from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.cli import main
+
+
+def _write_config(path, raw):
+    lines = [f"seed = {raw['seed']}"]
+    for section in ("data", "model", "train", "sim", "algorithm"):
+        lines.append(f"[{section}]")
+        for k, v in raw[section].items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_list_algorithms_shows_every_key(capsys):
+    assert main(["list", "algorithms"]) == 0
+    out = capsys.readouterr().out
+    keys = [line.split("\t")[0] for line in out.strip().splitlines()]
+    assert keys == ALGORITHMS.names()
+    assert "mu=" in out and "homogeneous only" in out
+
+
+def test_run_writes_report(tmp_path, capsys):
+    cfg = tmp_path / "exp.toml"
+    _write_config(cfg, tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "lg_fedavg"}))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--set", "train.rounds=3"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["library"]["name"] == "fedmosaic" and doc["seed"] == 0
+    assert [r["round"] for r in doc["rounds"]] == [1, 2, 3]
+    for key in ("round", "acc_weighted", "acc_mean", "acc_std", "bytes_up", "bytes_down", "seconds"):
+        assert key in doc["rounds"][0]
+    for key in ("client_id", "arch", "num_train", "num_test", "acc"):
+        assert key in doc["clients"][0]
+    assert {"final", "best_on_test"} <= set(doc["summary"])
+    rows = list(csv.DictReader(open(out / "rounds.csv")))
+    assert len(rows) == 3 and float(rows[-1]["acc_weighted"]) == doc["rounds"][-1]["acc_weighted"]
+    assert (out / "curve.png").stat().st_size > 1000
+    assert "lg_fedavg" in capsys.readouterr().out
+
+
+def test_run_with_baseline_side_by_side(tmp_path, capsys):
+    cfg = tmp_path / "exp.toml"
+    _write_config(cfg, tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "lg_fedavg"}))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--baseline", "local"]) == 0
+    assert (out / "lg_fedavg" / "results.json").exists() and (out / "local" / "results.json").exists()
+    assert (out / "curves.png").exists()
+    table = capsys.readouterr().out
+    assert "lg_fedavg" in table and "local" in table
+
+
+def test_config_error_exit_code(tmp_path, capsys):
+    cfg = tmp_path / "exp.toml"
+    _write_config(cfg, tiny_raw())
+    assert main(["run", str(cfg), "--set", "data.alpah=1"]) == 2
+    assert "data.alpah" in capsys.readouterr().err
+
+
+def test_partition_prints_histograms(tmp_path, capsys):
+    cfg = tmp_path / "exp.toml"
+    _write_config(cfg, tiny_raw())
+    png = tmp_path / "h.png"
+    assert main(["partition", str(cfg), "--png", str(png)]) == 0
+    assert png.exists()
+    assert len(capsys.readouterr().out.strip().splitlines()) >= 4
