@@ -1,0 +1,152 @@
+"""FedBABU (Oh, Kim, Yun, ICLR 2022): body aggregation, fixed random head, body update.
+
+Oh, Kim, Yun. FedBABU: Toward Enhanced Representation for Federated Image Classification. ICLR 2022.
+
+Shared: the body (encoder: parameters and buffers), sample-weighted average, both directions. The
+head stays at its random initialization during the federated rounds - the same on every client,
+because every client starts from the server's initial model ``spec.build_model(0)`` (what the
+reference code's ``copy.deepcopy(net_glob)`` does before round 1), so the head costs no bytes.
+After the last round every client fine-tunes locally (``finetune_part``: the whole model, as the
+paper, or the head only) for ``finetune_epochs``; the round loop reports accuracy before and after.
+
+Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
+- the head is frozen with ``requires_grad=False`` (no gradient computed); the reference sets the
+  head's learning rate to 0 (gradient computed, never applied): identical weights, less compute.
+- aggregation is weighted by training examples (the issue and PFLlib); the authors' script takes the
+  plain mean over the round's clients (equal shards in its experiments).
+- uploads also carry ``train_flops`` (a scalar: this round's training FLOPs, see ``_flops.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._flops import training_flops
+from fedmosaic.algorithms._shared import SharedState, SharedWeights, check_state_like
+from fedmosaic.core.algorithm import FederationSpec, Phase
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.training import TrainSettings
+
+FINETUNE_PARTS = ("all", "head")
+BODY = ("encoder",)  # what trains during the federated rounds: the body only
+
+
+@dataclass(frozen=True)
+class BodyUpload(Payload):
+    """A client's body after local training, and what that training cost."""
+
+    state: dict[str, Tensor]  # encoder state dict (parameters and buffers)
+    train_flops: int  # this round's forward + backward FLOPs (_flops.training_flops)
+
+
+Broadcast = SharedState
+Upload = BodyUpload
+ServerState = dict[str, Tensor]
+
+
+class RoundCounter(nn.Module):
+    """Client extras: training examples processed this round and the input shape (for FLOPs)."""
+
+    def __init__(self, input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.input_shape = tuple(input_shape)  # [C, H, W]
+        self.examples = 0  # reset in before_fit, counted in loss
+
+
+def start_from_server_init(model: ClientModel, spec: FederationSpec) -> None:
+    """Load the server's initial model (``spec.build_model(0)``, body and head) into ``model``.
+
+    Every party can rebuild it from the seed, so the shared random head never travels.
+    """
+    init = spec.build_model(0)
+    own = model.state_dict()
+    theirs = init.state_dict()
+    if own.keys() != theirs.keys() or any(own[k].shape != theirs[k].shape for k in own):
+        raise ValueError(
+            "FedBABU-style methods need every client to have the server's architecture "
+            f"(client model {model.arch!r} differs from client 0's {init.arch!r})"
+        )
+    model.load_state_dict(theirs)
+
+
+def finetune_phase(part: str, epochs: int) -> tuple[Phase, ...]:
+    """Local fine-tuning after the last round: the whole model (``all``) or the head only."""
+    if epochs <= 0:
+        return ()
+    return (Phase((part,), epochs, name="finetune"),)
+
+
+def check_finetune(part: str, epochs: int) -> None:
+    if part not in FINETUNE_PARTS:
+        raise ValueError(f"finetune_part = {part!r}; choose one of {', '.join(FINETUNE_PARTS)}")
+    if epochs < 0:
+        raise ValueError(f"finetune_epochs = {epochs} must be >= 0")
+
+
+@ALGORITHMS.register("fedbabu")
+@dataclass(frozen=True)
+class FedBABU(SharedWeights):
+    """Train and average the body; keep the shared random head fixed; fine-tune at the end."""
+
+    Upload: ClassVar[type[Payload]] = BodyUpload
+    supports_heterogeneous: ClassVar[bool] = False
+    shared: ClassVar[str] = "encoder"
+    paper: ClassVar[str] = (
+        "Oh, Kim, Yun, FedBABU: Toward Enhanced Representation for Federated Image Classification, ICLR 2022"
+    )
+
+    finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
+    finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
+
+    def __post_init__(self) -> None:
+        check_finetune(self.finetune_part, self.finetune_epochs)
+
+    # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
+    def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
+        check_state_like(upload.state, state, f"client {client_id} body state")
+        if upload.train_flops < 0:
+            raise PayloadError(f"client {client_id}: train_flops = {upload.train_flops} < 0")
+
+    # ---- client half -------------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        start_from_server_init(model, spec)
+        return RoundCounter(spec.input_shape)
+
+    def before_fit(
+        self,
+        model: ClientModel,
+        extras: nn.Module,
+        data: ClientData,
+        msg: SharedState,
+        settings: TrainSettings,
+        gen: torch.Generator,
+    ) -> None:
+        extras.examples = 0
+
+    def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
+        return (Phase(BODY, epochs, name="body"),)  # the head never trains during the rounds
+
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
+    ) -> Tensor:
+        extras.examples += int(x.shape[0])
+        return F.cross_entropy(model(x), y)
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
+    ) -> BodyUpload:
+        flops = training_flops(model, extras.input_shape, BODY, extras.examples)
+        return BodyUpload(model.part_state("encoder"), flops)
+
+    def finetune_phases(self, epochs: int | None) -> tuple[Phase, ...]:
+        return finetune_phase(
+            self.finetune_part, self.finetune_epochs if epochs is None else epochs
+        )

@@ -1,0 +1,40 @@
+"""FedPer (Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 2019).
+
+Shared: the encoder (base layers), sample-weighted average of its parameters and buffers. Each
+client's head (personalization layer) stays local. Encoder and head train jointly on plain
+cross-entropy every round. Averaging encoders needs identical encoders: homogeneous federations only.
+
+Differences from the reference code (PFLlib ``clientper``/``serverper``):
+
+- The encoder's buffers (BatchNorm running statistics) are averaged with its parameters, as in our
+  FedAvg; PFLlib averages ``model.base.parameters()`` only, leaving running statistics local.
+- Every client's head starts from its own seeded initialization (our per-client init streams);
+  in PFLlib all clients start from copies of one model. The encoder is the server's from round 1.
+- No hyperparameters beyond ``[train]``: PFLlib's FedPer has none either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.registry import ALGORITHMS
+
+Broadcast = SharedState
+Upload = SharedState
+ServerState = dict[str, Tensor]
+
+
+@ALGORITHMS.register("fedper")
+@dataclass(frozen=True)
+class FedPer(SharedWeights):
+    """Average the encoder; keep the head local; train both jointly."""
+
+    supports_heterogeneous: ClassVar[bool] = False
+    shared: ClassVar[str] = "encoder"
+    paper: ClassVar[str] = (
+        "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019"
+    )
