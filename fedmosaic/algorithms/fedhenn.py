@@ -1,0 +1,315 @@
+"""FedHeNN (Makhija et al., ICML 2022): align client representations through CKA on a shared RAD.
+
+Makhija, Han, Ho, Ghosh. Architecture Agnostic Federated Learning for Neural Networks. ICML 2022.
+
+Heterogeneous FedHeNN (Algorithm 2, Eq. 6). Shared: a server-held, unlabelled representation
+alignment dataset (RAD) drawn from the public split, and L x L kernel matrices of representations
+on it. Each client's model (any architecture, any representation width) stays local; its loss is
+``CE + eta(t) * (1 - CKA(K_i, K_bar(t-1)))`` with ``K_i = kernel(A_i, A_i)`` computed with gradient
+on the RAD (``A_i`` = the encoder's features) and ``K_bar = sum_j w_j K_j`` from last round's
+clients. Clients upload their kernel ``K_j`` (not their weights, which the paper's server uses to
+compute it: the kernel is all the server needs and keeps the models private).
+
+Which RAD: the paper (and the reference code) compute ``K_bar`` and ``K_i`` on the *same* inputs.
+Since clients compute ``K_j`` after training, the RAD they compute it on must be known one round
+ahead: the broadcast of round t carries ``rad`` + ``kernel`` (the RAD of round t-1 and ``K_bar`` on
+it, for the alignment term) and ``next_rad`` (round t's fresh RAD, drawn from the server stream
+``(seed, t, SERVER, "fedhenn-rad")``, on which the client computes its upload ``K_j`` in eval mode
+after training). This is the reference code's order: after round t it draws a new RAD, computes the
+trained clients' kernels on it, and aligns round t+1 on that RAD. Round 1 has no ``K_bar``: CE only;
+from round 2 on the downlink carries two RADs.
+
+Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
+- representations: the reference's models return ``(log_softmax, features)`` and its loss applies
+  CE to the features and CKA to the log-probabilities; we follow the paper (CE on the head's
+  logits, CKA on the encoder's features ``Phi``).
+- the RAD comes from the server's public split (``data.public_size``), never from client data
+  (the reference samples it from the pooled training set).
+- eta schedule: ``eta(t) = eta0 * f(t)`` with the paper's round index t = 1, 2, ...; the
+  reference's loop starts at 0, so its ``sqrt`` schedule is ``eta0 * sqrt(t - 1)`` in our indexing.
+- ``K_bar`` averages the kernels received in the round (the reference: its participants); the
+  paper's server recomputes every client's kernel from its last known weights.
+- ``rad_batch > 0`` (not in the paper) aligns on a random subset of the RAD per step (speed).
+- RBF kernel: bandwidth ``sigma`` times the median pairwise distance (Kornblith et al. 2019's
+  convention), treated as a constant in the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
+
+if TYPE_CHECKING:
+    from fedmosaic.config import ExperimentConfig
+
+KERNELS = ("linear", "rbf")
+SCHEDULES = ("sqrt", "constant", "linear")
+WEIGHTINGS = ("uniform", "samples")
+FEATURE_BATCH = 500  # RAD rows per forward pass when computing an upload kernel (eval mode)
+EPS = 1e-12  # floor of HSIC(K, K) before the square root
+
+
+@dataclass(frozen=True)
+class HeNNBroadcast(Payload):
+    """Alignment target and the round's RAD (see the module docstring for which is which)."""
+
+    rad: Tensor  # [L, C, H, W] inputs K_bar was computed on ([0, C, H, W] in round 1)
+    kernel: Tensor  # [L, L] K_bar(t-1) ([0, 0] in round 1)
+    next_rad: Tensor  # [L, C, H, W] this round's RAD: the client's upload kernel is computed on it
+    eta: float  # eta(t) = eta0 * f(t), the weight of the CKA term this round
+    round_num: int
+
+
+@dataclass(frozen=True)
+class HeNNUpload(Payload):
+    kernel: Tensor  # [L, L] K_j = kernel(A_j, A_j) on next_rad, after training, eval mode
+
+
+Broadcast = HeNNBroadcast
+Upload = HeNNUpload
+
+
+@dataclass
+class HeNNState:
+    """Server state: the public inputs, and K_bar with the round whose RAD it lives on."""
+
+    public: Tensor  # [P, C, H, W] normalized float, server-held
+    seed: int
+    rad_size: int  # L (capped to P)
+    kernel: Tensor  # [L, L] K_bar; [0, 0] before any upload
+    kernel_round: int = 0  # K_bar lives on the RAD of this round (0: none yet)
+    _rads: dict[int, Tensor] = field(default_factory=dict, repr=False)  # per-round RAD cache
+
+
+ServerState = HeNNState
+
+
+# ---- math ------------------------------------------------------------------------------------
+def center(k: Tensor) -> Tensor:
+    """``H K H`` with ``H = I - 11^T / n``, without forming H."""
+    return k - k.mean(0, keepdim=True) - k.mean(1, keepdim=True) + k.mean()
+
+
+def hsic(k: Tensor, l: Tensor) -> Tensor:  # noqa: E741 - the paper's symbol
+    """``HSIC(K, L) = tr(K H L H) / (n - 1)^2`` (the paper's estimator)."""
+    n = k.shape[0]
+    # tr(KHLH) = tr((HKH)(HLH)) as H is idempotent; tr(AB) = sum(A * B^T).
+    return (center(k) * center(l).T).sum() / (n - 1) ** 2
+
+
+def cka(k: Tensor, l: Tensor) -> Tensor:  # noqa: E741
+    """``HSIC(K, L) / sqrt(HSIC(K, K) HSIC(L, L))`` for kernels ``[n, n]``: 1 for identical ones."""
+    kc, lc = center(k), center(l)
+    num = (kc * lc.T).sum()
+    den = (kc * kc.T).sum().clamp_min(EPS).sqrt() * (lc * lc.T).sum().clamp_min(EPS).sqrt()
+    return num / den  # the (n-1)^2 factors cancel
+
+
+def linear_kernel(a: Tensor) -> Tensor:
+    return a @ a.T  # [n, n]
+
+
+def rbf_kernel(a: Tensor, sigma: float = 1.0) -> Tensor:
+    """``exp(-||a_p - a_q||^2 / (2 sigma^2 m))``, ``m`` the median squared pairwise distance.
+
+    The bandwidth scales with the data (Kornblith et al. 2019), so CKA stays invariant to
+    isotropic scaling; ``m`` is detached (a per-step constant, as in their numpy code).
+    """
+    sq = (a.unsqueeze(1) - a.unsqueeze(0)).pow(2).sum(-1)  # [n, n], exactly 0 on the diagonal
+    m = sq.detach().median().clamp_min(EPS)
+    return torch.exp(-sq / (2 * sigma**2 * m))
+
+
+def kernel_matrix(a: Tensor, kind: str = "linear", sigma: float = 1.0) -> Tensor:
+    """``K(p, q) = kernel(a_p, a_q)`` for representations ``a [n, d]`` (any d) -> ``[n, n]``."""
+    a = a.flatten(1).float()
+    return linear_kernel(a) if kind == "linear" else rbf_kernel(a, sigma)
+
+
+def eta_at(eta0: float, schedule: str, t: int) -> float:
+    """``eta(t) = eta0 * f(t)``: f = sqrt(t) | 1 | t, with t the round number (1, 2, ...)."""
+    if schedule == "sqrt":
+        return eta0 * math.sqrt(t)
+    if schedule == "linear":
+        return eta0 * float(t)
+    return eta0
+
+
+def sample_rad(num_public: int, rad_size: int, seed: int, round_num: int) -> Tensor:
+    """Indices ``[L]`` into the public split: round ``round_num``'s RAD (server stream)."""
+    gen = seeding.torch_generator(seed, round_num, seeding.SERVER, "fedhenn-rad")
+    return torch.randperm(num_public, generator=gen)[: min(rad_size, num_public)]
+
+
+def rad_inputs(
+    public: Tensor, rad_size: int, seed: int, round_num: int, cache: dict[int, Tensor]
+) -> Tensor:
+    """The RAD of ``round_num`` as inputs ``[L, C, H, W]``, built once per round (``cache``)."""
+    if round_num not in cache:
+        while len(cache) > 2:  # keep the last few rounds: K_bar's RAD and the current one
+            cache.pop(min(cache))
+        idx = sample_rad(public.shape[0], rad_size, seed, round_num)
+        cache[round_num] = public[idx].contiguous()
+    return cache[round_num]
+
+
+@torch.no_grad()
+def representation_kernel(
+    model: ClientModel, inputs: Tensor, kind: str, sigma: float, batch: int = FEATURE_BATCH
+) -> Tensor:
+    """Kernel of the model's features on ``inputs`` in eval mode, without gradient -> ``[L, L]``."""
+    was = model.training
+    model.eval()
+    feats = torch.cat([model.features(inputs[i : i + batch]) for i in range(0, len(inputs), batch)])
+    model.train(was)
+    return kernel_matrix(feats, kind, sigma).float()
+
+
+def check_public(cfg: ExperimentConfig, name: str) -> None:
+    from fedmosaic.config import ConfigError
+
+    if cfg.data.public_size <= 0:
+        raise ConfigError(
+            f"algorithm.name = {name!r} aligns representations on a server-held public set: "
+            f"set data.public_size > 0 (e.g. 1000), got {cfg.data.public_size}"
+        )
+
+
+def need_public(spec: FederationSpec, name: str) -> Tensor:
+    if spec.public is None or spec.public.shape[0] < 2:
+        from fedmosaic.config import ConfigError
+
+        raise ConfigError(
+            f"{name} needs a server-held public split of at least 2 inputs (data.public_size > 1)"
+        )
+    return spec.public.detach().cpu().float()
+
+
+# ---- the algorithm -----------------------------------------------------------------------------
+@ALGORITHMS.register("fedhenn")
+@dataclass(frozen=True)
+class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
+    """Heterogeneous FedHeNN: CKA alignment of each client's RAD kernel to the clients' mean."""
+
+    eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
+    schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    kernel: str = "linear"  # kernel on representations: linear | rbf
+    sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
+    rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
+    rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
+    weighting: str = "uniform"  # w_j in K_bar: uniform 1/N (paper) | samples (n_j / sum n)
+
+    Broadcast: ClassVar[type[Payload]] = HeNNBroadcast
+    Upload: ClassVar[type[Payload]] = HeNNUpload
+    supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = (
+        "Makhija et al., Architecture Agnostic Federated Learning for Neural Networks, ICML 2022"
+    )
+
+    def __post_init__(self) -> None:
+        check_hyperparameters(self.kernel, self.schedule, self.sigma, self.eta0, self.rad_size)
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting = {self.weighting!r}; choose one of {WEIGHTINGS}")
+        if self.rad_batch < 0 or self.rad_batch == 1:
+            raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
+
+    def check_config(self, cfg: ExperimentConfig) -> None:
+        check_public(cfg, "fedhenn")
+
+    # ---- server half ---------------------------------------------------------------------
+    def init_server(self, spec: FederationSpec) -> HeNNState:
+        public = need_public(spec, "fedhenn")
+        return HeNNState(public, spec.seed, min(self.rad_size, public.shape[0]), torch.zeros(0, 0))
+
+    def broadcast(self, state: HeNNState, client_id: int, round_num: int) -> HeNNBroadcast:
+        next_rad = rad_inputs(state.public, state.rad_size, state.seed, round_num, state._rads)
+        if state.kernel_round > 0:
+            rad = rad_inputs(
+                state.public, state.rad_size, state.seed, state.kernel_round, state._rads
+            )
+        else:
+            rad = next_rad[:0]  # [0, C, H, W]: no K_bar yet
+        return HeNNBroadcast(
+            rad,
+            state.kernel,
+            next_rad,
+            eta_at(self.eta0, self.schedule, round_num),
+            round_num,
+        )
+
+    def validate_upload(self, state: HeNNState, upload: HeNNUpload, client_id: int) -> None:
+        k = upload.kernel
+        n = state.rad_size
+        if k.dtype != torch.float32 or tuple(k.shape) != (n, n):
+            raise PayloadError(
+                f"client {client_id}: kernel is {k.dtype}{tuple(k.shape)}, "
+                f"expected torch.float32{(n, n)}"
+            )
+
+    def aggregate(
+        self, state: HeNNState, uploads: Sequence[Weighted[HeNNUpload]], round_num: int
+    ) -> HeNNState:
+        if self.weighting == "samples":
+            total = sum(u.weight for u in uploads)
+            w = [u.weight / total if total > 0 else 1.0 / len(uploads) for u in uploads]
+        else:
+            w = [1.0 / len(uploads)] * len(uploads)
+        kbar = torch.zeros(state.rad_size, state.rad_size)
+        for wj, u in zip(w, uploads, strict=True):
+            kbar.add_(u.payload.kernel, alpha=wj)
+        # The uploads were computed on this round's RAD (the broadcast's next_rad).
+        return HeNNState(state.public, state.seed, state.rad_size, kbar, round_num, state._rads)
+
+    # ---- client half ---------------------------------------------------------------------
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: HeNNBroadcast
+    ) -> Tensor:
+        ce = F.cross_entropy(model(x), y)
+        if msg.eta == 0 or msg.kernel.numel() == 0:
+            return ce
+        return ce + msg.eta * cka_distance(
+            model, msg.rad, msg.kernel, self.kernel, self.sigma, self.rad_batch
+        )
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: HeNNBroadcast
+    ) -> HeNNUpload:
+        return HeNNUpload(representation_kernel(model, msg.next_rad, self.kernel, self.sigma).cpu())
+
+
+def cka_distance(
+    model: ClientModel, rad: Tensor, target: Tensor, kind: str, sigma: float, rad_batch: int = 0
+) -> Tensor:
+    """``1 - CKA(K_i, target)`` with ``K_i`` the model's feature kernel on ``rad`` (with gradient).
+
+    ``rad_batch > 0`` uses a random subset of the RAD rows (and the matching block of ``target``).
+    """
+    if 0 < rad_batch < rad.shape[0]:
+        idx = torch.randperm(rad.shape[0])[:rad_batch].to(rad.device)
+        rad, target = rad[idx], target[idx][:, idx]
+    k = kernel_matrix(model.features(rad), kind, sigma)  # [L, L]
+    return 1.0 - cka(k, target)
+
+
+def check_hyperparameters(kernel: str, schedule: str, sigma: float, eta0: float, rad: int) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule = {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if sigma <= 0 or eta0 < 0:
+        raise ValueError(f"sigma = {sigma} must be > 0 and eta0 = {eta0} >= 0")
+    if rad < 2:
+        raise ValueError(f"rad_size = {rad} must be >= 2 (CKA needs at least two inputs)")

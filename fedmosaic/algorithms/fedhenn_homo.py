@@ -1,0 +1,164 @@
+"""FedHeNN, homogeneous variant (Makhija et al., ICML 2022, Algorithm 1, Eq. 5).
+
+Makhija, Han, Ho, Ghosh. Architecture Agnostic Federated Learning for Neural Networks. ICML 2022.
+
+Shared: the whole model, averaged FedAvg-style (sample-weighted, Algorithm 1), plus each round a
+fresh representation alignment dataset (RAD) from the server's public split. Nothing stays local
+between rounds (identical architectures needed). The client loss is
+``CE + eta(t) * (1 - CKA(K_i, K_global(t-1)))``: ``K_global`` is the kernel of the received global
+model's features on the RAD, which the client computes itself (in eval mode, before training: it
+holds the global weights, so no kernel is sent); ``K_i`` is its training model's kernel on the same
+RAD, with gradient. ``eta0 = 0`` is FedAvg.
+
+Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
+``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
+reference swaps them); RAD from the public split (the reference samples the training set);
+``eta(t) = eta0 * f(t)`` with t = 1, 2, ... (the reference's loop starts at 0, so round 1 has no
+alignment there). Evaluation (``acc``) is the global model on each client's test split, as the
+paper's Table 1 "FedHeNN global".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
+from fedmosaic.algorithms.fedhenn import (
+    check_hyperparameters,
+    check_public,
+    cka_distance,
+    eta_at,
+    need_public,
+    rad_inputs,
+    representation_kernel,
+)
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.training import TrainSettings
+
+if TYPE_CHECKING:
+    from fedmosaic.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class HomoBroadcast(Payload):
+    state: dict[str, Tensor]  # global model W(t-1): every parameter and buffer
+    rad: Tensor  # [L, C, H, W] this round's RAD
+    eta: float  # eta(t) = eta0 * f(t)
+    round_num: int
+
+
+Broadcast = HomoBroadcast
+Upload = SharedState
+
+
+@dataclass
+class HomoState:
+    weights: dict[str, Tensor]  # the global model's state dict
+    public: Tensor  # [P, C, H, W] normalized float, server-held
+    seed: int
+    rad_size: int  # L (capped to P)
+    _rads: dict[int, Tensor] = field(default_factory=dict, repr=False)  # per-round RAD cache
+
+
+ServerState = HomoState
+
+
+@ALGORITHMS.register("fedhenn_homo")
+@dataclass(frozen=True)
+class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
+    """FedAvg plus a CKA proximal term to the global model's representation kernel on the RAD."""
+
+    eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
+    schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    kernel: str = "linear"  # kernel on representations: linear | rbf
+    sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
+    rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
+    rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
+
+    Broadcast: ClassVar[type[Payload]] = HomoBroadcast
+    Upload: ClassVar[type[Payload]] = SharedState
+    supports_heterogeneous: ClassVar[bool] = False
+    paper: ClassVar[str] = (
+        "Makhija et al., Architecture Agnostic Federated Learning for Neural Networks, ICML 2022 "
+        "(homogeneous variant)"
+    )
+
+    def __post_init__(self) -> None:
+        check_hyperparameters(self.kernel, self.schedule, self.sigma, self.eta0, self.rad_size)
+        if self.rad_batch < 0 or self.rad_batch == 1:
+            raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
+
+    def check_config(self, cfg: ExperimentConfig) -> None:
+        check_public(cfg, "fedhenn_homo")
+
+    # ---- server half ---------------------------------------------------------------------
+    def init_server(self, spec: FederationSpec) -> HomoState:
+        public = need_public(spec, "fedhenn_homo")
+        weights = spec.build_model(0).part_state("all")
+        weights = {k: v.cpu() for k, v in weights.items()}
+        return HomoState(weights, public, spec.seed, min(self.rad_size, public.shape[0]))
+
+    def broadcast(self, state: HomoState, client_id: int, round_num: int) -> HomoBroadcast:
+        rad = rad_inputs(state.public, state.rad_size, state.seed, round_num, state._rads)
+        return HomoBroadcast(
+            state.weights, rad, eta_at(self.eta0, self.schedule, round_num), round_num
+        )
+
+    def validate_upload(self, state: HomoState, upload: SharedState, client_id: int) -> None:
+        check_state_like(upload.state, state.weights, f"client {client_id} model state")
+
+    def aggregate(
+        self, state: HomoState, uploads: Sequence[Weighted[SharedState]], round_num: int
+    ) -> HomoState:
+        weights = weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+        return HomoState(weights, state.public, state.seed, state.rad_size, state._rads)
+
+    # ---- client half ---------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        extras = nn.Module()
+        # K_global(t-1) of the current round: recomputed every round, never trained or saved.
+        extras.register_buffer("k_global", torch.zeros(0, 0), persistent=False)
+        return extras
+
+    def receive(self, model: ClientModel, extras: nn.Module, msg: HomoBroadcast) -> None:
+        model.load_part_state("all", msg.state)
+
+    def before_fit(
+        self,
+        model: ClientModel,
+        extras: nn.Module,
+        data: ClientData,
+        msg: HomoBroadcast,
+        settings: TrainSettings,
+        gen: torch.Generator,
+    ) -> None:
+        # The model holds W(t-1) right after receive: its kernel on the RAD is K_global(t-1).
+        if msg.eta > 0:
+            extras.k_global = representation_kernel(model, msg.rad, self.kernel, self.sigma)
+        else:
+            extras.k_global = torch.zeros(0, 0, device=extras.k_global.device)
+
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: HomoBroadcast
+    ) -> Tensor:
+        ce = F.cross_entropy(model(x), y)
+        if msg.eta == 0 or extras.k_global.numel() == 0:
+            return ce
+        return ce + msg.eta * cka_distance(
+            model, msg.rad, extras.k_global, self.kernel, self.sigma, self.rad_batch
+        )
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: HomoBroadcast
+    ) -> SharedState:
+        return SharedState(model.part_state("all"))

@@ -1,0 +1,354 @@
+"""FedTGP (Zhang et al., AAAI 2024): trainable global prototypes with adaptive-margin contrastive learning.
+
+Zhang, Liu, Hua, Cao. FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced
+Contrastive Learning for Data and Model Heterogeneity in Federated Learning. AAAI 2024.
+
+Shared: per-class prototypes only. Clients upload the exact per-class mean feature of their
+training data (``protos [C, d]`` + ``known [C]``; never class counts, the paper's privacy point);
+the server trains global prototypes ``P_hat = F(Embedding(c))`` with the ACL loss (Eq. 10) and
+broadcasts them. Client models (encoder and head, any architecture) stay local; the client loss is
+``CE + lam * phi(f(x), P_hat[y])`` (Eq. 11) and inference is the nearest global prototype.
+
+Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``clienttgp.py`` /
+``servertgp.py``), with its behaviour as options:
+- uploaded prototypes: the reference's ``collect_protos()`` reloads the model from disk *before*
+  ``train()`` saves the updated one, so it uploads the prototypes of the model before this round's
+  training; we upload the trained model's prototypes (the paper's Algorithm 1, lines 7-9).
+  ``stale_prototypes=True`` reproduces the reference.
+- client distance: the paper's phi is the Euclidean distance (``lam=0.1``), applied per sample to
+  ``f(x)`` and ``P_hat[y]`` and averaged over the batch, as FedProto-style code does (Eq. 11 writes
+  it on the client's class prototypes); the reference uses ``MSELoss`` over the batch with ``lam=10`` (its run script).
+  ``distance="mse"`` gives the reference's form; ``lam`` stays a separate field, so reproducing the
+  reference means ``distance="mse", lam=10``.
+- server distance: the reference computes ``sqrt(|a|^2 - 2ab + |b|^2)``, NaN when rounding makes it
+  negative and an infinite gradient at 0; we clamp the squared distance before the square root.
+- adaptive margin (Eq. 9): ``delta(t) = min(max_c min_{c' != c} ||Q_c - Q_c'||, tau)``, the
+  "maximum prototype margin" of the text and of the reference code (Eq. 9 as typeset reads as the
+  maximum over all pairs). With fewer than two classes uploaded in a round the margin is undefined:
+  we use 0 where the reference ends up at ``tau``.
+- server batch size: the reference uses the clients' batch size (10 in its script): our default.
+- inference before any global prototype exists: the reference reports accuracy 0; we fall back to
+  the client's head (``acc`` = ``acc_head`` until the first aggregation).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._shared import class_means
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.training import TrainSettings
+
+DISTANCES = ("euclidean", "mse")
+MARGINS = ("adaptive", "fixed", "none")
+PROTO_BATCH = 1000  # batching of prototype collection (eval mode: no effect on the values)
+EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
+
+
+@dataclass(frozen=True)
+class Prototypes(Payload):
+    """Dense per-class prototypes; rows where ``known`` is False carry no information (zeros)."""
+
+    protos: Tensor  # [C, d] float32
+    known: Tensor  # [C] bool
+
+
+Broadcast = Prototypes
+Upload = Prototypes
+
+
+class TrainablePrototypes(nn.Module):
+    """``P_hat_c = F(P'_c)``: a trainable vector per class, then the shared MLP ``F`` (Fig. 3).
+
+    ``F`` is ``Linear(d, d) -> ReLU -> Linear(d, d)``; ``mlp=False`` drops it (Table 6 ablation).
+    """
+
+    def __init__(self, num_classes: int, feature_dim: int, mlp: bool = True) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(num_classes, feature_dim)
+        self.mlp: nn.Module = (
+            nn.Sequential(
+                nn.Linear(feature_dim, feature_dim),
+                nn.ReLU(),
+                nn.Linear(feature_dim, feature_dim),
+            )
+            if mlp
+            else nn.Identity()
+        )
+
+    def forward(self) -> Tensor:
+        return self.mlp(self.embedding.weight)  # [C, d]
+
+
+@dataclass
+class TGPState:
+    """Server state: the trainable prototypes (persistent across rounds) and bookkeeping."""
+
+    prototypes: TrainablePrototypes
+    known: Tensor  # [C] bool: classes some client has uploaded so far
+    seed: int
+    margin: float = 0.0  # delta(t) of the last aggregation
+    loss: float = math.nan  # ACL loss of the last server minibatch
+    num_points: int = 0  # (prototype, class) pairs in the last aggregation
+
+
+ServerState = TGPState
+
+
+# ---- math ------------------------------------------------------------------------------------
+def euclidean_distances(points: Tensor, protos: Tensor) -> Tensor:
+    """``||x_i - p_c||_2`` for ``points [N, d]``, ``protos [C, d]`` -> ``[N, C]``.
+
+    Differences, not the ``|a|^2 - 2ab + |b|^2`` expansion, so the squared distance is never
+    negative; it is clamped at ``EPS`` before the square root, so a prototype sitting exactly on a
+    point has a finite (zero) gradient instead of NaN.
+    """
+    sq = (points.unsqueeze(1) - protos.unsqueeze(0)).pow(2).sum(-1)  # [N, C]
+    return sq.clamp_min(EPS).sqrt()
+
+
+def class_centers(points: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """``Q_c``: unweighted mean of the uploaded prototypes of class c; ``present [C]`` bool."""
+    sums = torch.zeros(num_classes, points.shape[1], dtype=points.dtype)
+    sums.index_add_(0, labels, points)
+    n = torch.bincount(labels, minlength=num_classes)  # [C]
+    return sums / n.clamp_min(1).unsqueeze(1).to(points.dtype), n > 0
+
+
+def adaptive_margin(points: Tensor, labels: Tensor, num_classes: int, tau: float) -> float:
+    """Eq. 9: ``min(max_c min_{c' != c} ||Q_c - Q_c'||, tau)`` over the classes present.
+
+    ``points [N, d]`` are the uploaded client prototypes, ``labels [N]`` their classes. With fewer
+    than two classes present there is no margin to measure: 0.
+    """
+    q, present = class_centers(points, labels, num_classes)
+    q = q[present]  # [K, d]
+    if q.shape[0] < 2:
+        return 0.0
+    dist = torch.cdist(q.double(), q.double())  # [K, K]
+    dist.fill_diagonal_(math.inf)
+    return float(min(float(dist.min(1).values.max()), tau))
+
+
+def acl_loss(points: Tensor, labels: Tensor, protos: Tensor, delta: float) -> Tensor:
+    """Eq. 10 averaged over a minibatch: CE over logits ``-(dist + delta * onehot(y))``."""
+    dist = euclidean_distances(points, protos)  # [N, C]
+    onehot = F.one_hot(labels, protos.shape[0]).to(dist.dtype)
+    return F.cross_entropy(-(dist + delta * onehot), labels)
+
+
+def train_prototypes(
+    module: TrainablePrototypes,
+    points: Tensor,
+    labels: Tensor,
+    delta: float,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    gen: torch.Generator,
+) -> float:
+    """``epochs`` passes of SGD over shuffled minibatches of (prototype, class) pairs.
+
+    Every step recomputes all ``C`` global prototypes (all of them enter the denominator of Eq. 10,
+    as in the paper). Returns the loss of the last step (NaN when there was nothing to train).
+    """
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    module.train()
+    last = math.nan
+    n = points.shape[0]
+    for _ in range(epochs):
+        for pos in torch.randperm(n, generator=gen).split(batch_size):
+            loss = acl_loss(points[pos], labels[pos], module(), delta)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            last = float(loss.detach())
+    module.eval()
+    return last
+
+
+def alignment_loss(
+    features: Tensor, y: Tensor, protos: Tensor, known: Tensor, distance: str = "euclidean"
+) -> Tensor:
+    """``phi(f(x), P_hat[y])`` over a batch; rows whose class has no global prototype add 0.
+
+    ``euclidean`` (paper): ``mean_i ||f_i - P[y_i]||_2`` over all ``B`` rows. ``mse`` (reference
+    code): ``MSELoss(f, target)`` where rows without a prototype target themselves, i.e.
+    ``sum_i ||f_i - P[y_i]||^2 / (B * d)`` over the rows with one.
+    """
+    has = known[y]  # [B] bool
+    target = torch.where(has.unsqueeze(1), protos[y], features.detach())  # [B, d]
+    if distance == "mse":
+        return F.mse_loss(features, target)
+    sq = (features - target).pow(2).sum(1)  # [B]
+    return torch.where(has, sq.clamp_min(EPS).sqrt(), torch.zeros_like(sq)).mean()
+
+
+def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) -> Tensor:
+    """Scores ``-||f - P_c||`` (``[B, C]``); classes without a global prototype get ``-inf``."""
+    dist = euclidean_distances(features, protos)
+    return (-dist).masked_fill(~known.unsqueeze(0), -math.inf)
+
+
+# ---- the algorithm -----------------------------------------------------------------------------
+@ALGORITHMS.register("fedtgp")
+@dataclass(frozen=True)
+class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
+    """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
+
+    lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)
+    distance: str = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
+    tau: float = 100.0  # threshold capping the adaptive margin delta(t)
+    margin: str = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
+    fixed_margin: float = 1.0  # delta when margin = "fixed"
+    mlp: bool = True  # further-processing MLP F after the embedding (False: Table 6 ablation)
+    server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
+    server_batch_size: int = 10  # server minibatch (the reference uses the client batch size, 10)
+    server_lr: float = 0.01  # server SGD learning rate
+    stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
+
+    Broadcast: ClassVar[type[Payload]] = Prototypes
+    Upload: ClassVar[type[Payload]] = Prototypes
+    supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = (
+        "Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced "
+        "Contrastive Learning for Data and Model Heterogeneity in Federated Learning, AAAI 2024"
+    )
+
+    def __post_init__(self) -> None:
+        if self.distance not in DISTANCES:
+            raise ValueError(f"distance = {self.distance!r}; choose one of {', '.join(DISTANCES)}")
+        if self.margin not in MARGINS:
+            raise ValueError(f"margin = {self.margin!r}; choose one of {', '.join(MARGINS)}")
+        if self.server_epochs < 0 or self.server_batch_size < 1:
+            raise ValueError("server_epochs must be >= 0 and server_batch_size >= 1")
+        if self.server_lr <= 0 or self.lam < 0 or self.tau < 0 or self.fixed_margin < 0:
+            raise ValueError("server_lr must be > 0; lam, tau and fixed_margin must be >= 0")
+
+    # ---- server half ---------------------------------------------------------------------
+    def init_server(self, spec: FederationSpec) -> TGPState:
+        # Seeded from the server's own stream: the same prototypes in every runtime.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seeding.derive(spec.seed, 0, seeding.SERVER, "fedtgp-init"))
+            module = TrainablePrototypes(spec.num_classes, spec.feature_dim, self.mlp)
+        module.eval()
+        return TGPState(module, torch.zeros(spec.num_classes, dtype=torch.bool), spec.seed)
+
+    def broadcast(self, state: TGPState, client_id: int, round_num: int) -> Prototypes:
+        with torch.no_grad():
+            protos = state.prototypes().detach().float()  # [C, d]
+        protos = protos.masked_fill(~state.known.unsqueeze(1), 0.0)
+        return Prototypes(protos.contiguous(), state.known.clone())
+
+    def validate_upload(self, state: TGPState, upload: Prototypes, client_id: int) -> None:
+        c, d = state.prototypes.embedding.weight.shape
+        if upload.protos.dtype != torch.float32 or tuple(upload.protos.shape) != (c, d):
+            raise PayloadError(
+                f"client {client_id}: protos is {upload.protos.dtype}{tuple(upload.protos.shape)},"
+                f" expected torch.float32{(c, d)}"
+            )
+        if upload.known.dtype != torch.bool or tuple(upload.known.shape) != (c,):
+            raise PayloadError(
+                f"client {client_id}: known is {upload.known.dtype}{tuple(upload.known.shape)},"
+                f" expected torch.bool{(c,)}"
+            )
+
+    def margin_for(self, points: Tensor, labels: Tensor, num_classes: int) -> float:
+        """delta(t) for this round's uploads, per the ``margin`` setting."""
+        if self.margin == "adaptive":
+            return adaptive_margin(points, labels, num_classes, self.tau)
+        return self.fixed_margin if self.margin == "fixed" else 0.0
+
+    def aggregate(
+        self, state: TGPState, uploads: Sequence[Weighted[Prototypes]], round_num: int
+    ) -> TGPState:
+        # The uploaded (prototype, class) pairs; weights (example counts) are not used: FedTGP
+        # treats every client prototype alike (no class counts exist on the server).
+        points = torch.cat([u.payload.protos[u.payload.known] for u in uploads]).float()  # [N, d]
+        labels = torch.cat([u.payload.known.nonzero().flatten() for u in uploads])  # [N]
+        if points.shape[0] == 0:
+            return state
+        num_classes = state.known.numel()
+        delta = self.margin_for(points, labels, num_classes)
+        module = copy.deepcopy(state.prototypes)
+        gen = seeding.torch_generator(state.seed, round_num, seeding.SERVER, "fedtgp-server")
+        loss = train_prototypes(
+            module,
+            points,
+            labels,
+            delta,
+            self.server_epochs,
+            self.server_batch_size,
+            self.server_lr,
+            gen,
+        )
+        known = state.known.clone()
+        known[labels] = True
+        return TGPState(module, known, state.seed, delta, loss, int(points.shape[0]))
+
+    # ---- client half ---------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        extras = nn.Module()
+        if self.stale_prototypes:
+            # The prototypes of the model as received, uploaded after training (reference code).
+            extras.register_buffer("stale_protos", torch.zeros(spec.num_classes, spec.feature_dim))
+            extras.register_buffer("stale_known", torch.zeros(spec.num_classes, dtype=torch.bool))
+        return extras
+
+    def before_fit(
+        self,
+        model: ClientModel,
+        extras: nn.Module,
+        data: ClientData,
+        msg: Prototypes,
+        settings: TrainSettings,
+        gen: torch.Generator,
+    ) -> None:
+        if self.stale_prototypes:
+            protos, counts = class_means(model, data, data.num_classes, settings.eval_batch_size)
+            extras.stale_protos.copy_(protos)
+            extras.stale_known.copy_(counts > 0)
+
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: Prototypes
+    ) -> Tensor:
+        features = model.features(x)  # [B, d]
+        ce = F.cross_entropy(model.head(features), y)
+        if self.lam == 0 or not bool(msg.known.any()):
+            return ce
+        return ce + self.lam * alignment_loss(features, y, msg.protos, msg.known, self.distance)
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: Prototypes
+    ) -> Prototypes:
+        if self.stale_prototypes:
+            return Prototypes(extras.stale_protos.clone().cpu(), extras.stale_known.clone().cpu())
+        protos, counts = class_means(model, data, data.num_classes, PROTO_BATCH)
+        # Exact per-class means; the counts stay on the client (only "has this class" leaves).
+        return Prototypes(protos, counts > 0)
+
+    def predict(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, msg: Prototypes
+    ) -> dict[str, Tensor]:
+        features = model.features(x)  # [B, d]
+        logits = model.head(features)  # [B, C]
+        if not bool(msg.known.any()):
+            # No global prototype yet (before the first aggregation): the head decides.
+            return {"acc": logits, "acc_head": logits}
+        return {
+            "acc": nearest_prototype_scores(features, msg.protos, msg.known),
+            "acc_head": logits,
+        }

@@ -1,0 +1,102 @@
+"""Homogeneous FedHeNN: eta0 = 0 is FedAvg, the CKA proximal term, payloads, end to end."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _publicfed import SHAPE, C, run_fed, tiny_data, tiny_model
+from conftest import tiny_raw
+
+from fedmosaic.algorithms._shared import SharedState
+from fedmosaic.algorithms.fedavg import FedAvg
+from fedmosaic.algorithms.fedhenn import cka, kernel_matrix
+from fedmosaic.algorithms.fedhenn_homo import FedHeNNHomo
+from fedmosaic.config import ConfigError, ExperimentConfig, from_dict
+from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.payload import PayloadError
+from fedmosaic.core.training import TrainSettings
+
+
+def _spec(public) -> FederationSpec:
+    def build(i: int):
+        torch.manual_seed(0)
+        return tiny_model()
+
+    return FederationSpec(3, C, 4, SHAPE, ("a",) * 3, (8, 8, 8), 0, 2, build, public)
+
+
+def _numbers(fed):
+    return [(r["acc_weighted"], r["train_loss"]) for r in fed.history.rounds]
+
+
+def test_eta0_zero_is_fedavg_exactly():
+    avg = run_fed(FedAvg(), rounds=3, heterogeneous=False)
+    henn0 = run_fed(FedHeNNHomo(eta0=0.0, rad_size=8), rounds=3, heterogeneous=False)
+    assert _numbers(avg) == _numbers(henn0)
+    assert all(torch.equal(henn0.state.weights[k], v) for k, v in avg.state.items())
+    henn = run_fed(FedHeNNHomo(eta0=1.0, rad_size=8), rounds=3, heterogeneous=False)
+    assert _numbers(henn) != _numbers(avg)
+    for r in henn.history.rounds:
+        assert r["rejected"] == [] and math.isfinite(r["train_loss"])
+
+
+def test_global_kernel_is_the_received_models_and_starts_aligned():
+    public = torch.randn(20, *SHAPE)
+    algo = FedHeNNHomo(eta0=0.5, rad_size=10)
+    spec = _spec(public)
+    state = algo.init_server(spec)
+    msg = algo.broadcast(state, 0, 4)
+    assert msg.eta == pytest.approx(1.0)  # 0.5 * sqrt(4)
+    torch.manual_seed(3)
+    model = tiny_model()  # different weights from the global model until it receives them
+    data = tiny_data()
+    extras = algo.init_client(model, spec, data)
+    algo.receive(model, extras, msg)
+    algo.before_fit(model, extras, data, msg, TrainSettings(), torch.Generator())
+    with torch.no_grad():
+        global_model = spec.build_model(0).eval()
+        want = kernel_matrix(global_model.features(msg.rad))
+    assert torch.allclose(extras.k_global, want)
+    # At the start of local training the model is the global model: the CKA term is 0.
+    x, y = torch.randn(6, *SHAPE), torch.tensor([0, 1, 2, 0, 1, 2])
+    model.train()
+    ce = F.cross_entropy(model(x), y)
+    assert torch.allclose(algo.loss(model, extras, x, y, msg), ce, atol=1e-5)
+    # After the model moves, the term is eta * (1 - CKA(K_i, K_global)).
+    with torch.no_grad():
+        model.encoder[1].weight.mul_(-1.5).add_(0.3)
+    ce = F.cross_entropy(model(x), y)
+    k_i = kernel_matrix(model.features(msg.rad))
+    want = ce + 1.0 * (1 - cka(k_i, extras.k_global))
+    assert torch.allclose(algo.loss(model, extras, x, y, msg), want, atol=1e-5)
+    assert float((want - ce).detach()) > 0
+
+
+def test_payloads_validation_and_config():
+    public = torch.randn(20, *SHAPE)
+    algo = FedHeNNHomo(rad_size=50)
+    state = algo.init_server(_spec(public))
+    assert state.rad_size == 20 and algo.broadcast(state, 0, 1).rad.shape == (20, *SHAPE)
+    assert not FedHeNNHomo.supports_heterogeneous and FedHeNNHomo.Upload is SharedState
+    good = SharedState({k: v.clone() for k, v in state.weights.items()})
+    algo.validate_upload(state, good, 0)
+    bad = dict(good.state)
+    bad["head.weight"] = torch.zeros(C + 1, 4)
+    with pytest.raises(PayloadError):
+        algo.validate_upload(state, SharedState(bad), 1)
+    with pytest.raises(ConfigError, match="public_size"):
+        algo.check_config(ExperimentConfig())
+    with pytest.raises(ConfigError):
+        algo.init_server(_spec(None))
+
+
+def test_two_rounds_with_config_and_wire_check():
+    raw = tiny_raw(
+        model={"family": "fedavgcnn"}, algorithm={"name": "fedhenn_homo", "rad_size": 20}
+    )
+    from fedmosaic.experiment import run_experiment
+
+    doc = run_experiment(from_dict(raw), progress=False)
+    assert [r["round"] for r in doc["rounds"]] == [1, 2]
+    assert all(r["rejected"] == [] for r in doc["rounds"])

@@ -1,0 +1,323 @@
+"""FedTGP: adaptive margin, ACL server step, client loss, payloads, stale option, end to end."""
+
+import copy
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _publicfed import C, D, run_fed, tiny_data, tiny_model
+from conftest import tiny_raw
+
+from fedmosaic.algorithms.fedtgp import (
+    FedTGP,
+    Prototypes,
+    TGPState,
+    TrainablePrototypes,
+    acl_loss,
+    adaptive_margin,
+    alignment_loss,
+    euclidean_distances,
+    nearest_prototype_scores,
+    train_prototypes,
+)
+from fedmosaic.config import from_dict
+from fedmosaic.core import client as client_ops
+from fedmosaic.core.algorithm import FederationSpec, Weighted
+from fedmosaic.core.payload import PayloadError
+from fedmosaic.core.training import TrainSettings
+
+
+def _spec(c: int = C, d: int = D, seed: int = 0) -> FederationSpec:
+    return FederationSpec(c, c, d, (1, 2, 6), ("a",) * c, (1,) * c, seed, 2, lambda i: None)
+
+
+# ---- adaptive margin --------------------------------------------------------------------------
+def test_adaptive_margin_three_hand_placed_prototypes():
+    # Class centers Q0 = (0, 0), Q1 = (3, 0), Q2 = (0, 4): pairwise distances 3, 4, 5.
+    # Per class, the distance to the nearest other class: 3, 3, 4 -> the maximum margin is 4
+    # (not 5, the largest pairwise distance).
+    # Class 0 is uploaded by two clients at (-1, 0) and (1, 0): unweighted mean (0, 0).
+    points = torch.tensor([[-1.0, 0.0], [1.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
+    labels = torch.tensor([0, 0, 1, 2])
+    assert adaptive_margin(points, labels, 4, tau=100.0) == pytest.approx(4.0)
+    assert adaptive_margin(points, labels, 4, tau=3.5) == pytest.approx(3.5)  # capped by tau
+    # Only the classes present count; one class alone has no margin.
+    assert adaptive_margin(points[:3], labels[:3], 4, tau=100.0) == pytest.approx(3.0)
+    assert adaptive_margin(points[:2], labels[:2], 4, tau=100.0) == 0.0
+
+
+def test_margin_modes():
+    points = torch.tensor([[0.0, 0.0], [3.0, 0.0]])
+    labels = torch.tensor([0, 1])
+    assert FedTGP().margin_for(points, labels, 2) == pytest.approx(3.0)
+    assert FedTGP(margin="fixed", fixed_margin=0.7).margin_for(points, labels, 2) == 0.7
+    assert FedTGP(margin="none").margin_for(points, labels, 2) == 0.0
+    with pytest.raises(ValueError):
+        FedTGP(margin="huge")
+    with pytest.raises(ValueError):
+        FedTGP(distance="cosine")
+
+
+# ---- the server's ACL step --------------------------------------------------------------------
+def _numpy_acl_step(p, x, y, delta, lr):
+    """One SGD step of mean_i CE(-(D_i + delta e_{y_i}), y_i) w.r.t. prototypes P, by hand.
+
+    dL/dP_c = 1/N sum_i (1[c = y_i] - softmax_ic) (P_c - x_i) / D_ic.
+    """
+    n, c = len(x), len(p)
+    dist = np.sqrt(((x[:, None, :] - p[None, :, :]) ** 2).sum(-1))  # [N, C]
+    onehot = np.eye(c)[y]
+    z = -(dist + delta * onehot)
+    sm = np.exp(z - z.max(1, keepdims=True))
+    sm /= sm.sum(1, keepdims=True)
+    loss = -np.log(sm[np.arange(n), y]).mean()
+    grad = np.zeros_like(p)
+    for i in range(n):
+        for k in range(c):
+            grad[k] += (onehot[i, k] - sm[i, k]) * (p[k] - x[i]) / dist[i, k] / n
+    return loss, p - lr * grad
+
+
+def test_one_acl_step_matches_hand_computation():
+    p0 = np.array([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0]])
+    x = np.array([[1.0, 0.5], [0.5, 1.5], [2.5, -0.5]])
+    y = np.array([0, 2, 1])
+    delta, lr = 0.5, 0.1
+    want_loss, want_p = _numpy_acl_step(p0, x, y, delta, lr)
+
+    module = TrainablePrototypes(3, 2, mlp=False)
+    with torch.no_grad():
+        module.embedding.weight.copy_(torch.tensor(p0, dtype=torch.float32))
+    points = torch.tensor(x, dtype=torch.float32)
+    labels = torch.tensor(y)
+    assert float(acl_loss(points, labels, module(), delta).detach()) == pytest.approx(
+        want_loss, rel=1e-5
+    )
+    gen = torch.Generator().manual_seed(0)
+    last = train_prototypes(module, points, labels, delta, 1, 10, lr, gen)  # one full batch
+    assert last == pytest.approx(want_loss, rel=1e-5)
+    assert torch.allclose(module().detach().double(), torch.tensor(want_p), atol=1e-6)
+
+
+def test_server_distance_is_finite_when_a_prototype_equals_a_point():
+    protos = torch.tensor([[1.0, 2.0], [0.0, 0.0]], requires_grad=True)
+    points = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    d = euclidean_distances(points, protos)
+    assert torch.allclose(d, torch.tensor([[0.0, math.sqrt(5)], [math.sqrt(8), 5.0]]), atol=1e-5)
+    loss = acl_loss(points, torch.tensor([0, 1]), protos, delta=1.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(protos.grad).all()
+
+
+def test_trainable_prototypes_structure_and_seeded_init():
+    algo = FedTGP()
+    s1, s2 = algo.init_server(_spec(seed=5)), algo.init_server(_spec(seed=5))
+    m = s1.prototypes
+    assert isinstance(m.embedding, torch.nn.Embedding) and m.embedding.weight.shape == (C, D)
+    kinds = [type(x).__name__ for x in m.mlp]
+    assert kinds == ["Linear", "ReLU", "Linear"]
+    assert all(lin.weight.shape == (D, D) for lin in (m.mlp[0], m.mlp[2]))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(m.state_dict().values(), s2.prototypes.state_dict().values())
+    )
+    other = algo.init_server(_spec(seed=6)).prototypes
+    assert not torch.equal(m.embedding.weight, other.embedding.weight)
+    bare = FedTGP(mlp=False).init_server(_spec()).prototypes
+    assert isinstance(bare.mlp, torch.nn.Identity)
+    assert torch.equal(bare(), bare.embedding.weight)
+
+
+def test_aggregate_trains_persistent_prototypes_deterministically():
+    algo = FedTGP(server_epochs=3)
+    state = algo.init_server(_spec())
+    before = copy.deepcopy(state.prototypes.state_dict())
+    known = torch.tensor([True, True, False])
+    up = Prototypes(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 0]]), known)
+    up2 = Prototypes(
+        torch.tensor([[0.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 3.0, 0]]),
+        torch.ones(3, dtype=torch.bool),
+    )
+    uploads = [Weighted(0, 10.0, up), Weighted(1, 99.0, up2)]
+    new = algo.aggregate(state, uploads, 1)
+    again = algo.aggregate(state, uploads, 1)
+    # The input state is untouched; the output is a pure function of (state, uploads, round).
+    assert all(torch.equal(before[k], v) for k, v in state.prototypes.state_dict().items())
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            new.prototypes.state_dict().values(), again.prototypes.state_dict().values()
+        )
+    )
+    assert not torch.equal(new.prototypes.embedding.weight, state.prototypes.embedding.weight)
+    assert new.known.tolist() == [True, True, True] and new.num_points == 5
+    # Q0 = (0.5, 0, 0, 0), Q1 = (0, 1.5, 0, 0), Q2 = (0, 0, 3, 0): nearest-other-class distances
+    # |Q0 Q1| = 1.58, |Q1 Q0| = 1.58, |Q2 Q0| = sqrt(0.25 + 9) = 3.04 -> the margin is 3.04.
+    assert new.margin == pytest.approx(math.sqrt(0.5**2 + 3**2), rel=1e-6)
+    # Broadcast: all C trained prototypes, classes never uploaded masked out.
+    only0 = algo.aggregate(state, [Weighted(0, 1.0, up)], 1)
+    msg = algo.broadcast(only0, 0, 2)
+    assert msg.known.tolist() == [True, True, False]
+    assert torch.equal(msg.protos[2], torch.zeros(D))
+    with torch.no_grad():
+        assert torch.allclose(msg.protos[:2], only0.prototypes()[:2])
+    # A second round keeps training the same module (persistent across rounds).
+    third = algo.aggregate(new, uploads, 2)
+    assert not torch.equal(third.prototypes.embedding.weight, new.prototypes.embedding.weight)
+
+
+# ---- client side ------------------------------------------------------------------------------
+def test_alignment_loss_euclidean_and_mse_hand_computed():
+    f = torch.tensor([[3.0, 4.0], [7.0, 7.0], [1.0, 1.0]], requires_grad=True)
+    y = torch.tensor([0, 1, 2])
+    protos = torch.tensor([[0.0, 0.0], [9.0, 9.0], [1.0, 1.0]])
+    known = torch.tensor([True, False, True])  # class 1 has no global prototype
+    # Euclidean: rows 5, 0 (no prototype), 0 (on its prototype) -> mean over the batch of 3.
+    eu = alignment_loss(f, y, protos, known, "euclidean")
+    assert float(eu.detach()) == pytest.approx(5.0 / 3.0)
+    eu.backward()
+    assert torch.isfinite(f.grad).all()  # finite at distance 0
+    assert torch.equal(f.grad[1], torch.zeros(2))  # the row without a prototype gets no pull
+    assert torch.allclose(f.grad[0], torch.tensor([3.0, 4.0]) / 5.0 / 3.0)
+    # MSE (reference): squared error summed over rows with a prototype / (B * d) = 25 / 6.
+    mse = alignment_loss(f, y, protos, known, "mse")
+    assert float(mse.detach()) == pytest.approx(25.0 / 6.0)
+
+
+def test_client_loss_is_ce_plus_lam_times_alignment():
+    torch.manual_seed(0)
+    model = tiny_model()
+    x = torch.randn(5, 1, 2, 6)
+    y = torch.tensor([0, 1, 2, 1, 0])
+    protos = torch.randn(C, D)
+    ce = F.cross_entropy(model(x), y)
+    none = Prototypes(protos, torch.zeros(C, dtype=torch.bool))
+    assert torch.allclose(FedTGP().loss(model, None, x, y, none), ce)  # no prototype yet: CE
+    only2 = Prototypes(protos, torch.tensor([False, False, True]))
+    # Only the row of class 2 contributes, divided by the batch size.
+    feats = model.features(x)
+    want = ce + 0.1 * (feats[2] - protos[2]).norm() / 5
+    assert torch.allclose(FedTGP(lam=0.1).loss(model, None, x, y, only2), want, atol=1e-6)
+    want_mse = ce + 10.0 * (feats[2] - protos[2]).pow(2).sum() / (5 * D)
+    got = FedTGP(lam=10.0, distance="mse").loss(model, None, x, y, only2)
+    assert torch.allclose(got, want_mse, atol=1e-5)
+
+
+def _hand_class_means(model, data):
+    with torch.no_grad():
+        x = data.source.batch(data.rows("train"))
+        f = model.eval().features(x)
+    y = data.targets("train")
+    out = torch.zeros(C, D)
+    for c in range(C):
+        if (y == c).any():
+            out[c] = f[y == c].mean(0)
+    return out
+
+
+def test_upload_is_exact_class_means_without_counts():
+    assert {f.name for f in dataclasses.fields(FedTGP.Upload)} == {"protos", "known"}
+    torch.manual_seed(0)
+    model = tiny_model()
+    data = tiny_data(classes=(0, 2))  # class 1 absent
+    up = FedTGP().upload(model, torch.nn.Module(), data, None)
+    assert up.known.dtype == torch.bool and up.known.tolist() == [True, False, True]
+    assert torch.allclose(up.protos, _hand_class_means(model, data), atol=1e-6)
+    arrays, scalars = up.flatten()
+    assert set(arrays) == {"protos", "known"} and scalars == {}
+    assert not any(a.dtype in (torch.int64, torch.int32) for a in arrays.values())
+
+
+def _fit(algo, model, data, msg):
+    extras = algo.init_client(model, _spec(), data)
+    return client_ops.fit(
+        algo, model, extras, msg, data, TrainSettings(batch_size=8, lr=0.5), 0, 1, 2
+    ).upload
+
+
+def test_stale_prototypes_upload_the_model_before_training():
+    data = tiny_data()
+    msg = Prototypes(torch.zeros(C, D), torch.zeros(C, dtype=torch.bool))
+    torch.manual_seed(1)
+    m_stale = tiny_model()
+    m_fresh = copy.deepcopy(m_stale)
+    before = _hand_class_means(m_stale, data)
+    stale = _fit(FedTGP(stale_prototypes=True), m_stale, data, msg)
+    fresh = _fit(FedTGP(), m_fresh, data, msg)
+    assert torch.allclose(stale.protos, before, atol=1e-6)
+    assert torch.allclose(fresh.protos, _hand_class_means(m_fresh, data), atol=1e-6)
+    assert not torch.allclose(fresh.protos, before, atol=1e-3)  # training moved the features
+    assert stale.known.tolist() == fresh.known.tolist() == [True, True, True]
+
+
+def test_predict_nearest_prototype_and_head_fallback():
+    torch.manual_seed(0)
+    model = tiny_model().eval()
+    x = torch.randn(6, 1, 2, 6)
+    feats = model.features(x)
+    protos = torch.stack([feats[0], feats[1] + 10, feats[2]])  # class 1 is far from everything
+    msg = Prototypes(protos.detach(), torch.tensor([True, True, False]))
+    out = FedTGP().predict(model, None, x, msg)
+    assert torch.equal(out["acc_head"], model(x))
+    assert out["acc"][0].argmax() == 0  # feats[0] sits on prototype 0
+    assert torch.isinf(out["acc"][:, 2]).all()  # no global prototype for class 2: never chosen
+    want = -torch.cdist(feats, protos[:2]).argmin(1)
+    assert torch.equal(out["acc"].argmax(1), -want)
+    # Before any global prototype exists, the head decides.
+    empty = Prototypes(torch.zeros(C, D), torch.zeros(C, dtype=torch.bool))
+    out = FedTGP().predict(model, None, x, empty)
+    assert torch.equal(out["acc"], out["acc_head"])
+    assert torch.equal(
+        nearest_prototype_scores(feats, protos, torch.ones(3, dtype=torch.bool)),
+        -euclidean_distances(feats, protos),
+    )
+
+
+def test_validate_upload_rejects_wrong_shapes_and_dtypes():
+    algo = FedTGP()
+    state: TGPState = algo.init_server(_spec())
+    ok = Prototypes(torch.zeros(C, D), torch.zeros(C, dtype=torch.bool))
+    algo.validate_upload(state, ok, 0)
+    bad = [
+        Prototypes(torch.zeros(C, D + 1), ok.known),
+        Prototypes(torch.zeros(C + 1, D), ok.known),
+        Prototypes(torch.zeros(C, D, dtype=torch.float64), ok.known),
+        Prototypes(ok.protos, torch.zeros(C, dtype=torch.long)),
+        Prototypes(ok.protos, torch.zeros(C + 1, dtype=torch.bool)),
+    ]
+    for up in bad:
+        with pytest.raises(PayloadError):
+            algo.validate_upload(state, up, 3)
+
+
+# ---- end to end -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"stale_prototypes": True, "distance": "mse", "lam": 10.0},
+        {"mlp": False, "margin": "none"},
+    ],
+)
+def test_two_rounds_heterogeneous_toy_federation(kwargs):
+    fed = run_fed(FedTGP(server_epochs=5, **kwargs))
+    rounds = fed.history.rounds
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert r["rejected"] == [] and math.isfinite(r["train_loss"])
+        assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_head_weighted"] <= 1.0
+    assert fed.state.known.all() and math.isfinite(fed.state.loss)
+    # Upload per client: C x d float32 + C bool (+ framing); the paper counts d x |C_i| floats.
+    assert rounds[0]["bytes_up_per_client"] >= C * D * 4 + C
+
+
+def test_two_rounds_with_config_and_wire_check():
+    raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedtgp", "server_epochs": 5})
+    from fedmosaic.experiment import run_experiment
+
+    doc = run_experiment(from_dict(raw), progress=False)
+    assert [r["round"] for r in doc["rounds"]] == [1, 2]
+    assert all(r["rejected"] == [] and "acc_head_weighted" in r for r in doc["rounds"])
