@@ -1,0 +1,181 @@
+"""FedDistill / FD (Jeong et al., Communication-Efficient On-Device Machine Learning: Federated
+Distillation and Augmentation under Non-IID Private Data, NeurIPS-W 2018).
+
+Shared: per-class mean logits only. Each client uploads ``logits [C, C]`` (row ``c`` = the mean
+logit vector of its class-``c`` training examples) + ``known [C]`` (which classes it has); the
+server averages each row over the clients that have the class and broadcasts the global logits.
+Models never leave the clients, so every client may have its own architecture (its head must
+output ``C`` logits). Client loss: ``CE(z, y) + lam * MSE(z, G[y])``.
+
+Choices and differences from the reference code (HtFLlib ``clientdistill``/``serverdistill``,
+itself from the FedLogit code):
+
+- Server mean: the plain (unweighted) mean over the clients that have the class, as the paper
+  (per-label averaging across devices) and the reference code do; clients do not send class counts.
+  The global logits are recomputed from this round's uploads only (as paper and code do, and as
+  our FedProto does): with partial participation a class no sampled client holds becomes unknown
+  for that round.
+- Local logits are exact class means computed after local training with the final local model in
+  eval mode. The reference averages the outputs produced during training (a moving model in train
+  mode, over every local epoch).
+- Loss normalization: ``F.mse_loss`` mean over all ``B * C`` elements; rows whose class has no
+  global logit target their own detached logits (zero value, zero gradient) but still count in the
+  denominator, exactly as ``nn.MSELoss`` in the reference, so ``lam`` means the same as there.
+- ``distill = "kl"`` (option): ``lam * T^2 * KL(softmax(G[y]/T) || softmax(z/T))`` averaged over the
+  batch, rows without a global logit contributing 0. This is the soft-target cross-entropy of
+  HtFLlib's ``FD`` variant (``CE(z, softmax(G[y]))``) minus the targets' entropy, a constant, so it
+  has the same gradients at ``T = 1``. Targets are always softmax probabilities of the global logits
+  (never raw logits used as probabilities).
+- ``lam = 1.0``: HtFLlib's default (``-lam 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._distill import kl_rows
+from fedmosaic.algorithms._shared import class_means
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
+
+DISTILLS = ("mse", "kl")
+
+
+@dataclass(frozen=True)
+class ClassLogits(Payload):
+    """Per-class mean logits; ``known[c]`` is False where the class has no examples (row is 0)."""
+
+    logits: Tensor  # [C, C] float32: row c = mean logit vector of class-c examples
+    known: Tensor  # [C] bool
+
+
+Broadcast = ClassLogits
+Upload = ClassLogits
+ServerState = ClassLogits  # the current global logits (CPU); broadcast as they are
+
+
+class _LogitsAsFeatures(nn.Module):
+    """A view of a model whose "features" are its logits, so ``class_means`` averages logits."""
+
+    def __init__(self, model: ClientModel) -> None:
+        super().__init__()
+        self.model = model
+        self.feature_dim = model.num_classes
+        self.train(model.training)  # class_means restores this mode afterwards
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.model(x)  # [B, C]
+
+
+def aggregate_logits(logits: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-class mean of ``logits [K, C, C]`` over the clients with ``known [K, C]`` True.
+
+    Returns ``logits [C, C]`` (zero rows where no client has the class) and ``known [C]``.
+    """
+    mask = known.to(torch.float64)  # [K, C]
+    num = mask.sum(0)  # [C] clients holding each class
+    summed = torch.einsum("kc,kcj->cj", mask, logits.to(torch.float64))  # [C, C]
+    mean = summed / num.clamp(min=1.0).unsqueeze(1)  # [C, C]
+    return mean.to(torch.float32), num > 0
+
+
+def distill_loss(
+    logits: Tensor,
+    y: Tensor,
+    global_logits: Tensor,
+    known: Tensor,
+    kind: str = "mse",
+    T: float = 1.0,
+) -> Tensor:
+    """The distillation term for a batch: rows whose class is not ``known`` contribute exactly 0.
+
+    ``mse``: mean over ``B * C`` of ``(z - G[y])^2``. ``kl``: ``T^2 * sum_rows KL(softmax(G[y]/T) ||
+    softmax(z/T)) / B``.
+    """
+    has = known[y]  # [B]
+    if kind == "mse":
+        target = torch.where(has.unsqueeze(1), global_logits[y], logits.detach())  # [B, C]
+        return F.mse_loss(logits, target)
+    if kind == "kl":
+        rows = kl_rows(logits, global_logits[y], T)  # [B]
+        return (T * T) * torch.where(has, rows, torch.zeros_like(rows)).sum() / y.numel()
+    raise ValueError(f"distill = {kind!r}; choose one of {', '.join(DISTILLS)}")
+
+
+@ALGORITHMS.register("feddistill")
+@dataclass(frozen=True)
+class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
+    """Share per-class mean logits; pull each example's logits towards its class's global mean."""
+
+    lam: float = 1.0  # weight of the distillation term (HtFLlib default)
+    distill: str = "mse"  # mse (paper, reference) | kl (soft targets softmax(G[y]/T), HtFLlib's FD)
+    T: float = 1.0  # softmax temperature of the kl variant (unused by mse)
+
+    Broadcast: ClassVar[type[Payload]] = ClassLogits
+    Upload: ClassVar[type[Payload]] = ClassLogits
+    supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = (
+        "Jeong et al., Communication-Efficient On-Device Machine Learning: Federated Distillation "
+        "and Augmentation under Non-IID Private Data, NeurIPS Workshop 2018"
+    )
+
+    def __post_init__(self) -> None:
+        if self.distill not in DISTILLS:
+            raise ValueError(f"distill = {self.distill!r}; choose one of {', '.join(DISTILLS)}")
+        if self.lam < 0:
+            raise ValueError(f"lam = {self.lam} must be >= 0")
+        if self.T <= 0:
+            raise ValueError(f"T = {self.T} must be > 0")
+
+    # ---- server half ---------------------------------------------------------------------
+    def init_server(self, spec: FederationSpec) -> ClassLogits:
+        c = spec.num_classes
+        return ClassLogits(torch.zeros(c, c), torch.zeros(c, dtype=torch.bool))
+
+    def broadcast(self, state: ClassLogits, client_id: int, round_num: int) -> ClassLogits:
+        return state
+
+    def aggregate(
+        self, state: ClassLogits, uploads: Sequence[Weighted[ClassLogits]], round_num: int
+    ) -> ClassLogits:
+        logits = torch.stack([u.payload.logits for u in uploads])  # [K, C, C]
+        known = torch.stack([u.payload.known for u in uploads])  # [K, C]
+        return ClassLogits(*aggregate_logits(logits, known))
+
+    def validate_upload(self, state: ClassLogits, upload: ClassLogits, client_id: int) -> None:
+        c = state.known.numel()
+        if upload.logits.dtype != torch.float32 or tuple(upload.logits.shape) != (c, c):
+            raise PayloadError(
+                f"client {client_id} logits are {upload.logits.dtype}{tuple(upload.logits.shape)}, "
+                f"expected torch.float32{(c, c)}"
+            )
+        if upload.known.dtype != torch.bool or tuple(upload.known.shape) != (c,):
+            raise PayloadError(
+                f"client {client_id} known is {upload.known.dtype}{tuple(upload.known.shape)}, "
+                f"expected torch.bool{(c,)}"
+            )
+
+    # ---- client half ---------------------------------------------------------------------
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: ClassLogits
+    ) -> Tensor:
+        z = model(x)  # [B, C]
+        ce = F.cross_entropy(z, y)
+        if self.lam == 0:
+            return ce
+        return ce + self.lam * distill_loss(z, y, msg.logits, msg.known, self.distill, self.T)
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: ClassLogits
+    ) -> ClassLogits:
+        logits, counts = class_means(_LogitsAsFeatures(model), data, model.num_classes)
+        return ClassLogits(logits, counts > 0)

@@ -1,0 +1,147 @@
+"""FML (Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020).
+
+Shared: a small "meme" model, the same architecture on every client, sample-weighted averaged by
+the server (all parameters and buffers). Each client's personal model (any architecture) stays
+local. Both are trained together by deep mutual learning on every local batch:
+``L_personal = alpha * CE(z_p, y) + (1 - alpha) * KL(p_meme || p_personal)`` and
+``L_meme = beta * CE(z_m, y) + (1 - beta) * KL(p_personal || p_meme)``, each KL towards the other
+model's detached prediction. Prediction: the personal model (``acc``); ``acc_meme`` is reported too.
+
+Choices and differences from the reference code (PFLlib/HtFLlib ``clientfml``/``serverfml``):
+
+- Meme architecture: ``meme_arch = ""`` picks the family's smallest member by parameter count
+  (deterministically, on the server and on every client); HtFLlib uses the family's first member.
+  Any zoo architecture string may be given instead.
+- KL uses ``reduction="batchmean"`` (the true KL per example). The reference's ``nn.KLDivLoss()``
+  default ``"mean"`` divides by ``B * C`` as well, shrinking the distillation term by ``C``.
+- Targets are detached, so each loss trains only its own model. The reference backpropagates
+  ``L_personal`` into the meme too (and vice versa) because its targets are not detached.
+- Both losses are summed and minimized by the one local optimizer; with plain SGD this is the
+  reference's two optimizers at the same learning rate. The reference's gradient-norm clipping at
+  10 ("prevent divergency on specific tasks") is not applied.
+- Server: sample-weighted average of the uploaded memes, buffers included (BatchNorm statistics;
+  integer counters keep the maximum); HtFLlib averages parameters uniformly and never updates the
+  meme's buffers.
+- ``alpha = beta = 0.5``: an even split of each model's loss between its labels and its peer. The
+  argparse defaults of the references switch mutual learning (partly) off: PFLlib ``alpha=1.0,
+  beta=0.0`` (the personal model ignores the meme), HtFLlib ``alpha=beta=1.0`` (no KL at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedmosaic.algorithms._distill import (
+    build_shared_model,
+    check_member,
+    initial_shared_state,
+    kl_rows,
+    small_member,
+)
+from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.registry import ALGORITHMS
+
+if TYPE_CHECKING:
+    from fedmosaic.config import ExperimentConfig
+
+Broadcast = SharedState
+Upload = SharedState
+ServerState = dict[str, Tensor]  # the global meme's state dict (CPU)
+
+
+class MemeExtras(nn.Module):
+    """Client extras: the local copy of the shared meme model."""
+
+    def __init__(self, meme: ClientModel) -> None:
+        super().__init__()
+        self.meme = meme
+
+
+def mutual_losses(
+    personal_logits: Tensor, meme_logits: Tensor, y: Tensor, alpha: float, beta: float
+) -> tuple[Tensor, Tensor]:
+    """Deep mutual learning losses ``(L_personal, L_meme)`` for one batch.
+
+    ``L_personal = alpha CE(z_p, y) + (1 - alpha) KL(softmax(z_m) || softmax(z_p))`` and
+    ``L_meme = beta CE(z_m, y) + (1 - beta) KL(softmax(z_p) || softmax(z_m))``, KL averaged over
+    the batch (``batchmean``) and each KL target detached.
+    """
+    ce_p = F.cross_entropy(personal_logits, y)
+    ce_m = F.cross_entropy(meme_logits, y)
+    kl_p = kl_rows(personal_logits, meme_logits.detach()).mean()
+    kl_m = kl_rows(meme_logits, personal_logits.detach()).mean()
+    return alpha * ce_p + (1 - alpha) * kl_p, beta * ce_m + (1 - beta) * kl_m
+
+
+@ALGORITHMS.register("fml")
+@dataclass(frozen=True)
+class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
+    """Federated mutual learning: a shared meme model distils to and from each personal model."""
+
+    alpha: float = 0.5  # personal model: weight of CE vs (1 - alpha) of KL to the meme
+    beta: float = 0.5  # meme model: weight of CE vs (1 - beta) of KL to the personal model
+    meme_arch: str = ""  # zoo architecture of the meme; "" = the family's smallest member
+
+    Broadcast: ClassVar[type[Payload]] = SharedState
+    Upload: ClassVar[type[Payload]] = SharedState
+    supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020"
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} = {v} must be in [0, 1]")
+
+    def check_config(self, cfg: ExperimentConfig) -> None:
+        check_member(self.meme_arch, "meme_arch")
+
+    # ---- server half ---------------------------------------------------------------------
+    def init_server(self, spec: FederationSpec) -> dict[str, Tensor]:
+        return initial_shared_state(small_member(self.meme_arch, spec), spec, "fml-meme")
+
+    def broadcast(self, state: dict[str, Tensor], client_id: int, round_num: int) -> SharedState:
+        return SharedState(state)
+
+    def aggregate(
+        self, state: dict[str, Tensor], uploads: Sequence[Weighted[SharedState]], round_num: int
+    ) -> dict[str, Tensor]:
+        return weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+
+    def validate_upload(
+        self, state: dict[str, Tensor], upload: SharedState, client_id: int
+    ) -> None:
+        check_state_like(upload.state, state, f"client {client_id} meme state")
+
+    # ---- client half ---------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        return MemeExtras(build_shared_model(small_member(self.meme_arch, spec), spec))
+
+    def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
+        extras.meme.load_part_state("all", msg.state)
+
+    def loss(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
+    ) -> Tensor:
+        l_personal, l_meme = mutual_losses(model(x), extras.meme(x), y, self.alpha, self.beta)
+        # Detached targets: the sum trains each model on its own loss only.
+        return l_personal + l_meme
+
+    def upload(
+        self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
+    ) -> SharedState:
+        return SharedState(extras.meme.part_state("all"))
+
+    def predict(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, msg: SharedState
+    ) -> dict[str, Tensor]:
+        return {"acc": model(x), "acc_meme": extras.meme(x)}

@@ -1,0 +1,132 @@
+"""Small building blocks shared by the zoo's architectures.
+
+Speed note (measured on the 2-core CPU target, see ``benchmarks`` / the module report): PyTorch's
+NCHW ``max_pool2d`` on CPU is several times slower than its channels-last kernel. The plain CNNs
+therefore run ``conv -> ToChannelsLast -> MaxPool2d -> ReLU``. ReLU after the pool is exactly the
+same function as before it (both are monotone: ``relu(max(x)) == max(relu(x))``) and gives the same
+gradients, but touches 4x fewer elements; converting before the ReLU also keeps the ReLU's backward
+in one memory layout (mixed layouts made it ~6x slower). Memory layout never changes values: the
+next conv and ``flatten`` read the tensor in logical (NCHW) order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+# Switch for benchmarks / debugging: False makes ToChannelsLast a no-op everywhere.
+CHANNELS_LAST_POOL = True
+
+
+def _functorch_wrapped(x: Tensor) -> bool:
+    """True inside torch.func transforms (vmap cannot query channels-last contiguity)."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(x)) if check is not None else False
+
+
+class ToChannelsLast(nn.Module):
+    """Re-lay a 4-D activation out as channels-last (values unchanged); no-op under torch.func."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not CHANNELS_LAST_POOL or x.dim() != 4 or _functorch_wrapped(x):
+            return x
+        return x.contiguous(memory_format=torch.channels_last)
+
+
+class GlobalAvgPool(nn.Module):
+    """``[B, C, H, W] -> [B, C]``: adaptive average pool to 1x1, then flatten."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1)
+
+
+def conv_bn_act(
+    in_ch: int,
+    out_ch: int,
+    kernel: int,
+    stride: int = 1,
+    groups: int = 1,
+    act: type[nn.Module] | None = nn.ReLU,
+    eps: float = 1e-5,
+) -> nn.Sequential:
+    """``Conv2d (no bias, 'same' padding for odd kernels) -> BatchNorm2d [-> activation]``."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(in_ch, out_ch, kernel, stride, kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(out_ch, eps=eps),
+    ]
+    if act is not None:
+        layers.append(act())
+    return nn.Sequential(*layers)
+
+
+def conv_pool_relu(in_ch: int, out_ch: int, kernel: int, padding: int) -> nn.Sequential:
+    """The plain-CNN conv block: ``Conv2d -> 2x2 max pool -> ReLU`` (see module note)."""
+    return nn.Sequential(
+        nn.Conv2d(in_ch, out_ch, kernel, padding=padding),
+        ToChannelsLast(),
+        nn.MaxPool2d(2),
+        nn.ReLU(),
+    )
+
+
+def fc_relu(in_dim: int, out_dim: int, flatten: bool = False) -> nn.Sequential:
+    """``[Flatten ->] Linear -> ReLU``."""
+    layers: list[nn.Module] = [nn.Flatten()] if flatten else []
+    layers += [nn.Linear(in_dim, out_dim), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def plain_cnn(
+    in_channels: int,
+    image_size: int,
+    convs: Sequence[tuple[int, int, int]],
+    fcs: Sequence[int],
+) -> tuple[nn.Sequential, int]:
+    """Blocks ``conv1..convK`` (conv -> 2x2 max pool -> ReLU) then ``fc1..fcM`` (Linear -> ReLU).
+
+    ``convs`` holds ``(out_channels, kernel, padding)`` per conv. The papers' convs are unpadded;
+    when the unpadded stack would shrink the image below 1x1 (e.g. 8x8 digits), every conv uses
+    'same' padding (``kernel // 2``) instead. ``fc1`` starts with the flatten; with no fcs the
+    flatten ends the last conv block. Returns ``(encoder, natural_dim)``.
+    """
+
+    def spatial(pads: Sequence[int]) -> int:
+        size = image_size
+        for (_, k, _), p in zip(convs, pads):
+            size = (size + 2 * p - k + 1) // 2
+        return size
+
+    pads = [p for _, _, p in convs]
+    if spatial(pads) < 1:
+        pads = [k // 2 for _, k, _ in convs]
+    size = spatial(pads)
+    if size < 1:
+        raise ValueError(f"image size {image_size} is too small for this CNN")
+
+    blocks: dict[str, nn.Module] = {}
+    ch = in_channels
+    for i, ((out_ch, k, _), p) in enumerate(zip(convs, pads), start=1):
+        blocks[f"conv{i}"] = conv_pool_relu(ch, out_ch, k, p)
+        ch = out_ch
+    dim = ch * size * size
+    if not fcs:
+        blocks[f"conv{len(convs)}"].append(nn.Flatten())
+    for i, width in enumerate(fcs, start=1):
+        blocks[f"fc{i}"] = fc_relu(dim, width, flatten=i == 1)
+        dim = width
+    return nn.Sequential(OrderedDict(blocks)), dim
+
+
+def init_conv_kaiming(module: nn.Module) -> None:
+    """He (fan_out) init for convs, unit/zero BatchNorm: the torchvision ResNet recipe."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)

@@ -1,0 +1,118 @@
+"""Member strings -> ClientModel: encoder (+ projection to feature_dim) and head.
+
+Member-string format: ``"<arch>[/<head>]"``
+
+- ``<arch>``: a registered encoder name (``fedmosaic list`` / ``ENCODERS.names()``).
+- ``<head>`` (optional, default ``linear``):
+  - ``linear``: ``Linear(feature_dim, C)`` (every paper's default classifier);
+  - ``mlp<h1>[-<h2>...]``: hidden fcs with ReLU between and no ReLU on the logits, e.g.
+    ``mlp512`` = ``Linear(d, 512) -> ReLU -> Linear(512, C)`` (FedTGP's HtC4 classifiers).
+
+Projection: when the encoder's natural dimension differs from ``feature_dim`` a last encoder block
+named ``proj`` maps it there:
+
+- ``"linear"`` (default): a learnable ``Linear(natural_dim, feature_dim)``, no activation.
+- ``"pool"``: HtFLlib's parameter-free ``AdaptiveAvgPool1d(feature_dim)``.
+
+Why linear by default: the pool averages *adjacent channels* (ResNet50's 2048 -> 512 averages
+fixed groups of 4; MobileNetV2's 1280 -> 512 overlapping windows of 2-3), an arbitrary mixing the
+network must learn around, and when natural_dim < feature_dim (ResNet4's 64, FedHeNN's 84) it only
+repeats each channel, so the "512-d" prototypes or features have 64 distinct values. A learned
+linear map is what FedClassAvg ("conv layers followed by one fc" of 512) and FedGH (a
+representation fc) use, costs natural_dim x feature_dim parameters, and lets every architecture
+choose how to fill the shared feature space. ``"pool"`` reproduces HtFLlib's numbers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ENCODERS
+
+PROJECTIONS = ("linear", "pool")
+_MLP = re.compile(r"mlp(\d+(?:-\d+)*)")
+
+
+def split_member(member: str) -> tuple[str, str]:
+    """``"arch/head"`` -> ``("arch", "head")``; the head defaults to ``"linear"``."""
+    arch, sep, head = member.partition("/")
+    if sep and not head:
+        raise ValueError(f"member {member!r}: empty head after '/'")
+    head = head or "linear"
+    parse_head(head)  # validate
+    return arch, head
+
+
+def parse_head(spec: str) -> list[int]:
+    """Hidden widths of a head spec: ``"linear"`` -> ``[]``, ``"mlp512-256"`` -> ``[512, 256]``."""
+    if spec == "linear":
+        return []
+    m = _MLP.fullmatch(spec)
+    if m is None:
+        raise ValueError(
+            f"unknown head {spec!r}; expected 'linear' or 'mlp<h1>[-<h2>...]' (e.g. 'mlp512')"
+        )
+    widths = [int(w) for w in m.group(1).split("-")]
+    if any(w < 1 for w in widths):
+        raise ValueError(f"head {spec!r}: widths must be positive")
+    return widths
+
+
+def build_head(spec: str, feature_dim: int, num_classes: int) -> nn.Module:
+    """The classifier for a head spec (no activation on the logits)."""
+    hidden = parse_head(spec)
+    if not hidden:
+        return nn.Linear(feature_dim, num_classes)
+    layers: list[nn.Module] = []
+    dim = feature_dim
+    for width in hidden:
+        layers += [nn.Linear(dim, width), nn.ReLU()]
+        dim = width
+    layers.append(nn.Linear(dim, num_classes))
+    return nn.Sequential(*layers)
+
+
+def build_encoder(
+    arch: str,
+    input_shape: tuple[int, int, int],
+    feature_dim: int,
+    projection: str = "linear",
+) -> nn.Module:
+    """The registered encoder for ``input_shape = (C, H, W)``, projected to ``feature_dim``."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"unknown projection {projection!r}; known: {', '.join(PROJECTIONS)}")
+    channels, height, width = input_shape
+    if height != width:
+        raise ValueError(f"square images only, got input_shape {tuple(input_shape)}")
+    encoder, natural_dim = ENCODERS.get(arch)(channels, height)
+    if not isinstance(encoder, nn.Sequential):  # its forward must run the blocks, proj included
+        raise TypeError(f"encoder {arch!r} must be an nn.Sequential of blocks")
+    if natural_dim != feature_dim:
+        proj = (
+            nn.Linear(natural_dim, feature_dim)
+            if projection == "linear"
+            else nn.AdaptiveAvgPool1d(feature_dim)
+        )
+        encoder.add_module("proj", proj)
+    return encoder
+
+
+def build_client_model(
+    member: str,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    feature_dim: int,
+    projection: str = "linear",
+) -> ClientModel:
+    """Build the ClientModel for a family member string (see module doc for the format).
+
+    Parameters are drawn from torch's global RNG: seed it first for reproducible models.
+    """
+    arch, head = split_member(member)
+    encoder = build_encoder(arch, input_shape, feature_dim, projection)
+    return ClientModel(
+        encoder, build_head(head, feature_dim, num_classes), feature_dim, num_classes, arch=member
+    )

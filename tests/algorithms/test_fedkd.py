@@ -1,0 +1,213 @@
+import math
+
+import pytest
+import torch
+from _tiny_fed import fake_zoo, make_clients, run_round, tiny_spec  # noqa: F401 (fixture)
+from conftest import tiny_raw
+
+from fedmosaic.algorithms import build_algorithm
+from fedmosaic.algorithms.fedkd import (
+    FedKD,
+    MenteeUpload,
+    adaptive_mutual_losses,
+    check_compressed,
+    compress,
+    decompress,
+    energy_rank,
+    energy_threshold,
+)
+from fedmosaic.config import ConfigError
+from fedmosaic.core.algorithm import Weighted
+from fedmosaic.core.payload import PayloadError, encode
+
+
+def test_energy_rank_is_minimal_and_reaching_the_threshold_counts():
+    s = torch.tensor([3.0, 2.0, 1.0])  # energies 9, 4, 1 of 14
+    assert energy_rank(s, 0.9) == 2  # 13/14 >= 0.9 > 9/14
+    assert energy_rank(s, 0.95) == 3  # 13/14 = 0.9286 < 0.95
+    assert energy_rank(s, 9 / 14) == 1  # exactly reached counts (>=)
+    assert energy_rank(s, 1.0) == 3
+    assert energy_rank(torch.zeros(4), 0.95) == 1  # a zero matrix: one (zero) triplet
+
+
+def _low_rank(m, n, rank, noise, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, rank, generator=g) @ torch.randn(rank, n, generator=g)
+    return a + noise * torch.randn(m, n, generator=g)
+
+
+@pytest.mark.parametrize("energy", [0.9, 0.95, 0.98])
+def test_truncation_reconstructs_within_tolerance_and_k_is_minimal(energy):
+    w = _low_rank(40, 30, 5, 0.3)
+    out = compress({"w": w}, energy)
+    k = out["w/S"].numel()
+    s2 = torch.linalg.svdvals(w.double()).pow(2)
+    kept = s2[:k].sum() / s2.sum()
+    assert kept >= energy  # the threshold is met ...
+    assert k == 1 or s2[: k - 1].sum() / s2.sum() < energy  # ... by the smallest k
+    rec = decompress(out, {"w": w})["w"]
+    # Eckart-Young: the squared error is exactly the dropped energy (<= 1 - T of the total).
+    err = (rec.double() - w.double()).pow(2).sum() / w.double().pow(2).sum()
+    assert float(err) == pytest.approx(float(1 - kept), abs=1e-5)
+    assert float(err) <= 1 - energy + 1e-6
+
+
+def test_conv_weights_are_factored_as_out_by_rest():
+    w = _low_rank(16, 8 * 3 * 3, 2, 0.01).reshape(16, 8, 3, 3)
+    out = compress({"conv.weight": w, "conv.bias": torch.ones(16)}, 0.95)
+    k = out["conv.weight/S"].numel()
+    assert out["conv.weight/U"].shape == (16, k) and out["conv.weight/V"].shape == (k, 72)
+    assert torch.equal(out["conv.bias"], torch.ones(16))  # 1-D: dense
+    rec = decompress(out, {"conv.weight": w, "conv.bias": torch.ones(16)})
+    assert rec["conv.weight"].shape == w.shape
+    assert torch.allclose(rec["conv.weight"], w, atol=0.05)
+
+
+def test_unprofitable_factors_are_sent_dense_and_exact():
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(1))  # flat spectrum
+    out = compress({"w": w}, 0.95)
+    assert set(out) == {"w"} and torch.equal(out["w"], w)
+
+
+def test_threshold_schedule():
+    assert [energy_threshold(t, 4, 0.95, 0.98) for t in (1, 2, 3, 4)] == pytest.approx(
+        [0.95, 0.96, 0.97, 0.98]
+    )
+    assert energy_threshold(0, 4, 0.95, 0.98) == pytest.approx(0.95)  # clamped
+    assert energy_threshold(9, 4, 0.95, 0.98) == pytest.approx(0.98)
+    assert energy_threshold(1, 1, 0.95, 0.98) == pytest.approx(0.95)
+    assert FedKD().threshold(2, 3) == pytest.approx(0.965)
+
+
+def test_compressed_bytes_shrink():
+    state = {
+        "fc.weight": _low_rank(64, 64, 2, 0.01),
+        "fc.bias": torch.zeros(64),
+        "bn.num_batches_tracked": torch.tensor(5),
+    }
+    dense = len(encode(MenteeUpload(state)))
+    small = len(encode(MenteeUpload(compress(state, 0.95))))
+    assert small < dense / 4  # rank ~2 of 64: 2 * (64 + 64 + 1) floats instead of 64 * 64
+
+
+def _ce(z, y):
+    total = 0.0
+    for row, c in zip(z.tolist(), y.tolist()):
+        total -= row[c] - math.log(sum(math.exp(v) for v in row))
+    return total / len(z)
+
+
+def _kl(student, teacher):
+    total = 0.0
+    for s, t in zip(student.tolist(), teacher.tolist()):
+        zs, zt = sum(math.exp(v) for v in s), sum(math.exp(v) for v in t)
+        for a, b in zip(s, t):
+            p, q = math.exp(b) / zt, math.exp(a) / zs
+            total += p * math.log(p / q)
+    return total / len(student)
+
+
+def test_adaptive_losses_against_explicit_computation():
+    zt = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]], requires_grad=True)
+    zs = torch.tensor([[0.0, 1.0, 0.0], [1.0, -1.0, 2.0]], requires_grad=True)
+    ht = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
+    hs = torch.tensor([[0.5, 0.5], [1.0, 1.0]], requires_grad=True)  # stands for W_h(h_s)
+    y = torch.tensor([0, 2])
+    l_t, l_s = adaptive_mutual_losses(zt, zs, ht, hs, y)
+    ce_t, ce_s = _ce(zt, y), _ce(zs, y)
+    w = 1.0 / (ce_t + ce_s)
+    mse = ((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + (0 - 1) ** 2 + (2 - 1) ** 2) / 4
+    assert l_t.item() == pytest.approx(ce_t + w * (_kl(zt, zs) + mse), rel=1e-5)
+    assert l_s.item() == pytest.approx(ce_s + w * (_kl(zs, zt) + mse), rel=1e-5)
+    # Each loss trains only its own side, and the adaptive weight is a constant.
+    g = torch.autograd.grad(l_t, [zs, hs, ht], allow_unused=True, materialize_grads=True)
+    assert torch.equal(g[0], torch.zeros_like(zs)) and torch.equal(g[1], torch.zeros_like(hs))
+    assert torch.allclose(g[2], w * 2 * (ht - hs).detach() / 4, atol=1e-6)
+    g = torch.autograd.grad(l_s, [zt, ht], allow_unused=True, materialize_grads=True)
+    assert all(torch.equal(x, torch.zeros_like(x)) for x in g)
+
+
+def test_check_compressed_validates_factor_shapes():
+    ref = {"w": torch.zeros(8, 6), "b": torch.zeros(8), "n": torch.tensor(0)}
+    good = compress({"w": _low_rank(8, 6, 1, 0.0), "b": torch.ones(8), "n": torch.tensor(3)}, 0.95)
+    assert "w/U" in good
+    check_compressed(good, ref, "x")
+    check_compressed({"w": torch.ones(8, 6), "b": torch.ones(8), "n": torch.tensor(1)}, ref, "x")
+    u, s, v = torch.zeros(8, 7), torch.zeros(7), torch.zeros(7, 6)  # k = 7 > min(8, 6)
+    bad = [
+        {**good, "w/U": torch.zeros(8, 2)},  # U and S disagree on k
+        {"w/U": u, "w/S": s, "w/V": v, "b": torch.ones(8), "n": torch.tensor(1)},
+        {**good, "extra": torch.zeros(1)},
+        {k: v for k, v in good.items() if k != "b"},
+        {**good, "b": torch.ones(7)},
+        {**good, "w/V": good["w/V"].double()},
+        {**good, "w": torch.ones(8, 6)},  # dense and factors at once
+    ]
+    for tensors in bad:
+        with pytest.raises(PayloadError):
+            check_compressed(tensors, ref, "client 3 mentee upload")
+
+
+def test_hyperparameters_are_checked():
+    for bad in ({"T_start": 0.99, "T_end": 0.9}, {"T_end": 1.5}, {"upload_mode": "grad"}):
+        with pytest.raises(ConfigError):
+            build_algorithm({"name": "fedkd", **bad})
+
+
+@pytest.mark.usefixtures("fake_zoo")
+def test_untrained_update_leaves_the_global_mentee_unchanged():
+    algo = FedKD()
+    spec = tiny_spec(("wide", "narrow"), rounds=3)
+    models, extras, data = make_clients(algo, spec)
+    state = algo.init_server(spec)
+    assert state.energy == pytest.approx(0.95)
+    # Clients load exactly the server's reconstruction.
+    msg = algo.broadcast(state, 0, 1)
+    algo.receive(models[0], extras[0], msg)
+    mentee = extras[0].mentee.state_dict()
+    assert all(torch.equal(mentee[k], state.mentee[k]) for k in mentee)
+    # With no training, every update is zero and the global mentee stays where it is.
+    up = algo.upload(models[0], extras[0], data[0], msg)
+    new = algo.aggregate(state, [Weighted(0, 5.0, up)], 1)
+    assert new.energy == pytest.approx(0.965)
+    for k, v in state.mentee.items():
+        assert torch.allclose(new.mentee[k], v, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fake_zoo")
+@pytest.mark.parametrize("upload_mode", ["update", "state"])
+def test_zoo_free_rounds(upload_mode):
+    # The wide member as mentee: its 64 x 12 layer is worth factoring on the wire.
+    algo = FedKD(upload_mode=upload_mode, mentee_arch="wide")
+    spec = tiny_spec(("wide", "narrow"), rounds=2)
+    models, extras, data = make_clients(algo, spec)
+    state = algo.init_server(spec)
+    w_h = [e.W_h.weight.clone() for e in extras]
+    for t in (1, 2):
+        new, uploads, sizes = run_round(algo, state, models, extras, data, t)
+        assert any(not torch.equal(new.mentee[k], state.mentee[k]) for k in state.mentee)
+        dense = len(encode(MenteeUpload(decompress(uploads[0].payload.tensors, state.mentee))))
+        # The bytes counted are those of the factors. A few SGD steps give a low-rank update,
+        # worth factoring; the weights themselves (near their random init) are not.
+        if upload_mode == "update":
+            assert "encoder.1.weight/U" in uploads[0].payload.tensors and sizes[0] < dense
+        else:
+            assert sizes[0] <= dense
+        state = new
+    assert all(not torch.equal(e.W_h.weight, w0) for e, w0 in zip(extras, w_h))
+    scores = algo.predict(models[1], extras[1], data[1].source.batch(torch.arange(4)), None)
+    assert set(scores) == {"acc", "acc_mentee"}
+
+
+def test_two_rounds_heterogeneous_end_to_end():
+    from fedmosaic.config import from_dict
+    from fedmosaic.experiment import run_experiment  # needs the model zoo
+
+    raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedkd"})
+    doc = run_experiment(from_dict(raw), progress=False)
+    for r in doc["rounds"]:
+        assert r["rejected"] == [] and math.isfinite(r["train_loss"])
+        assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_mentee_weighted"] <= 1.0
+        # A few local steps give low-rank updates: the upload is a fraction of the mentee that
+        # comes down (near its random init, the weights themselves do not compress).
+        assert r["bytes_up_per_client"] < r["bytes_down_per_client"] / 2
