@@ -41,8 +41,8 @@ Choices and differences from the reference code (official FedGen ``serverpFedGen
 - Defaults from HtFLlib's run script (``-nd 32 -glr 0.1 -hd 512 -se 100``, ``-lbs 10``). Its
   ``generator_lr = 0.1`` was never exercised there (the generator is never updated, see above);
   with a persistent generator the generated features grow in norm round after round (on FMNIST,
-  ~100x the real features' norm after 40 rounds) while the global head classifies them perfectly,
-  and accuracy was not hurt in our runs. The official FedGen rate ``3e-4`` (MNIST
+  over 100x the real features' norm after 40 rounds) while the global head classifies them
+  perfectly, and accuracy was not hurt in our runs. The official FedGen rate ``3e-4`` (MNIST
   ``ensemble_lr``) grows them more slowly. Weight decay 0 (HtFLlib; official 1e-2), no
   learning-rate decay (official: 0.98 per round).
 

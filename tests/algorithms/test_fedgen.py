@@ -142,7 +142,9 @@ def test_generator_changes_and_round_two_starts_from_round_one():
     state1 = algo.aggregate(state0, uploads, 1)
     after1 = _state(state1.generator)
     assert state1.trained
-    changed = [k for k in init if init[k].is_floating_point() and not torch.equal(init[k], after1[k])]
+    changed = [
+        k for k in init if init[k].is_floating_point() and not torch.equal(init[k], after1[k])
+    ]
     assert {"fc1.weight", "fc.weight", "bn.running_mean"} <= set(changed)
     assert _same(_state(state0.generator), init)  # aggregate returns a new state
     counts = torch.stack([u.payload.counts for u in uploads])
@@ -310,3 +312,10 @@ def test_two_rounds_heterogeneous_with_wire_check():
     for r in doc["rounds"]:
         assert r["rejected"] == [] and 0.0 <= r["acc_weighted"] <= 1.0
         assert math.isfinite(r["train_loss"]) and r["bytes_up"] > 0 and r["bytes_down"] > 0
+
+
+def test_heterogeneous_heads_rejected_by_config():
+    from fedmosaic.config import from_dict
+
+    with pytest.raises(ConfigError, match="htc4"):
+        from_dict(tiny_raw(model={"family": "htc4"}, algorithm={"name": "fedgen"}))

@@ -85,9 +85,7 @@ def test_coef_update_matches_finite_differences():
     g = _fd_grad(C0, P, rho)
     # Projected gradient step: remove each row's mean (tangent to the simplex); the step stays
     # inside the simplex here, so the projection onto it changes nothing.
-    want = [
-        [C0[i][j] - lr * (g[i][j] - sum(g[i]) / 3) for j in range(3)] for i in range(3)
-    ]
+    want = [[C0[i][j] - lr * (g[i][j] - sum(g[i]) / 3) for j in range(3)] for i in range(3)]
     assert all(v > 0 for row in want for v in row)
     got = update_coef(
         torch.tensor(C0, dtype=torch.float64),
