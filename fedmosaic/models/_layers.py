@@ -1,12 +1,15 @@
 """Small building blocks shared by the zoo's architectures.
 
-Speed note (measured on the 2-core CPU target, see ``benchmarks`` / the module report): PyTorch's
-NCHW ``max_pool2d`` on CPU is several times slower than its channels-last kernel. The plain CNNs
-therefore run ``conv -> ToChannelsLast -> MaxPool2d -> ReLU``. ReLU after the pool is exactly the
-same function as before it (both are monotone: ``relu(max(x)) == max(relu(x))``) and gives the same
-gradients, but touches 4x fewer elements; converting before the ReLU also keeps the ReLU's backward
-in one memory layout (mixed layouts made it ~6x slower). Memory layout never changes values: the
-next conv and ``flatten`` read the tensor in logical (NCHW) order.
+Speed note (CPU): PyTorch's NCHW ``max_pool2d`` kernel is ~8x slower than its channels-last one
+(1.04 ms vs 0.13 ms per call in FedAvgCNN at batch 10). The plain CNNs therefore run
+``conv -> ToChannelsLast -> MaxPool2d -> ReLU``: ReLU after the pool is the same function as before
+it (both monotone: ``relu(max(x)) == max(relu(x))``, same gradients) on 4x fewer elements, and
+converting before the ReLU keeps its backward in one memory layout (converting between ReLU and
+pool, with the ReLU's backward then mixing layouts, was no faster than plain NCHW). Measured
+training-step gains (1 thread, batch 10, CPU time): FedAvgCNN 1.14-1.17x, CNN1 1.04-1.10x,
+AlexNet 1.22-1.39x, GoogLeNet 1.27-1.31x. Layouts never change values (conv algorithms may differ
+in the last float bits); ``flatten`` reads logical NCHW order, and ``ToChannelsLast`` is a no-op
+inside ``torch.func`` transforms, which cannot handle channels-last layouts.
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ named ``proj`` maps it there:
 - ``"linear"`` (default): a learnable ``Linear(natural_dim, feature_dim)``, no activation.
 - ``"pool"``: HtFLlib's parameter-free ``AdaptiveAvgPool1d(feature_dim)``.
 
-Why linear by default: the pool averages *adjacent channels* (ResNet50's 2048 -> 512 averages
-fixed groups of 4; MobileNetV2's 1280 -> 512 overlapping windows of 2-3), an arbitrary mixing the
-network must learn around, and when natural_dim < feature_dim (ResNet4's 64, FedHeNN's 84) it only
-repeats each channel, so the "512-d" prototypes or features have 64 distinct values. A learned
-linear map is what FedClassAvg ("conv layers followed by one fc" of 512) and FedGH (a
-representation fc) use, costs natural_dim x feature_dim parameters, and lets every architecture
-choose how to fill the shared feature space. ``"pool"`` reproduces HtFLlib's numbers.
+Why linear by default: the pool is a fixed, arbitrary channel map. It averages adjacent channels
+(ResNet50's 2048 -> 512 in fixed groups of 4, MobileNetV2's 1280 -> 512 in overlapping windows of
+3) and, when natural_dim < feature_dim, copies them (each of ResNet4's 64 channels appears 8 times
+in its "512-d" feature). A learnable linear map lets every architecture learn its own compression
+or embedding into the shared space, as FedClassAvg (backbone + one fc to 512) and FedGH (a
+representation fc) do; it costs natural_dim x feature_dim parameters, and its output has no ReLU
+(features can be negative). Either way the features span at most min(natural_dim, feature_dim)
+dimensions. Use ``"pool"`` to reproduce HtFLlib.
 """
 
 from __future__ import annotations

@@ -97,14 +97,15 @@ for _name, (_convs, _fcs) in _CNN_TABLE9.items():
         f"""FedTGP Table 9 {_name.upper()}: convs {_convs} (5x5, each + 2x2 max pool), fcs {_fcs}.
 
         The "10-d fc" is the head; the last fc (512) is the feature layer, with ReLU (HtFLlib
-        ``CNN``). Blocks: {_block_names(len(_convs), len(_fcs))}.
+        ``CNN``). Blocks: {_block_names(len(_convs), len(_fcs))}.{" Same as fedavgcnn." if _name == "cnn2" else ""}
         """,
     )
 
 # FedGH Table 2: conv1 5x5 16, conv2 5x5 {32,16,32,32,32}, fc1 {2000,2000,1000,800,500}, fc2 500
 # (the 500-d representation layer), fc3 = head. Each conv is followed by a 2x2 max pool: with that,
 # the parameter counts reproduce Table 2's model sizes on 3x32x32 (e.g. CNN-1: 2,621,558 params =
-# 10.00 MiB, CNN-2: 6.92 MiB).
+# 10.00 MiB, CNN-2: 6.92 MiB, CNN-3: 5.04 MiB, CNN-5: 2.56 vs 2.55). CNN-4's listed 3.81 MB does
+# not fit its listed fc1 of 800 (4.04 MiB); we follow the listed widths.
 _FEDGH_TABLE2: dict[str, tuple[int, int]] = {
     "fedgh_cnn1": (32, 2000),
     "fedgh_cnn2": (16, 2000),

@@ -58,10 +58,14 @@ def mobilenetv2(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
     """MobileNetV2 1.0x (Sandler et al. 2018, Table 2; FedTGP HtFE4/HtFE8) for small images: stem
     3x3 conv 32 with stride 1 and the 24-channel stage at stride 1 (ImageNet: both 2), so 32x32
     maps go 32 -> 32 -> 16 -> 8 -> 4. Final 1x1 conv 1280 + global pool: natural_dim 1280.
-    Blocks: stem, stage1..stage7 (the table's rows), conv_last (1x1 conv + pool).
+    Blocks: stem (channels-last re-layout + 3x3 conv), stage1..stage7 (the table's rows),
+    conv_last (1x1 conv + pool).
     """
     del image_size
-    blocks: dict[str, nn.Module] = {"stem": conv_bn_act(in_channels, 32, 3, act=nn.ReLU6)}
+    # Channels-last activations: oneDNN's depthwise convs are faster in it (~1.2x per training
+    # step at 3x32x32, batch 10, 1 thread; ResNets gain nothing, so they stay NCHW).
+    stem = nn.Sequential(ToChannelsLast(), *conv_bn_act(in_channels, 32, 3, act=nn.ReLU6))
+    blocks: dict[str, nn.Module] = {"stem": stem}
     ch = 32
     for i, (t, c, n, s) in enumerate(_MBV2_TABLE, start=1):
         stage = []

@@ -106,7 +106,9 @@ _RESNETS: dict[str, tuple[list[int], type[BasicBlock] | type[Bottleneck], str]] 
 }
 
 
-def _register(name: str, depths: list[int], block: type[BasicBlock] | type[Bottleneck], doc: str):
+def _register(
+    name: str, depths: list[int], block: type[BasicBlock] | type[Bottleneck], doc: str
+) -> None:
     def build(in_channels: int, image_size: int) -> tuple[nn.Module, int]:
         del image_size  # global pooling: any size >= 2**(stages - 1)
         return resnet(in_channels, depths, block)
