@@ -28,6 +28,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "setup: installing torch==2.13.0 and fedmosaic[dev] into .venv"
   # torch first and pinned exactly: any looser spec would pull GBs of CUDA wheels.
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,flower]"
   echo "$WANT" > "$STAMP"
 fi

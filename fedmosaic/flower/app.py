@@ -1,0 +1,346 @@
+"""The fedmosaic Flower app: ``server_app`` (our round loop over a Grid) and ``client_app``.
+
+Components for ``pyproject.toml``::
+
+    serverapp = "fedmosaic.flower.app:server_app"
+    clientapp = "fedmosaic.flower.app:client_app"
+
+Both halves read the experiment from the run config (``experiment`` JSON + ``overrides``). A
+SuperNode serves one client: ``partition-id`` in its node config is the client id and
+``num-partitions`` must equal ``data.num_clients``. The ClientApp rebuilds that client's data
+split, model and extras deterministically from the config (the same functions the simulator
+uses), restores its persistent state from ``context.state`` and runs ``core.client``'s fit /
+evaluate / fine-tune. Flower starts a fresh ClientApp process per message in deployment, so this
+module imports only Flower's app API at import time; everything else is imported on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+log = logging.getLogger("fedmosaic.flower")
+
+MODEL_STATE = "fedmosaic.model"  # context.state: the client's model state dict
+EXTRAS_STATE = "fedmosaic.extras"  # context.state: the algorithm's client extras state dict
+CLIENT_STATE = "fedmosaic.client"  # context.state: which client the state above belongs to
+TEST_FAULT = "fedmosaic-test-fault"  # node config, tests only: nan | malformed | raise
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+
+# ---- client half ------------------------------------------------------------------------------
+@dataclass
+class _Federation:
+    """What a SuperNode rebuilds from the experiment config (cached per process)."""
+
+    cfg: Any
+    algo: Any
+    clients: list[Any]
+    spec: Any
+    settings: Any
+    splits: tuple[str, ...]
+
+
+_FEDERATIONS: dict[str, _Federation] = {}
+
+
+def eval_splits(clients: list[Any]) -> tuple[str, ...]:
+    return ("test", "val") if any(c.num("val") for c in clients) else ("test",)
+
+
+def _federation(run_config: Any) -> _Federation:
+    key = json.dumps([run_config.get("experiment"), run_config.get("overrides")])
+    if key not in _FEDERATIONS:
+        import torch
+
+        from fedmosaic.algorithms import build_algorithm
+        from fedmosaic.core.training import TrainSettings
+        from fedmosaic.data import build_federated_data
+        from fedmosaic.experiment import client_data, make_spec
+        from fedmosaic.flower.settings import experiment_config
+
+        cfg = experiment_config(run_config)
+        if cfg.sim.threads > 0:
+            torch.set_num_threads(cfg.sim.threads)
+        fed = build_federated_data(cfg.data, cfg.seed)
+        clients = client_data(fed, cfg.train.device)
+        spec = make_spec(cfg, fed, clients)
+        _FEDERATIONS.clear()  # one experiment per process
+        _FEDERATIONS[key] = _Federation(
+            cfg,
+            build_algorithm(cfg.algorithm),
+            clients,
+            spec,
+            TrainSettings.from_config(cfg.train),
+            eval_splits(clients),
+        )
+    return _FEDERATIONS[key]
+
+
+def _partition(context: Context) -> tuple[int, int]:
+    pid, total = context.node_config.get("partition-id"), context.node_config.get("num-partitions")
+    if not isinstance(pid, int) or not isinstance(total, int) or isinstance(pid, bool):
+        raise ValueError(
+            "this SuperNode needs --node-config 'partition-id=<i> num-partitions=<N>' "
+            f"(got {dict(context.node_config)})"
+        )
+    return pid, total
+
+
+class _Client:
+    """One client's model and extras, restored from and saved to ``context.state``."""
+
+    def __init__(self, context: Context) -> None:
+        from fedmosaic.experiment import make_client
+        from fedmosaic.flower.codec import record_to_tensors
+
+        self.context = context
+        self.fed = _federation(context.run_config)
+        self.cid, total = _partition(context)
+        n = self.fed.spec.num_clients
+        if total != n or not 0 <= self.cid < n:
+            raise ValueError(
+                f"partition-id={self.cid} num-partitions={total}: the run has {n} clients"
+            )
+        self.data = self.fed.clients[self.cid]
+        self.model, self.extras = make_client(self.fed.cfg, self.fed.algo, self.fed.spec, self.data)
+        state = context.state
+        owner = state.config_records.get(CLIENT_STATE)
+        if owner is not None and owner.get("client-id") == self.cid:
+            self.model.load_state_dict(record_to_tensors(state.array_records[MODEL_STATE]))
+            self.extras.load_state_dict(record_to_tensors(state.array_records[EXTRAS_STATE]))
+
+    def save(self) -> None:
+        from flwr.app import ConfigRecord
+
+        from fedmosaic.flower.codec import tensors_to_record
+
+        self.context.state[MODEL_STATE] = tensors_to_record(self.model.state_dict())
+        self.context.state[EXTRAS_STATE] = tensors_to_record(self.extras.state_dict())
+        self.context.state[CLIENT_STATE] = ConfigRecord({"client-id": self.cid})
+
+    def broadcast(self, msg: Message) -> tuple[Any, dict[str, Any]]:
+        from fedmosaic.core.payload import PayloadError
+        from fedmosaic.flower import messages as m
+        from fedmosaic.flower.codec import records_to_payload
+
+        head = m.header(msg.content)
+        if m.int_field(head, "client-id") != self.cid:
+            raise PayloadError(f"message for client {head.get('client-id')} sent to {self.cid}")
+        m.check_payload_type(head, self.fed.algo.Broadcast)
+        return records_to_payload(self.fed.algo.Broadcast, msg.content), head
+
+
+@client_app.query()
+def hello(msg: Message, context: Context) -> Message:
+    """Handshake: which client (partition) this SuperNode serves."""
+    from fedmosaic.flower import messages as m
+
+    pid, total = _partition(context)
+    return Message(
+        m.with_header(RecordDict(), **{"partition-id": pid, "num-partitions": total}),
+        reply_to=msg,
+    )
+
+
+@client_app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training on this client's split; replies with the upload."""
+    from fedmosaic.core import client as client_ops
+    from fedmosaic.flower import messages as m
+
+    fault = context.node_config.get(TEST_FAULT, "")
+    if fault == "raise":
+        raise RuntimeError(f"{TEST_FAULT}=raise")
+    client = _Client(context)
+    payload, head = client.broadcast(msg)
+    fed = client.fed
+    out = client_ops.fit(
+        fed.algo,
+        client.model,
+        client.extras,
+        payload,
+        client.data,
+        fed.settings,
+        fed.cfg.seed,
+        m.int_field(head, "round"),
+        fed.cfg.train.local_epochs,
+    )
+    client.save()
+    content = m.payload_message(
+        out.upload,
+        **{
+            "client-id": client.cid,
+            "num-examples": out.num_examples,
+            "loss": float(out.stats.mean_loss),
+        },
+    )
+    if fault:
+        _inject_fault(content, str(fault))
+    return Message(content, reply_to=msg)
+
+
+@client_app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Correct counts per split and prediction mode with the model this client would use."""
+    from fedmosaic.core import client as client_ops
+    from fedmosaic.flower import messages as m
+
+    client = _Client(context)
+    payload, head = client.broadcast(msg)
+    receive = bool(head.get("receive", True))
+    counts = client_ops.evaluate(
+        client.fed.algo,
+        client.model,
+        client.extras,
+        payload,
+        client.data,
+        client.fed.splits,
+        client.fed.settings.eval_batch_size,
+        receive=receive,
+    )
+    if receive:  # receiving changed the model, exactly as it does in the simulator
+        client.save()
+    content = m.with_header(RecordDict(), **{"client-id": client.cid})
+    content[m.COUNTS] = m.counts_record(counts)
+    return Message(content, reply_to=msg)
+
+
+@client_app.train("finetune")
+def finetune(msg: Message, context: Context) -> Message:
+    """Local fine-tuning after the last round (FedBABU, layer expansion)."""
+    from fedmosaic.core import client as client_ops
+    from fedmosaic.flower import messages as m
+
+    client = _Client(context)
+    payload, head = client.broadcast(msg)
+    phases = m.phases_from_json(str(head.get("phases", "[]")))
+    client_ops.finetune(
+        client.fed.algo,
+        client.model,
+        client.extras,
+        payload,
+        client.data,
+        client.fed.settings,
+        client.fed.cfg.seed,
+        phases,
+    )
+    client.save()
+    return Message(m.with_header(RecordDict(), **{"client-id": client.cid}), reply_to=msg)
+
+
+def _inject_fault(content: RecordDict, fault: str) -> None:
+    """Tests only: corrupt a reply the way a broken or hostile client would."""
+    import numpy as np
+    from flwr.app import Array
+
+    from fedmosaic.flower.codec import ARRAYS
+
+    arrays = content.array_records[ARRAYS]
+    if fault == "nan":
+        for name, arr in arrays.items():
+            if arr.dtype.startswith("float"):
+                arrays[name] = Array(np.full(arr.shape, np.nan, dtype=arr.dtype))
+                return
+    if fault in ("nan", "malformed"):
+        arrays["not-a-field"] = Array(np.zeros(3, dtype=np.float32))
+        return
+    raise ValueError(f"unknown {TEST_FAULT} {fault!r}")
+
+
+# ---- server half ------------------------------------------------------------------------------
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_server(grid, context.run_config)
+
+
+def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
+    """Our round loop over ``grid``; writes and returns the ``results.json`` document."""
+    from fedmosaic.core.rounds import run_rounds
+    from fedmosaic.experiment import build_federation, results_document
+    from fedmosaic.flower.settings import FlowerOptions, experiment_config
+    from fedmosaic.flower.transport import GridTransport
+    from fedmosaic.report.results import write_results
+
+    start = time.perf_counter()
+    options = FlowerOptions.from_run_config(run_config)
+    cfg = experiment_config(run_config)
+    out = Path(
+        options.results_dir
+        or f"runs/flower-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    run_log = _RunLog(out / "server.log")
+    try:
+        fed = build_federation(cfg, with_clients=False)
+        plan = replace(fed.plan, min_replies=options.min_replies)
+        transport = GridTransport(grid, fed.algo, fed.clients, eval_splits(fed.clients), options)
+        log.info(
+            "fedmosaic on Flower: %s, %d clients, %d rounds; waiting for SuperNodes",
+            cfg.algorithm["name"],
+            plan.num_clients,
+            plan.rounds,
+        )
+        transport.connect()
+        progress = out / "progress.jsonl"
+        progress.unlink(missing_ok=True)
+
+        def on_round(rec: dict[str, Any]) -> None:
+            line = {**rec, "flower": transport.rounds.get(rec["round"], {})}
+            with open(progress, "a") as fh:
+                fh.write(json.dumps(line, default=str) + "\n")
+            log.info(
+                "round %d: acc %s, participants %s, rejected %s%s",
+                rec["round"],
+                f"{rec['acc_weighted']:.4f}" if "acc_weighted" in rec else "-",
+                rec["participants"],
+                rec["rejected"],
+                "" if rec.get("aggregated", True) else " (skipped)",
+            )
+
+        history, _ = run_rounds(fed.algo, fed.spec, transport, plan, on_round)
+        doc = results_document(fed, history, time.perf_counter() - start)
+        doc["runtime"] = "flower"
+        doc["flower"] = {
+            "options": dict(vars(options)),
+            "nodes": {str(c): n for c, n in sorted(transport.node_of.items())},
+            "rounds": [transport.rounds[t] for t in sorted(transport.rounds)],
+        }
+        write_results(out, doc)
+        log.info("results written to %s", out)
+        return doc
+    finally:
+        run_log.close()
+
+
+class _RunLog:
+    """INFO and above of every ``fedmosaic`` logger to ``path`` (and stderr, which Flower
+    collects as the run's log, when nothing else prints them) for the duration of a run."""
+
+    def __init__(self, path: Path) -> None:
+        self.logger = logging.getLogger("fedmosaic")
+        self.level = self.logger.level
+        self.handlers: list[logging.Handler] = [logging.FileHandler(path)]
+        if not self.logger.hasHandlers():
+            self.handlers.append(logging.StreamHandler())
+        fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        for h in self.handlers:
+            h.setFormatter(fmt)
+            self.logger.addHandler(h)
+        self.logger.setLevel(logging.INFO)
+
+    def close(self) -> None:
+        for h in self.handlers:
+            self.logger.removeHandler(h)
+            h.close()
+        self.logger.setLevel(self.level)

@@ -1,0 +1,78 @@
+"""Run-config keys of the fedmosaic Flower app (``[tool.flwr.app.config]``, ``flwr run -c``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict
+
+# key -> (default, meaning); written into the generated app's pyproject.toml with these comments.
+RUN_CONFIG: dict[str, tuple[Any, str]] = {
+    "experiment": ("", "the experiment config as JSON (what `fedmosaic flower app` wrote)"),
+    "overrides": ("", 'space-separated section.key=value overrides, e.g. "train.rounds=5"'),
+    "results-dir": ("", "where the ServerApp writes results.json (on the SuperLink host)"),
+    "round-timeout": (600.0, "seconds to wait for the round's training replies (the deadline)"),
+    "eval-timeout": (600.0, "seconds to wait for evaluation / fine-tuning replies"),
+    "min-replies": (1, "fewer valid training replies than this: the round is skipped"),
+    "min-nodes": (0, "SuperNodes to wait for before round 1 (0 = one per client)"),
+    "connect-timeout": (600.0, "seconds to wait for min-nodes SuperNodes"),
+    "max-reply-mb": (256.0, "replies with more array data than this are rejected"),
+}
+
+
+@dataclass(frozen=True)
+class FlowerOptions:
+    round_timeout: float = 600.0
+    eval_timeout: float = 600.0
+    min_replies: int = 1
+    min_nodes: int = 0
+    connect_timeout: float = 600.0
+    max_reply_bytes: int = 256 << 20
+    results_dir: str = ""
+    poll_interval: float = 0.2
+
+    @classmethod
+    def from_run_config(cls, rc: Mapping[str, Any]) -> FlowerOptions:
+        def num(key: str) -> float:
+            value = rc.get(key, RUN_CONFIG[key][0])
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"run config {key} = {value!r} must be a number >= 0")
+            return float(value)
+
+        return cls(
+            round_timeout=num("round-timeout"),
+            eval_timeout=num("eval-timeout"),
+            min_replies=int(num("min-replies")),
+            min_nodes=int(num("min-nodes")),
+            connect_timeout=num("connect-timeout"),
+            max_reply_bytes=int(num("max-reply-mb") * (1 << 20)),
+            results_dir=str(rc.get("results-dir", "")),
+        )
+
+
+def experiment_raw(rc: Mapping[str, Any]) -> dict[str, Any]:
+    text = rc.get("experiment", "")
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(
+            "run config key 'experiment' is empty: generate the app with "
+            "`fedmosaic flower app CONFIG.toml --out DIR`"
+        )
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"run config 'experiment' is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("run config 'experiment' must be a JSON object")
+    overrides = rc.get("overrides", "")
+    if not isinstance(overrides, str):
+        raise ConfigError("run config 'overrides' must be a string")
+    return apply_overrides(raw, shlex.split(overrides))
+
+
+def experiment_config(rc: Mapping[str, Any]) -> ExperimentConfig:
+    """The experiment both halves run: the ``experiment`` JSON with ``overrides`` applied."""
+    return from_dict(experiment_raw(rc))
