@@ -1,4 +1,4 @@
-"""Command line: ``fedmosaic run | list | partition``."""
+"""Command line: ``fedmosaic run | compare | list | partition``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from fedmosaic.config import ConfigError, ExperimentConfig, load
 
 DEFAULT_BASELINE = "local"
+CHECKPOINT_FILE = "checkpoint.safetensors"  # fedmosaic.checkpoint.FILENAME (kept import-light)
 
 
 def default_config_path() -> Path:
@@ -24,7 +25,6 @@ def _load(config: str | None, overrides: list[str]) -> ExperimentConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedmosaic.experiment import run_experiment
     from fedmosaic.report.results import format_table, plot_curves, write_results
 
     cfg = _load(args.config, args.set)
@@ -44,15 +44,94 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
             f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
         )
-        doc = run_experiment(run_cfg, progress=not args.quiet)
         target = out if len(names) == 1 else out / name
+        doc = _run_one(run_cfg, target, args)
         write_results(target, doc)
+        (target / CHECKPOINT_FILE).unlink(missing_ok=True)  # complete: results.json is the product
         docs[name] = doc
     if len(docs) > 1:
         plot_curves(docs, out / "curves.png")
     print()
     print(format_table(list(docs.values())))
     print(f"\nreport written to {out}/")
+    return 0
+
+
+def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One run with the CSV/TensorBoard sinks and, when asked, checkpoints in ``target``."""
+    from fedmosaic.checkpoint import CheckpointError, peek
+    from fedmosaic.experiment import run_experiment
+    from fedmosaic.report.sinks import Sinks
+
+    ckpt = target / CHECKPOINT_FILE
+    keep = 0
+    if ckpt.exists() and not args.resume:
+        raise CheckpointError(
+            f"{ckpt} exists (an interrupted run): pass --resume to continue it, "
+            "or delete it to start over"
+        )
+    if ckpt.exists():
+        keep = int(peek(ckpt)["round"])
+    sinks = Sinks(target, keep_rounds=keep)
+    try:
+        return run_experiment(
+            cfg,
+            progress=not args.quiet,
+            on_round=sinks,
+            checkpoint_dir=target,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+        )
+    finally:
+        sinks.close()
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedmosaic.compare import build_cells, load_suite, run_suite
+
+    suite = load_suite(args.suite)
+    split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
+    cells = build_cells(
+        suite,
+        args.set,
+        quick=args.quick,
+        methods=split(args.methods),
+        settings=split(args.settings),
+        seeds=[int(x) for x in split(args.seeds)] if args.seeds else None,
+    )
+    out = Path(args.out or f"runs/compare-{suite.name}")
+    if args.list:
+        from fedmosaic.compare import cached
+
+        for c in cells:
+            state = "done" if cached(out, c) else "to run"
+            print(f"{c.key}\t{c.cfg.train.rounds} rounds\t{state}")
+        return 0
+    command = " ".join(
+        ["fedmosaic compare", args.suite, "--out", str(out)]
+        + (["--quick"] if args.quick else [])
+        + [
+            f"--{k} {v}"
+            for k, v in (
+                ("methods", args.methods),
+                ("settings", args.settings),
+                ("seeds", args.seeds),
+            )
+            if v
+        ]
+        + [f"--set {item}" for item in args.set]
+    )
+    run_suite(
+        suite,
+        out,
+        cells,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.quiet,
+        command=command,
+    )
+    print((out / "table.md").read_text())
+    print(f"report written to {out}/index.html")
     return 0
 
 
@@ -103,6 +182,25 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_flower_app(args: argparse.Namespace) -> int:
+    from fedmosaic.config import parse_value
+    from fedmosaic.flower.project import write_app
+
+    cfg = _load(args.config, args.set)
+    run_config = {}
+    for item in args.run_config:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--run-config {item!r} must look like key=value")
+        run_config[key.strip()] = parse_value(value.strip())
+    out = write_app(
+        cfg, args.out, args.superlink, args.insecure, args.root_certificates, run_config
+    )
+    print(f"Flower app written to {out}/ (see {out}/README.md)")
+    print(f"  FLWR_HOME={out.resolve()}/.flwr flwr run {out} fedmosaic --stream")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,7 +216,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run this algorithm on the same config and split (repeatable)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="save a checkpoint in the output folder every K rounds (and after the last)",
+    )
+    r.add_argument(
+        "--resume", action="store_true", help="continue from the output folder's checkpoint"
+    )
     r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser(
+        "compare", help="run a suite: methods x settings x seeds, one table and an HTML report"
+    )
+    c.add_argument("suite", help="suite TOML (see benchmarks/suites/)")
+    c.add_argument("--out", help="output folder (default runs/compare-<suite>)")
+    c.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="applied to every cell",
+    )
+    c.add_argument("--quick", action="store_true", help="apply the suite's [quick] reduced budget")
+    c.add_argument("--methods", help="comma-separated subset of the suite's methods")
+    c.add_argument("--settings", help="comma-separated subset of the suite's settings")
+    c.add_argument("--seeds", help="comma-separated seeds (default: the suite's)")
+    c.add_argument(
+        "--resume", action="store_true", help="continue interrupted cells from their checkpoints"
+    )
+    c.add_argument(
+        "--checkpoint-every", type=int, default=None, metavar="K", help="default: the suite's"
+    )
+    c.add_argument("--list", action="store_true", help="list the cells and whether they are done")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_compare)
 
     ls = sub.add_parser("list", help="list registered algorithms, models, families, ...")
     ls.add_argument(
@@ -135,6 +269,25 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--split", default="train", choices=["train", "val", "test"])
     pa.add_argument("--png", help="also save a plot of the histograms")
     pa.set_defaults(func=cmd_partition)
+
+    fl = sub.add_parser("flower", help="deploy on Flower (see docs/flower.md)")
+    fl_sub = fl.add_subparsers(dest="flower_command", required=True)
+    fa = fl_sub.add_parser("app", help="write a Flower app folder that `flwr run` accepts")
+    fa.add_argument("config", help="experiment TOML")
+    fa.add_argument("--out", required=True, help="app folder to write")
+    fa.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    fa.add_argument("--superlink", default="127.0.0.1:9093", help="SuperLink address host:port")
+    tls = fa.add_mutually_exclusive_group()
+    tls.add_argument("--root-certificates", help="CA certificate of the SuperLink (TLS)")
+    tls.add_argument("--insecure", action="store_true", help="no TLS (loopback demos only)")
+    fa.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="app run config, e.g. round-timeout=120 min-replies=2 (see docs/flower.md)",
+    )
+    fa.set_defaults(func=cmd_flower_app)
     return p
 
 

@@ -7,6 +7,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -197,8 +198,8 @@ def _client_accs(r: EvalResult, prefix: str) -> dict[str, float]:
     return out
 
 
-def client_costs(fed: Federation) -> list[float]:
-    """Estimated training cost per client: forward FLOPs per image x training examples."""
+def member_flops(fed: Federation) -> list[float]:
+    """Forward FLOPs per image of each client's model (one model built per family member)."""
     from fedmosaic.models import flops_per_image
 
     per_member: dict[str, float] = {}
@@ -206,26 +207,60 @@ def client_costs(fed: Federation) -> list[float]:
     for c in fed.clients:
         member = fed.spec.members[c.client_id]
         if member not in per_member:
-            per_member[member] = float(
-                flops_per_image(fed.spec.build_model(c.client_id), fed.spec.input_shape)
-            )
-        out.append(per_member[member] * max(c.num_train, 1))
+            with torch.random.fork_rng(devices=[]):
+                model = fed.spec.build_model(c.client_id)
+            per_member[member] = float(flops_per_image(model, fed.spec.input_shape))
+        out.append(per_member[member])
     return out
 
 
-def make_transport(fed: Federation) -> Any:
-    """The simulator backend chosen by ``[sim] backend``."""
-    cfg = fed.cfg
-    if cfg.sim.backend == "processes":
-        import os
+def client_costs(fed: Federation, flops: list[float] | None = None) -> list[float]:
+    """Estimated training cost per client: forward FLOPs per image x training examples."""
+    flops = member_flops(fed) if flops is None else flops
+    return [f * max(c.num_train, 1) for f, c in zip(flops, fed.clients)]
 
+
+def eval_costs(fed: Federation, flops: list[float] | None = None) -> list[float]:
+    """Estimated evaluation cost per client: forward FLOPs per image x test (+ val) examples."""
+    flops = member_flops(fed) if flops is None else flops
+    return [f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, fed.clients)]
+
+
+def default_workers() -> int:
+    """The CPU cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def make_transport(fed: Federation) -> Any:
+    """The simulator backend chosen by ``[sim] backend``.
+
+    ``processes``: ``sim.workers`` worker processes (0 = one per core), clients balanced by cost;
+    with partial participation, clients not training this round are kept in an on-disk state store
+    (memory scales with the round's clients, not the population).
+    """
+    cfg = fed.cfg
+    splits = ("test", "val") if any(c.num("val") for c in fed.clients) else ("test",)
+    if cfg.sim.backend == "processes":
         from fedmosaic.sim.processes import ProcessTransport
 
-        workers = cfg.sim.workers or os.cpu_count() or 1
-        return ProcessTransport(fed.algo, cfg, fed.fed, client_costs(fed), workers)
+        flops = member_flops(fed)
+        return ProcessTransport(
+            fed.algo,
+            cfg,
+            fed.fed,
+            client_costs(fed, flops),
+            cfg.sim.workers or default_workers(),
+            eval_costs=eval_costs(fed, flops),
+            eval_splits=splits,
+            offload=fed.plan.clients_per_round < fed.plan.num_clients,
+        )
     from fedmosaic.sim.simulator import SimTransport
 
-    splits = ("test", "val") if any(c.num("val") for c in fed.clients) else ("test",)
     return SimTransport(
         fed.algo,
         fed.models,
@@ -239,16 +274,73 @@ def make_transport(fed: Federation) -> Any:
     )
 
 
+def make_checkpointer(
+    fed: Federation,
+    transport: Any,
+    checkpoint_dir: str | Path | None,
+    every: int,
+    resume: bool,
+) -> Any:
+    """The round loop's checkpoint hook, with access to every client's persistent state."""
+    from fedmosaic.checkpoint import FILENAME, Checkpointer
+
+    if checkpoint_dir is None:
+        raise ConfigError("checkpointing needs an output folder (checkpoint_dir)")
+    if fed.models:  # serial backend: the clients live in this process
+        models, extras = fed.models, fed.extras
+
+        def get_clients() -> list[tuple[dict, dict]]:
+            return [(m.state_dict(), e.state_dict()) for m, e in zip(models, extras)]
+
+        def set_clients(states: list[tuple[dict, dict]]) -> None:
+            if len(states) != len(models):
+                raise ValueError(f"checkpoint has {len(states)} clients, this run {len(models)}")
+            for cid, (m, e) in enumerate(zip(models, extras)):
+                try:
+                    m.load_state_dict(states[cid][0], strict=True)
+                    e.load_state_dict(states[cid][1], strict=True)
+                except RuntimeError as exc:
+                    raise ValueError(f"client {cid}: {exc}") from exc
+
+    elif hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
+        get_clients, set_clients = transport.client_states, transport.load_client_states
+    else:
+        raise ConfigError(
+            f"sim.backend = {fed.cfg.sim.backend!r} cannot checkpoint client state yet; "
+            'use sim.backend = "serial" with --checkpoint-every/--resume'
+        )
+    return Checkpointer(
+        Path(checkpoint_dir) / FILENAME,
+        every,
+        fed.cfg.to_dict(),
+        get_clients,
+        set_clients,
+        resume=resume,
+        last_round=fed.plan.rounds,
+    )
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     progress: bool | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run one experiment on the simulator and return the ``results.json`` document."""
+    """Run one experiment on the simulator and return the ``results.json`` document.
+
+    ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
+    after the last one; ``resume`` continues from that file when it exists (see
+    ``fedmosaic.checkpoint``).
+    """
 
     start = time.perf_counter()
     fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
     transport = make_transport(fed)
+    ckpt = None
+    if checkpoint_every > 0 or resume:
+        ckpt = make_checkpointer(fed, transport, checkpoint_dir, checkpoint_every, resume)
     show = cfg.sim.progress if progress is None else progress
     bar = None
     if show:
@@ -265,12 +357,23 @@ def run_experiment(
             on_round(rec)
 
     try:
-        history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick)
+        if ckpt is not None and bar is not None and resume:
+            from fedmosaic.checkpoint import peek
+
+            if ckpt.path.exists():
+                bar.update(int(peek(ckpt.path)["round"]))
+        history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
     finally:
         if bar is not None:
             bar.close()
         if hasattr(transport, "close"):
             transport.close()
+    return results_document(fed, history, time.perf_counter() - start)
+
+
+def results_document(fed: Federation, history: History, wall_seconds: float) -> dict[str, Any]:
+    """The ``results.json`` document of a finished run (any runtime)."""
+    cfg = fed.cfg
     return {
         "library": {"name": "fedmosaic", "version": fedmosaic.__version__},
         "environment": {"python": platform.python_version(), "torch": torch.__version__},
@@ -280,5 +383,5 @@ def run_experiment(
         "clients": client_records(fed, history),
         "per_client_final_acc": per_client_acc(history.final_eval),
         "summary": summarize(history, fed),
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": wall_seconds,
     }

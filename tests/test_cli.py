@@ -32,7 +32,15 @@ def test_run_writes_report(tmp_path, capsys):
     doc = json.loads((out / "results.json").read_text())
     assert doc["library"]["name"] == "fedmosaic" and doc["seed"] == 0
     assert [r["round"] for r in doc["rounds"]] == [1, 2, 3]
-    for key in ("round", "acc_weighted", "acc_mean", "acc_std", "bytes_up", "bytes_down", "seconds"):
+    for key in (
+        "round",
+        "acc_weighted",
+        "acc_mean",
+        "acc_std",
+        "bytes_up",
+        "bytes_down",
+        "seconds",
+    ):
         assert key in doc["rounds"][0]
     for key in ("client_id", "arch", "num_train", "num_test", "acc"):
         assert key in doc["clients"][0]
@@ -48,7 +56,9 @@ def test_run_with_baseline_side_by_side(tmp_path, capsys):
     _write_config(cfg, tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "lg_fedavg"}))
     out = tmp_path / "out"
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--baseline", "local"]) == 0
-    assert (out / "lg_fedavg" / "results.json").exists() and (out / "local" / "results.json").exists()
+    assert (out / "lg_fedavg" / "results.json").exists() and (
+        out / "local" / "results.json"
+    ).exists()
     assert (out / "curves.png").exists()
     table = capsys.readouterr().out
     assert "lg_fedavg" in table and "local" in table

@@ -12,8 +12,11 @@ def strip(doc):
 
 
 def test_same_seed_same_numbers_different_seed_differs():
-    raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "lg_fedavg"},
-                   train={"participation": 0.5, "rounds": 3})
+    raw = tiny_raw(
+        model={"family": "htfe8-gray"},
+        algorithm={"name": "lg_fedavg"},
+        train={"participation": 0.5, "rounds": 3},
+    )
     a = run_experiment(from_dict(raw), progress=False)
     b = run_experiment(from_dict(raw), progress=False)
     assert strip(a) == strip(b)

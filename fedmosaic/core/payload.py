@@ -112,7 +112,9 @@ def encode(payload: Payload) -> bytes:
     arrays, scalars = payload.flatten()
     # safetensors wants contiguous, CPU, non-shared tensors.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in arrays.items()}
-    meta = {"type": type(payload).__qualname__, "scalars": json.dumps(scalars)}
+    # One metadata key: safetensors writes its metadata map in hash order, so two keys could
+    # come out in either order and the same payload would not always give the same bytes.
+    meta = {"fedmosaic": json.dumps({"type": type(payload).__qualname__, "scalars": scalars})}
     return st_save(tensors, metadata=meta)
 
 
@@ -124,7 +126,10 @@ def decode(cls: type[Payload], data: bytes, max_bytes: int | None = None) -> Pay
         arrays = st_load(data)
         header_len = int.from_bytes(data[:8], "little")
         header = json.loads(data[8 : 8 + header_len])
-        scalars = json.loads(header.get("__metadata__", {}).get("scalars", "{}"))
+        meta = json.loads(header.get("__metadata__", {}).get("fedmosaic", "{}"))
+        scalars = meta.get("scalars", {})
+        if not isinstance(scalars, dict):
+            raise TypeError("scalars metadata is not a mapping")
     except Exception as exc:  # safetensors raises its own error types
         raise PayloadError(f"{cls.__qualname__}: undecodable payload ({exc})") from exc
     return cls.unflatten(arrays, scalars)

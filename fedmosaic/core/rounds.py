@@ -56,6 +56,7 @@ class RoundPlan:
     clients_per_round: int
     eval_every: int = 1
     finetune_epochs: int = -1  # -1: the algorithm's default; 0: no fine-tuning
+    min_replies: int = 1  # fewer valid replies: the round is skipped (state unchanged)
 
 
 def sample_clients(seed: int, round_num: int, num_clients: int, k: int) -> list[int]:
@@ -104,18 +105,45 @@ class History:
     participants: list[list[int]] = field(default_factory=list)
 
 
+class RoundCheckpoint(Protocol):
+    """Checkpoint/resume hook of the round loop (``fedmosaic.checkpoint.Checkpointer``)."""
+
+    def restore(self, template: Any) -> tuple[int, Any, History, list[EvalResult]] | None:
+        """``(rounds done, server state, history, last evaluation)`` to continue from, or None.
+
+        ``template`` is the freshly initialised server state; the hook also restores the
+        clients' persistent state and the RNG states.
+        """
+        ...
+
+    def after_round(
+        self, round_num: int, state: Any, history: History, last_eval: list[EvalResult]
+    ) -> None: ...
+
+
 def run_rounds(
     algo: Algorithm,
     spec: FederationSpec,
     transport: Transport,
     plan: RoundPlan,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint: RoundCheckpoint | None = None,
 ) -> tuple[History, Any]:
-    """Run the federation; returns the history and the final server state."""
+    """Run the federation; returns the history and the final server state.
+
+    With ``checkpoint``, the loop first asks it for a saved point to continue from, and hands it
+    the state after every round (it decides when to write).
+    """
     state = algo.init_server(spec)
     history = History()
     last_eval: list[EvalResult] = []
-    for t in range(1, plan.rounds + 1):
+    start = 1
+    if checkpoint is not None:
+        restored = checkpoint.restore(state)
+        if restored is not None:
+            done, state, history, last_eval = restored
+            start = done + 1
+    for t in range(start, plan.rounds + 1):
         rec: dict[str, Any] = {"round": t}
         sampled = sample_clients(spec.seed, t, plan.num_clients, plan.clients_per_round)
         t0 = time.perf_counter()
@@ -136,8 +164,17 @@ def run_rounds(
                 continue
             uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
         rec["rejected"] = rejected
-        if uploads:
+        rec["aggregated"] = len(uploads) >= max(plan.min_replies, 1)
+        if rec["aggregated"]:
             state = algo.aggregate(state, uploads, t)
+        else:
+            log.warning(
+                "round %d: skipped: %d valid replies, fewer than the minimum of %d; "
+                "the server state is unchanged",
+                t,
+                len(uploads),
+                max(plan.min_replies, 1),
+            )
         t2 = time.perf_counter()
         rec["participants"] = [u.client_id for u in uploads]
         rec["num_sampled"] = len(sampled)
@@ -160,6 +197,8 @@ def run_rounds(
         history.participants.append(rec["participants"])
         if on_round is not None:
             on_round(rec)
+        if checkpoint is not None:
+            checkpoint.after_round(t, state, history, last_eval)
     history.final_eval = last_eval
     ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs != 0 and ft_phases:

@@ -1,197 +1,480 @@
-"""Worker-process backend: clients owned by persistent spawned workers, one torch thread each.
+"""Worker-process backend: persistent workers, one torch thread each, clients balanced by cost.
 
-The dataset's uint8 images live in shared memory (passed to the workers once); each worker
-rebuilds its own clients' models and extras from the config, exactly as the serial backend does
-(per-client seeded streams), so results are bitwise identical for any worker count. Messages
-travel as wire bytes, so bytes are measured on the real encoding and every payload is decoded
-and validated on arrival.
+- **Workers** are fresh interpreters (``python -m fedmosaic.sim.worker``), started once per run.
+  Each pins one math thread and runs with glibc malloc told to keep freed memory (the activations
+  of every training step are reallocated otherwise; see ``MALLOC_ENV``).
+- **Data**: the uint8 images are written once to a shared-memory file that every worker maps;
+  workers rebuild the per-client index views and the algorithm from the config. Nothing
+  dataset-sized is ever pickled.
+- **Clients** are rebuilt inside the workers from the config and their own seeded streams, exactly
+  as the serial backend builds them. A worker holds the clients it trained as live modules; a
+  client moves between workers through the state store (``store.py``: one raw file per client).
+- **Balancing**: every ``fit`` spreads the round's sampled clients over the workers by estimated
+  cost (forward FLOPs x examples), largest first onto the least-loaded worker. With full
+  participation the assignment is the same every round, so clients never move. Evaluation runs
+  each client where it is held, the rest (in the store) balanced the same way.
+- **Memory scales with participation**: with partial participation a worker keeps only the
+  clients of its last ``fit`` live; everyone else lives in the store (disk files, page cache),
+  and evaluation borrows a spare module per architecture.
+- **Messages** travel as wire bytes (``encode``), so bytes up/down are the real encoding and every
+  upload is decoded and validated on arrival. A message shared by many clients (FedAvg's global
+  model) is encoded and sent once per worker.
+- **Evaluation cache**: a client whose state has not changed since its last evaluation and whose
+  broadcast is byte-identical reuses that evaluation's counts (see ``EvalCache``).
+
+Results are bitwise identical to the serial backend run with ``sim.threads = 1`` and to any other
+worker count: every client's work is a pure function of its state, its message and its own
+``(seed, round, client)`` streams, computed single-threaded. (This relies on what every algorithm's
+``receive`` does: overwrite the shared parts from the message, so re-receiving is harmless and a
+borrowed evaluation need not be written back.)
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
-import traceback
-from collections.abc import Sequence
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
-from fedmosaic.core.payload import Payload, PayloadError, decode, encode
+from fedmosaic.core.payload import Payload, PayloadError, decode
 from fedmosaic.core.rounds import EvalResult, FitResult
+from fedmosaic.sim.common import EvalCache, MessageTable
+
+# glibc malloc: no mmap/munmap per large allocation (32 MiB is the largest threshold glibc accepts
+# on 64-bit; larger values are silently ignored) and never give the heap top back to the OS.
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_TOP_PAD_": str(64 * 1024 * 1024),
+}
 
 
-def _tune_malloc() -> None:
-    # Keep glibc from returning freed activations to the OS after every batch (measurable on CPU).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+# ---- wire helpers (plain pickle: torch's multiprocessing reductions are not wanted here) ----
+def send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _worker(conn: Any, cfg_dict: dict[str, Any], fed: Any, client_ids: list[int]) -> None:
-    torch.set_num_threads(1)
-    try:
-        from fedmosaic.algorithms import build_algorithm
-        from fedmosaic.config import from_dict
-        from fedmosaic.core.training import TrainSettings
-        from fedmosaic.experiment import client_data, make_client, make_spec
-
-        cfg = from_dict(cfg_dict)
-        algo = build_algorithm(cfg.algorithm)
-        clients = client_data(fed, cfg.train.device)
-        spec = make_spec(cfg, fed, clients)
-        own = {cid: make_client(cfg, algo, spec, clients[cid]) for cid in client_ids}
-        settings = TrainSettings.from_config(cfg.train)
-        splits = ("test", "val") if any(c.num("val") for c in clients) else ("test",)
-        conn.send(("ready", None))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    while True:
-        cmd, args = conn.recv()
-        try:
-            if cmd == "stop":
-                return
-            if cmd == "fit":
-                round_num, msgs = args
-                out = []
-                for cid, blob in msgs.items():
-                    model, extras = own[cid]
-                    msg = decode(algo.Broadcast, blob)
-                    res = client_ops.fit(
-                        algo,
-                        model,
-                        extras,
-                        msg,
-                        clients[cid],
-                        settings,
-                        cfg.seed,
-                        round_num,
-                        cfg.train.local_epochs,
-                    )
-                    out.append((cid, encode(res.upload), res.num_examples, res.stats.mean_loss))
-                conn.send(("ok", out))
-            elif cmd == "eval":
-                msgs, receive = args
-                out = []
-                for cid, blob in msgs.items():
-                    model, extras = own[cid]
-                    msg = decode(algo.Broadcast, blob)
-                    counts = client_ops.evaluate(
-                        algo,
-                        model,
-                        extras,
-                        msg,
-                        clients[cid],
-                        splits,
-                        settings.eval_batch_size,
-                        receive=receive,
-                    )
-                    out.append((cid, counts))
-                conn.send(("ok", out))
-            elif cmd == "finetune":
-                msgs, phases = args
-                for cid, blob in msgs.items():
-                    model, extras = own[cid]
-                    client_ops.finetune(
-                        algo,
-                        model,
-                        extras,
-                        decode(algo.Broadcast, blob),
-                        clients[cid],
-                        settings,
-                        cfg.seed,
-                        phases,
-                    )
-                conn.send(("ok", None))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
-def balance(costs: Sequence[float], workers: int) -> list[list[int]]:
-    """Largest-first greedy assignment of clients to the least-loaded worker."""
-    loads = [0.0] * workers
+# ---- balancing ---------------------------------------------------------------------------------
+def assign(
+    cids: Sequence[int], cost: Sequence[float], workers: int, loads: Sequence[float] | None = None
+) -> list[list[int]]:
+    """Largest-first greedy: each client (costliest first) onto the least-loaded worker.
+
+    ``loads`` are the workers' loads already committed. Ties go to the lower client / worker id,
+    so the assignment is a pure function of its inputs.
+    """
+    load = list(loads) if loads is not None else [0.0] * workers
     groups: list[list[int]] = [[] for _ in range(workers)]
-    for cid in sorted(range(len(costs)), key=lambda c: (-costs[c], c)):
-        w = min(range(workers), key=lambda i: (loads[i], i))
+    for cid in sorted(cids, key=lambda c: (-cost[c], c)):
+        w = min(range(workers), key=lambda i: (load[i], i))
         groups[w].append(cid)
-        loads[w] += costs[cid]
+        load[w] += cost[cid]
     return groups
 
 
+def balance(costs: Sequence[float], workers: int) -> list[list[int]]:
+    """All clients over ``workers`` (see :func:`assign`)."""
+    return assign(range(len(costs)), costs, workers)
+
+
+# ---- worker side -----------------------------------------------------------------------------------
+def worker_setup(init: dict[str, Any]) -> Any:
+    """Build a worker's :class:`ClientHost` from its init message (runs in the worker)."""
+    from fedmosaic.algorithms import build_algorithm
+    from fedmosaic.config import from_dict
+    from fedmosaic.core.training import TrainSettings
+    from fedmosaic.data.datasets import ImageDataset
+    from fedmosaic.data.federated import FederatedData
+    from fedmosaic.experiment import client_data, make_client, make_spec
+    from fedmosaic.sim.host import ClientHost
+    from fedmosaic.sim.store import StateStore
+
+    cfg = from_dict(init["cfg"])
+    shape = init["images_shape"]
+    numel = 1
+    for s in shape:
+        numel *= s
+    images = torch.from_file(init["images_path"], shared=True, size=numel, dtype=torch.uint8)
+    dataset = ImageDataset(images=images.view(*shape), **init["dataset"])
+    fed = FederatedData(dataset=dataset, **init["federated"])
+    algo = build_algorithm(cfg.algorithm)
+    clients = client_data(fed, cfg.train.device)
+    spec = make_spec(cfg, fed, clients)
+
+    def build(cid: int) -> tuple[Any, Any]:
+        return make_client(cfg, algo, spec, clients[cid])
+
+    return ClientHost(
+        algo,
+        clients,
+        spec.members,
+        build,
+        TrainSettings.from_config(cfg.train),
+        cfg.seed,
+        cfg.train.local_epochs,
+        tuple(init["eval_splits"]),
+        StateStore(init["store_dir"], create=False),
+    )
+
+
+class _Worker:
+    """One worker process and our end of its socket."""
+
+    def __init__(self) -> None:
+        import fedmosaic
+
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env.update(MALLOC_ENV)
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        root = str(Path(fedmosaic.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        fd = theirs.fileno()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedmosaic.sim.worker", str(fd)], pass_fds=(fd,), env=env
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.conn.closed
+
+    def stop(self) -> None:
+        try:
+            send(self.conn, ("stop", {}))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+# Idle, warm workers (torch imported, kernels initialised), reused by the next ProcessTransport of
+# this process: starting an interpreter and importing torch takes seconds. They hold no client
+# state between runs (``reset`` drops it and returns freed memory to the OS).
+_POOL: list[_Worker] = []
+
+
+def shutdown_workers() -> None:
+    """Stop the idle pooled workers (also done automatically at interpreter exit)."""
+    while _POOL:
+        _POOL.pop().stop()
+
+
+atexit.register(shutdown_workers)
+
+
+def _acquire(n: int) -> list[_Worker]:
+    out = []
+    while _POOL and len(out) < n:
+        w = _POOL.pop()
+        if w.alive():
+            out.append(w)
+        else:
+            w.stop()
+    while len(out) < n:
+        out.append(_Worker())
+    return out
+
+
+def _shm_dir() -> str:
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else (tempfile.gettempdir())
+    )
+
+
+# ---- main side ---------------------------------------------------------------------------------------
 class ProcessTransport:
-    """Persistent worker processes, each owning a cost-balanced set of clients."""
+    """Persistent worker processes owning the clients; the round loop's Transport."""
 
     def __init__(
-        self, algo: Algorithm, cfg: Any, fed: Any, costs: Sequence[float], workers: int
+        self,
+        algo: Algorithm,
+        cfg: Any,
+        fed: Any,
+        fit_costs: Sequence[float],
+        workers: int,
+        eval_costs: Sequence[float] | None = None,
+        eval_splits: tuple[str, ...] = ("test",),
+        offload: bool = False,
+        state_dir: str | None = None,
+        reuse: bool = True,
     ) -> None:
-        _tune_malloc()
+        from fedmosaic.sim.store import StateStore
+
         self.algo = algo
-        ctx = mp.get_context("spawn")
-        self.groups = [g for g in balance(costs, workers) if g]
-        self.owner = {cid: w for w, g in enumerate(self.groups) for cid in g}
-        fed.dataset.images.share_memory_()
-        self.conns = []
-        self.procs = []
-        for g in self.groups:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child, cfg.to_dict(), fed, g), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        for c in self.conns:
-            self._reply(c)
+        self.num_clients = len(fit_costs)
+        self.fit_costs = list(fit_costs)
+        self.eval_costs = list(eval_costs) if eval_costs is not None else list(fit_costs)
+        self.workers = max(1, min(int(workers), self.num_clients))
+        self.offload = offload
+        self.holder: dict[int, int] = {}  # client -> worker holding it live (else: in the store)
+        self.version = [0] * self.num_clients  # bumped whenever a client's state changes
+        self.cache = EvalCache()
+        self.store = StateStore(state_dir)
+        self.procs: list[_Worker] = []
+        self.conns: list[Connection] = []
+        self.reuse = reuse
+        self._clean = True
+        images = fed.dataset.images.contiguous()
+        self._images_path = os.path.join(_shm_dir(), f"fedmosaic-{os.getpid()}-{uuid.uuid4().hex}")
+        try:
+            images.numpy().tofile(self._images_path)
+            init = {
+                "cfg": cfg.to_dict(),
+                "images_path": self._images_path,
+                "images_shape": tuple(images.shape),
+                "dataset": {
+                    f.name: getattr(fed.dataset, f.name)
+                    for f in dataclasses.fields(fed.dataset)
+                    if f.name != "images"
+                },
+                "federated": {
+                    f.name: getattr(fed, f.name)
+                    for f in dataclasses.fields(fed)
+                    if f.init and f.name != "dataset"
+                },
+                "store_dir": str(self.store.root),
+                "eval_splits": list(eval_splits),
+            }
+            self.procs = _acquire(self.workers)
+            self.conns = [w.conn for w in self.procs]
+            self.pids = list(self._call({w: ("init", init) for w in range(self.workers)}).values())
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            # Every worker has mapped the images (or failed): the name is no longer needed.
+            Path(self._images_path).unlink(missing_ok=True)
 
-    @staticmethod
-    def _reply(conn: Any) -> Any:
-        status, value = conn.recv()
-        if status == "error":
-            raise RuntimeError(f"worker failed:\n{value}")
-        return value
+    # ---- process plumbing ------------------------------------------------------------------
+    def _reply(self, w: int) -> tuple[str, Any]:
+        try:
+            return recv(self.conns[w])
+        except (EOFError, OSError) as exc:
+            code = self.procs[w].proc.poll()
+            raise RuntimeError(f"simulator worker {w} died (exit code {code})") from exc
 
-    def _scatter(self, cmd: str, msgs: dict[int, bytes], *extra: Any) -> list[Any]:
-        per: list[dict[int, bytes]] = [{} for _ in self.conns]
-        for cid, blob in msgs.items():
-            per[self.owner[cid]][cid] = blob
-        active = [w for w, m in enumerate(per) if m]
-        for w in active:
-            self.conns[w].send((cmd, (*extra, per[w]) if cmd == "fit" else (per[w], *extra)))
-        return [self._reply(self.conns[w]) for w in active]
+    def _call(
+        self,
+        per_worker: dict[int, tuple[str, dict[str, Any]]],
+        on_part: Callable[[int, Any], None] | None = None,
+    ) -> dict[int, Any]:
+        """Send each worker its command, collect every reply, then raise the first failure.
 
+        Partial results a worker streams before its reply go to ``on_part(worker, part)``.
+        """
+        self._clean = False
+        for w, msg in per_worker.items():
+            send(self.conns[w], msg)
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        pending = {self.conns[w]: w for w in per_worker}
+        while pending:
+            for conn in wait(list(pending)):
+                w = pending[conn]  # type: ignore[index]
+                status, value = self._reply(w)
+                if status == "part":
+                    if on_part is not None and not errors:
+                        try:
+                            on_part(w, value)
+                        except Exception as exc:  # keep reading: the protocol stays in step
+                            errors.append(f"handling a result of worker {w}: {exc!r}")
+                    continue
+                del pending[conn]  # type: ignore[arg-type]
+                if status == "error":
+                    errors.append(f"simulator worker {w} failed:\n{value}")
+                out[w] = value
+        self._clean = True
+        if errors:
+            raise RuntimeError(errors[0])
+        return out
+
+    def _release(self, moves: dict[int, int]) -> None:
+        """Have the holders of clients that change workers write them to the store first."""
+        flush: dict[int, list[int]] = {}
+        for cid, w in moves.items():
+            h = self.holder.get(cid)
+            if h is not None and h != w:
+                flush.setdefault(h, []).append(cid)
+        if flush:
+            self._call({h: ("flush", {"cids": cids}) for h, cids in flush.items()})
+            for cids in flush.values():
+                for cid in cids:
+                    del self.holder[cid]
+
+    def _place(self, cids: Sequence[int], cost: Sequence[float]) -> list[list[int]]:
+        """Held clients stay where they are; the others balance around them by cost."""
+        groups: list[list[int]] = [[] for _ in range(self.workers)]
+        loads = [0.0] * self.workers
+        free = []
+        for cid in cids:
+            h = self.holder.get(cid)
+            if h is None:
+                free.append(cid)
+            else:
+                groups[h].append(cid)
+                loads[h] += cost[cid]
+        for w, extra in enumerate(assign(free, cost, self.workers, loads)):
+            groups[w] += extra
+        return groups
+
+    # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
-        blobs = {cid: encode(m) for cid, m in messages.items()}
+        table = MessageTable(messages)
+        groups = assign(list(messages), self.fit_costs, self.workers)
+        self._release({cid: w for w, g in enumerate(groups) for cid in g})
+        calls = {}
+        for w, g in enumerate(groups):
+            if g:
+                blobs, clients = table.part(g)
+                calls[w] = (
+                    "fit",
+                    {
+                        "round": round_num,
+                        "blobs": blobs,
+                        "clients": clients,
+                        "offload": self.offload,
+                    },
+                )
         results: dict[int, FitResult] = {}
-        for part in self._scatter("fit", blobs, round_num):
-            for cid, blob, n, loss in part:
-                res = FitResult(cid, None, n, len(blob), len(blobs[cid]), loss)
-                try:
-                    res.upload = decode(self.algo.Upload, blob)
-                except PayloadError as exc:
-                    res.error = str(exc)  # the round loop drops and logs it
-                results[cid] = res
+
+        def arrived(w: int, part: tuple[int, bytes, int, float]) -> None:
+            cid, blob, n, loss = part  # decoded as it arrives: one blob in memory at a time
+            self.holder[cid] = w
+            self.version[cid] += 1
+            res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
+            try:
+                res.upload = decode(self.algo.Upload, blob)
+            except PayloadError as exc:
+                res.error = str(exc)  # the round loop drops and logs it
+            results[cid] = res
+
+        for flushed in self._call(calls, arrived).values():
+            for cid in flushed:
+                self.holder.pop(cid, None)
         return [results[c] for c in messages]
 
     def evaluate(
         self, round_num: int, messages: dict[int, Payload], receive: bool = True
     ) -> list[EvalResult]:
-        blobs = {cid: encode(m) for cid, m in messages.items()}
-        out = {
-            cid: counts for part in self._scatter("eval", blobs, receive) for cid, counts in part
-        }
+        table = MessageTable(messages)
+        out: dict[int, dict[str, dict[str, int]]] = {}
+        todo = []
+        for cid in messages:
+            hit = self.cache.get(cid, (self.version[cid], table.digest(cid), receive))
+            if hit is None:
+                todo.append(cid)
+            else:
+                out[cid] = hit
+        calls = {}
+        for w, g in enumerate(self._place(todo, self.eval_costs)):
+            if g:
+                blobs, clients = table.part(g)
+                calls[w] = ("eval", {"blobs": blobs, "clients": clients, "receive": receive})
+        for part in self._call(calls).values():
+            for cid, counts in part:
+                out[cid] = counts
+                self.cache.put(cid, (self.version[cid], table.digest(cid), receive), counts)
         return [EvalResult(c, out[c]) for c in messages]
 
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None:
-        blobs = {cid: encode(m) for cid, m in messages.items()}
-        self._scatter("finetune", blobs, tuple(phases))
+        table = MessageTable(messages)
+        calls = {}
+        groups = self._place(list(messages), self.fit_costs)
+        for w, g in enumerate(groups):
+            if g:
+                blobs, clients = table.part(g)
+                calls[w] = (
+                    "finetune",
+                    {
+                        "blobs": blobs,
+                        "clients": clients,
+                        "phases": tuple(phases),
+                        "offload": self.offload,
+                    },
+                )
+        self._call(calls)  # with offload, each client goes back to the store right after
+        for w, g in enumerate(groups):
+            for cid in g:
+                if self.offload:
+                    self.holder.pop(cid, None)
+                else:
+                    self.holder[cid] = w
+                self.version[cid] += 1
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def client_states(self) -> list[tuple[dict, dict]]:
+        groups = self._place(range(self.num_clients), self.eval_costs)
+        got: dict[int, tuple[dict, dict]] = {}
+        for part in self._call(
+            {w: ("states", {"cids": g}) for w, g in enumerate(groups) if g}
+        ).values():
+            got.update(part)
+        return [got[c] for c in range(self.num_clients)]
+
+    def load_client_states(self, states: list[tuple[dict, dict]]) -> None:
+        if len(states) != self.num_clients:
+            raise ValueError(f"checkpoint has {len(states)} clients, this run {self.num_clients}")
+        groups = self._place(range(self.num_clients), self.fit_costs)
+        self._call(
+            {
+                w: ("set_states", {"states": {c: states[c] for c in g}, "offload": self.offload})
+                for w, g in enumerate(groups)
+                if g
+            }
+        )
+        for w, g in enumerate(groups):
+            for cid in g:
+                if self.offload:
+                    self.holder.pop(cid, None)
+                else:
+                    self.holder[cid] = w
+                self.version[cid] += 1
+        self.cache.clear()
+
+    # ---- measurements / shutdown -------------------------------------------------------------
+    def peak_rss(self) -> list[int]:
+        """Peak resident memory (VmHWM, bytes) of each worker."""
+        got = self._call({w: ("rss", {}) for w in range(self.workers)})
+        return [got[w] for w in range(self.workers)]
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        """Release the workers (back to the idle pool when ``reuse``) and delete the store."""
+        for w in self.procs:
+            pooled = False
+            if self.reuse and self._clean and w.alive():
+                try:
+                    send(w.conn, ("reset", {}))
+                    status, _ = recv(w.conn)
+                    pooled = status == "ok"
+                except (EOFError, OSError):
+                    pooled = False
+            if pooled:
+                _POOL.append(w)
+            else:
+                w.stop()
+        self.procs, self.conns = [], []
+        self.store.close()
+        Path(self._images_path).unlink(missing_ok=True)

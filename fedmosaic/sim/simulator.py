@@ -1,4 +1,10 @@
-"""The in-process simulator: persistent client models, data held once, real wire accounting."""
+"""The in-process (serial) simulator: persistent client models, data held once, real wire accounting.
+
+Clients run one after another in this process with its torch thread setting. Evaluation of a
+client whose model has not changed since its last evaluation and whose broadcast is byte-identical
+reuses the previous counts (``EvalCache``). The multi-process backend (``processes.py``) gives
+bitwise-identical results to this one run with ``sim.threads = 1``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
 from fedmosaic.core.rounds import EvalResult, FitResult
 from fedmosaic.core.training import TrainSettings
+from fedmosaic.sim.common import EvalCache, MessageTable
 
 
 def wire(payload: Payload, check: bool) -> tuple[Payload, int]:
@@ -50,6 +57,8 @@ class SimTransport:
         self.local_epochs = local_epochs
         self.check_wire = check_wire
         self.eval_splits = eval_splits
+        self.version = [0] * len(self.models)  # bumped whenever a client's model is trained
+        self.cache = EvalCache()
 
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         out: list[FitResult] = []
@@ -66,6 +75,7 @@ class SimTransport:
                 round_num,
                 self.local_epochs,
             )
+            self.version[cid] += 1
             upload, up = wire(res.upload, self.check_wire)
             out.append(FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss))
         return out
@@ -74,7 +84,13 @@ class SimTransport:
         self, round_num: int, messages: dict[int, Payload], receive: bool = True
     ) -> list[EvalResult]:
         out: list[EvalResult] = []
+        table = MessageTable(messages)
         for cid, msg in messages.items():
+            key = (self.version[cid], table.digest(cid), receive)
+            counts = self.cache.get(cid, key)
+            if counts is not None:
+                out.append(EvalResult(cid, counts))
+                continue
             counts = client_ops.evaluate(
                 self.algo,
                 self.models[cid],
@@ -85,6 +101,7 @@ class SimTransport:
                 self.settings.eval_batch_size,
                 receive=receive,
             )
+            self.cache.put(cid, key, counts)
             out.append(EvalResult(cid, counts))
         return out
 
@@ -100,3 +117,8 @@ class SimTransport:
                 self.seed,
                 phases,
             )
+            self.version[cid] += 1
+
+    def invalidate(self) -> None:
+        """Forget cached evaluations (after client models were changed from outside)."""
+        self.cache.clear()

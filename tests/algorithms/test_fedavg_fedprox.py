@@ -10,7 +10,9 @@ from fedmosaic.experiment import run_experiment
 
 
 def _numbers(doc):
-    return [(r["acc_weighted"], r["train_loss"]) for r in doc["rounds"]], doc["per_client_final_acc"]
+    return [(r["acc_weighted"], r["train_loss"]) for r in doc["rounds"]], doc[
+        "per_client_final_acc"
+    ]
 
 
 def test_fedprox_mu0_equals_fedavg_exactly():

@@ -4,7 +4,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from fedmosaic.core.payload import Empty, Payload, PayloadError, check_like, decode, encode, payload_equal
+from fedmosaic.core.payload import (
+    Empty,
+    Payload,
+    PayloadError,
+    check_like,
+    decode,
+    encode,
+    payload_equal,
+)
 
 
 @dataclasses.dataclass(frozen=True)

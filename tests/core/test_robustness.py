@@ -19,7 +19,9 @@ class CorruptingTransport(SimTransport):
         out = super().fit(round_num, messages)
         for r in out:
             if r.client_id == 1:
-                bad = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in r.upload.state.items()}
+                bad = {
+                    k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in r.upload.state.items()
+                }
                 r.upload = dataclasses.replace(r.upload, state=bad)
         return out
 

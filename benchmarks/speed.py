@@ -1,0 +1,405 @@
+"""Simulator speed vs a plain research-library-style loop, on the same workload, in one run.
+
+    .venv/bin/python benchmarks/speed.py            # full workloads (several minutes)
+    .venv/bin/python benchmarks/speed.py --quick    # small subsample, under a minute (smoke)
+    .venv/bin/python benchmarks/speed.py --memory   # also: peak RSS, 100 vs 1,000 clients
+
+Workloads (Fashion-MNIST, Dirichlet(0.1), batch 10, lr 0.01, 1 local epoch, evaluation every
+round): FedTGP and LG-FedAvg with 20 clients on the eight CNNs of ``htfe8-gray``; FedAvg with 100
+clients (``fedavgcnn``) at 10% participation.
+
+For each workload it prints seconds per round of
+
+- **ours**: ``run_experiment`` with ``sim.backend = "processes"`` (one worker per core, one
+  thread each), the last of ``--rounds`` rounds (round 1 warms kernels up; worker start-up and
+  data loading are reported apart, as ``setup``);
+- **reference**: an in-repo plain loop written the way research libraries run a round: clients
+  one after another, each ``copy.deepcopy``-ed, trained from a ``DataLoader`` (batch 10, shuffle,
+  ``drop_last``) over per-client lists of pre-normalized float tensors, torch's default threads;
+  a separate batch-10 pass over the training data for the uploaded prototypes (FedTGP); and
+  evaluation of every client with batch-10 loaders under ``no_grad``. It uses the same model
+  classes with channels-last pooling switched off (NCHW max-pool, as a plain library does), the
+  same algorithm object for the loss, prediction and the server side, so the two differ in how
+  the round is executed, not in what it computes;
+
+the ratio, and the achieved GFLOP/s (training; whole round) against the fp32 matmul peak measured
+at the start of the same run. FLOPs are counted per layer (``fedmosaic.models.flops``: forward,
+plus weight- and input-gradients for training). The last line is, for the FedTGP workload,
+
+    speedup=<reference s/round / ours s/round> peak_fraction=<round FLOPs / wall / peak>
+
+Timings on a shared machine are noisy: compare the ratios of one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from fedmosaic.config import from_dict  # noqa: E402
+from fedmosaic.core import seeding  # noqa: E402
+from fedmosaic.core.algorithm import Weighted  # noqa: E402
+from fedmosaic.core.rounds import sample_clients  # noqa: E402
+from fedmosaic.experiment import Federation, build_federation, run_experiment  # noqa: E402
+from fedmosaic.models import _layers, flops_per_image, trainable_flops  # noqa: E402
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "fedtgp": {"algorithm": {"name": "fedtgp"}, "family": "htfe8-gray", "clients": 20, "k": 20},
+    "lg_fedavg": {
+        "algorithm": {"name": "lg_fedavg"},
+        "family": "htfe8-gray",
+        "clients": 20,
+        "k": 20,
+    },
+    "fedavg": {"algorithm": {"name": "fedavg"}, "family": "fedavgcnn", "clients": 100, "k": 10},
+}
+
+
+def raw_config(name: str, subsample: float, rounds: int, workers: int, **data: Any) -> dict:
+    w = WORKLOADS[name]
+    return {
+        "seed": 0,
+        "data": {
+            "dataset": "fmnist",
+            "partition": "dirichlet",
+            "alpha": 0.1,
+            "num_clients": w["clients"],
+            "split": "pool_75_25",
+            "subsample": subsample,
+            **data,
+        },
+        "model": {"family": w["family"], "feature_dim": 512},
+        "train": {
+            "rounds": rounds,
+            "clients_per_round": w["k"],
+            "local_epochs": 1,
+            "batch_size": 10,
+            "lr": 0.01,
+            "optimizer": "sgd",
+            "eval_every": 1,
+        },
+        "sim": {"backend": "processes", "workers": workers, "progress": False},
+        "algorithm": dict(w["algorithm"]),
+    }
+
+
+# ---- the machine's peak -------------------------------------------------------------------------
+def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> float:
+    """Sustained fp32 GFLOP/s of square ``n x n`` matmuls on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        c = torch.empty(n, n)
+        for _ in range(3):
+            torch.mm(a, b, out=c)
+        best = 0.0
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            for _ in range(4):
+                torch.mm(a, b, out=c)
+            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- FLOPs of a round -----------------------------------------------------------------------------
+@dataclass
+class RoundFlops:
+    train: float = 0.0  # forward + backward of the local steps
+    upload: float = 0.0  # FedTGP: forward over the training split for the prototypes
+    eval: float = 0.0  # forward over every client's test split
+
+    @property
+    def total(self) -> float:
+        return self.train + self.upload + self.eval
+
+
+def round_flops(fed: Federation, name: str, round_num: int) -> RoundFlops:
+    per_member: dict[str, tuple[float, float]] = {}
+    shape = fed.spec.input_shape
+    for cid, member in enumerate(fed.spec.members):
+        if member not in per_member:
+            with torch.random.fork_rng(devices=[]):
+                model = fed.spec.build_model(cid)
+            per_member[member] = (
+                float(flops_per_image(model, shape)),
+                float(trainable_flops(model, shape)),
+            )
+    out = RoundFlops()
+    bs = fed.settings.batch_size
+    sampled = sample_clients(
+        fed.cfg.seed, round_num, fed.plan.num_clients, fed.plan.clients_per_round
+    )
+    for c in fed.clients:
+        fwd, train = per_member[fed.spec.members[c.client_id]]
+        if c.client_id in sampled:
+            n = c.num_train
+            trained = n if n < bs else (n // bs) * bs
+            out.train += train * trained
+            if name == "fedtgp":
+                out.upload += fwd * n
+        out.eval += fwd * c.num("test")
+    return out
+
+
+# ---- ours -----------------------------------------------------------------------------------------
+def run_ours(raw: dict) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    doc = run_experiment(from_dict(raw), progress=False)
+    wall = time.perf_counter() - t0
+    last = doc["rounds"][-1]
+    rounds_total = sum(r["seconds"] for r in doc["rounds"])
+    return {
+        "seconds": last["seconds"],
+        "train": last["seconds_train"],
+        "aggregate": last["seconds_aggregate"],
+        "eval": last["seconds_eval"],
+        "setup": wall - rounds_total,
+        "acc": last.get("acc_weighted", math.nan),
+    }
+
+
+# ---- the reference loop ---------------------------------------------------------------------------
+@dataclass
+class Reference:
+    """Research-library-style execution of the same rounds (see module doc)."""
+
+    fed: Federation
+    train_sets: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    test_sets: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        fd = self.fed.fed
+        for c in self.fed.clients:  # per-client copies of normalized floats, as from .npz files
+            for split, out in (("train", self.train_sets), ("test", self.test_sets)):
+                x = fd.batch(c.rows(split)).contiguous()
+                out.append(list(zip(x, c.targets(split))))
+
+    def run(self, rounds: int) -> list[dict[str, float]]:
+        fed, algo = self.fed, self.fed.algo
+        state = algo.init_server(fed.spec)
+        models, extras = fed.models, fed.extras
+        lr = fed.settings.lr
+        times = []
+        was = _layers.CHANNELS_LAST_POOL
+        _layers.CHANNELS_LAST_POOL = False  # a plain library pools in NCHW
+        try:
+            for t in range(1, rounds + 1):
+                t0 = time.perf_counter()
+                sampled = sample_clients(
+                    fed.cfg.seed, t, fed.plan.num_clients, fed.plan.clients_per_round
+                )
+                uploads = []
+                for cid in sampled:
+                    msg = algo.broadcast(state, cid, t)
+                    model = copy.deepcopy(models[cid])  # the client's model, loaded afresh
+                    ext = copy.deepcopy(extras[cid])
+                    algo.receive(model, ext, msg)
+                    seeding.seed_torch(fed.cfg.seed, t, cid, "reference")
+                    loader = DataLoader(
+                        self.train_sets[cid],
+                        batch_size=fed.settings.batch_size,
+                        shuffle=True,
+                        drop_last=True,
+                    )
+                    opt = torch.optim.SGD(model.parameters(), lr=lr)
+                    model.train()
+                    for x, y in loader:
+                        loss = algo.loss(model, ext, x, y, msg)
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
+                    model.eval()
+                    uploads.append(
+                        Weighted(
+                            cid,
+                            float(len(self.train_sets[cid])),
+                            self._upload(model, ext, cid, msg),
+                        )
+                    )
+                    models[cid], extras[cid] = model, ext
+                t1 = time.perf_counter()
+                state = algo.aggregate(state, uploads, t)
+                t2 = time.perf_counter()
+                correct = total = 0
+                for cid in range(fed.plan.num_clients):
+                    msg = algo.broadcast(state, cid, t + 1)
+                    model, ext = models[cid], extras[cid]
+                    algo.receive(model, ext, msg)
+                    model.eval()
+                    with torch.no_grad():
+                        for x, y in DataLoader(self.test_sets[cid], batch_size=10):
+                            scores = algo.predict(model, ext, x, msg)["acc"]
+                            correct += int((scores.argmax(1) == y).sum())
+                            total += len(y)
+                t3 = time.perf_counter()
+                times.append(
+                    {
+                        "seconds": t3 - t0,
+                        "train": t1 - t0,
+                        "aggregate": t2 - t1,
+                        "eval": t3 - t2,
+                        "acc": correct / max(total, 1),
+                    }
+                )
+        finally:
+            _layers.CHANNELS_LAST_POOL = was
+        return times
+
+    def _upload(self, model: Any, ext: Any, cid: int, msg: Any) -> Any:
+        if type(self.fed.algo).__name__ != "FedTGP":
+            return self.fed.algo.upload(model, ext, self.fed.clients[cid], msg)  # weights only
+        from fedmosaic.algorithms.fedtgp import Prototypes
+
+        c, d = self.fed.spec.num_classes, self.fed.spec.feature_dim
+        sums, counts = torch.zeros(c, d), torch.zeros(c)
+        with torch.no_grad():  # a separate pass over the training data, batch 10
+            for x, y in DataLoader(self.train_sets[cid], batch_size=10):
+                sums.index_add_(0, y, model.features(x))
+                counts.index_add_(0, y, torch.ones(len(y)))
+        return Prototypes(sums / counts.clamp_min(1).unsqueeze(1), counts > 0)
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+def memory_child(num_clients: int, rounds: int, subsample: float) -> None:
+    """One FedAvg run at 10% participation; prints peak RSS of this process and the workers."""
+    from fedmosaic.core.rounds import run_rounds
+    from fedmosaic.experiment import make_transport
+
+    raw = raw_config("fedavg", subsample, rounds, 0, partition="iid")
+    raw["data"]["num_clients"] = num_clients
+    raw["train"]["clients_per_round"] = num_clients // 10
+    fed = build_federation(from_dict(raw), with_clients=False)
+    transport = make_transport(fed)
+    try:
+        run_rounds(fed.algo, fed.spec, transport, fed.plan)
+        workers = transport.peak_rss()
+        store = transport.store.disk_bytes()
+    finally:
+        transport.close()
+    with open("/proc/self/status") as f:
+        main = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"main": main, "workers": workers, "store": store}))
+
+
+def measure_memory(rounds: int, subsample: float) -> None:
+    got = {}
+    for n in (100, 1000):
+        out = subprocess.run(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--memory-child",
+                str(n),
+                "--rounds",
+                str(rounds),
+                "--subsample",
+                str(subsample),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        got[n] = json.loads(out.stdout.strip().splitlines()[-1])
+        rss = got[n]["main"] + sum(got[n]["workers"])
+        print(
+            f"memory fedavg {n:>4} clients @10%: peak RSS {rss / 2**20:7.0f} MiB "
+            f"(main {got[n]['main'] / 2**20:.0f}, workers "
+            f"{', '.join(f'{w / 2**20:.0f}' for w in got[n]['workers'])}); "
+            f"client states on disk {got[n]['store'] / 2**20:.0f} MiB"
+        )
+    total = {n: g["main"] + sum(g["workers"]) for n, g in got.items()}
+    print(f"memory ratio 1000/100 clients: {total[1000] / total[100]:.2f} (target <= 2)")
+
+
+# ---- driver -----------------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="5%% of Fashion-MNIST; under a minute")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per run; the last is timed")
+    p.add_argument("--workers", type=int, default=0, help="simulator workers (0: one per core)")
+    p.add_argument("--subsample", type=float, default=None, help="fraction of Fashion-MNIST")
+    p.add_argument("--workloads", default="lg_fedavg,fedavg,fedtgp")
+    p.add_argument(
+        "--memory", action="store_true", help="also measure peak RSS, 100 vs 1000 clients"
+    )
+    p.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    subsample = args.subsample if args.subsample is not None else (0.05 if args.quick else 1.0)
+    if args.memory_child:
+        memory_child(args.memory_child, args.rounds, subsample)
+        return
+
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(
+        f"# torch {torch.__version__}, {cores} cores, default threads {threads}, "
+        f"subsample {subsample}, rounds {args.rounds} (last timed), load {os.getloadavg()[0]:.1f}"
+    )
+    core_peak = matmul_gflops(1)
+    peak = matmul_gflops(cores or 1)
+    print(f"peak fp32 matmul: {core_peak:.1f} GFLOP/s on 1 thread, {peak:.1f} GFLOP/s on {cores}")
+
+    names = [n for n in args.workloads.split(",") if n]
+    if "fedtgp" in names:  # its summary line must come last
+        names = [n for n in names if n != "fedtgp"] + ["fedtgp"]
+    last = ""
+    for name in names:
+        data = {"min_size": 2} if (args.quick and WORKLOADS[name]["clients"] > 20) else {}
+        raw = raw_config(name, subsample, args.rounds, args.workers, **data)
+        ours = run_ours(raw)
+        fed = build_federation(from_dict(raw))
+        ref = Reference(fed).run(args.rounds)[-1]
+        fl = round_flops(fed, name, args.rounds)
+        speedup = ref["seconds"] / ours["seconds"]
+        train_rate = fl.train / ours["train"] / 1e9
+        round_rate = fl.total / ours["seconds"] / 1e9
+        k, n = WORKLOADS[name]["k"], WORKLOADS[name]["clients"]
+        print(f"\n== {name}: {n} clients, {k} per round, {WORKLOADS[name]['family']}")
+        print(
+            f"ours      {ours['seconds']:7.2f} s/round  (train {ours['train']:.2f}, aggregate "
+            f"{ours['aggregate']:.2f}, eval {ours['eval']:.2f}; setup {ours['setup']:.1f} s once)"
+            f"  acc {ours['acc']:.4f}"
+        )
+        print(
+            f"reference {ref['seconds']:7.2f} s/round  (train {ref['train']:.2f}, aggregate "
+            f"{ref['aggregate']:.2f}, eval {ref['eval']:.2f})  acc {ref['acc']:.4f}"
+        )
+        print(f"speedup   {speedup:7.2f}x")
+        print(
+            f"FLOPs     train {fl.train / 1e12:.3f} T + prototypes {fl.upload / 1e12:.3f} T + "
+            f"eval {fl.eval / 1e12:.3f} T = {fl.total / 1e12:.3f} TFLOP per round"
+        )
+        print(
+            f"rate      training {train_rate:.1f} GFLOP/s ({train_rate / peak:.2f} of peak), "
+            f"whole round {round_rate:.1f} GFLOP/s ({round_rate / peak:.2f} of peak)"
+        )
+        if name == "fedtgp":
+            last = f"speedup={speedup:.2f} peak_fraction={round_rate / peak:.2f}"
+    if args.memory:
+        print()
+        measure_memory(args.rounds, 1.0 if not args.quick else 0.2)
+    if last:
+        print(last)
+
+
+if __name__ == "__main__":
+    main()

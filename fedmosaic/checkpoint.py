@@ -1,0 +1,492 @@
+"""Checkpoint and resume of one run: safetensors + JSON, never pickle.
+
+One file, ``checkpoint.safetensors``, holds every tensor of the run (server state, each client's
+model and extras state dicts, torch's RNG state) and, in its JSON header, the structure that puts
+them back together: the server state's tree (dataclasses, dicts, lists, modules, scalars), the
+history so far, the last evaluation, the Python/NumPy RNG states, the round number, the config
+and a digest over all of it.
+
+Server state of any algorithm is saved by a generic flattener (:func:`flatten_tree`) and restored
+*into a template*: the freshly initialised state of the same algorithm on the same config
+(``algo.init_server(spec)``). Classes are never imported by name from the file, so loading a
+checkpoint runs no code from it; a file whose structure does not match the template is rejected
+as foreign. Supported leaves: ``None``, ``bool``, ``int``, ``float`` (NaN/Inf included), ``str``,
+tensors, NumPy arrays and scalars, ``torch.Generator``; containers: ``dict`` (str/int/float/bool
+keys), ``list``, ``tuple``, dataclass instances, ``nn.Module`` (its ``state_dict``). Anything else
+fails at save time with the path of the offending value.
+
+Writes go to a temporary file that is read back and verified before it replaces the previous
+checkpoint (write-then-rename), so a crash or a full disk never destroys the last good one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+import fedmosaic
+from fedmosaic.core.rounds import EvalResult, History
+
+log = logging.getLogger("fedmosaic")
+
+FORMAT = "fedmosaic-checkpoint"
+VERSION = 1
+FILENAME = "checkpoint.safetensors"
+# Test hook: after saving the checkpoint of this round the process SIGKILLs itself (resume tests).
+KILL_ENV = "FEDMOSAIC_KILL_AFTER_CHECKPOINT"
+# Config keys that do not change a run's numbers (a resumed run may differ in them).
+NEUTRAL_KEYS = ("sim.progress",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or does not belong to this run (with the reason)."""
+
+
+# ---- the generic tree flattener --------------------------------------------------------------
+def flatten_tree(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
+    """A JSON-able description of ``obj``; its tensors go into ``tensors`` under ``prefix/...``.
+
+    Two references to the same tensor object are stored once and restored as one object.
+    """
+    seen: dict[int, str] = {}
+    keep: list[Any] = []  # pins every visited tensor so no id() is reused during the walk
+
+    def walk(x: Any, path: str) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            return x if np.isfinite(x) else {"t": "float", "v": repr(x)}
+        if isinstance(x, Tensor):
+            if id(x) in seen:
+                return {"t": "tensor", "key": seen[id(x)]}
+            if x.is_complex() or x.is_sparse or x.is_quantized:
+                raise CheckpointError(f"{path}: unsupported tensor kind {x.dtype}/{x.layout}")
+            key = f"{prefix}/{len(seen)}"
+            seen[id(x)] = key
+            keep.append(x)
+            tensors[key] = x.detach().to("cpu").contiguous().clone()
+            return {"t": "tensor", "key": key, "grad": bool(x.requires_grad)}
+        if isinstance(x, np.ndarray):
+            return {"t": "ndarray", "v": walk(torch.from_numpy(np.ascontiguousarray(x)), path)}
+        if isinstance(x, np.generic):
+            return walk(x.item(), path)
+        if isinstance(x, torch.Generator):
+            return {"t": "generator", "v": walk(x.get_state(), path)}
+        if isinstance(x, nn.Module):
+            state = x.state_dict()
+            return {
+                "t": "module",
+                "cls": type(x).__qualname__,
+                "training": bool(x.training),
+                "state": {k: walk(v, f"{path}.{k}") for k, v in state.items()},
+            }
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {
+                "t": "dataclass",
+                "cls": type(x).__qualname__,
+                "fields": {
+                    f.name: walk(getattr(x, f.name), f"{path}.{f.name}")
+                    for f in dataclasses.fields(x)
+                },
+            }
+        if isinstance(x, dict):
+            items = []
+            for k, v in x.items():
+                if not isinstance(k, (str, int, float, bool)) or k is None:
+                    raise CheckpointError(
+                        f"{path}: unsupported dict key {k!r} ({type(k).__name__})"
+                    )
+                items.append([k, walk(v, f"{path}[{k!r}]")])
+            return {"t": "dict", "items": items}
+        if isinstance(x, (list, tuple)):
+            kind = "list" if isinstance(x, list) else "tuple"
+            return {"t": kind, "items": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
+        raise CheckpointError(
+            f"{path}: cannot checkpoint a value of type {type(x).__module__}.{type(x).__qualname__}"
+            " (supported: tensors, numbers, strings, None, dicts, lists, tuples, dataclasses, "
+            "nn.Modules, NumPy arrays, torch.Generator)"
+        )
+
+    return walk(obj, prefix)
+
+
+def restore_tree(node: Any, tensors: dict[str, Tensor], template: Any, path: str = "state") -> Any:
+    """Rebuild the object described by ``node``, reusing ``template``'s classes and modules.
+
+    Dataclasses and modules must exist in the template at the same place with the same class
+    (nothing is imported from the file); plain containers and leaves may differ in content.
+    """
+    cache: dict[str, Tensor] = {}
+
+    def tensor(ref: dict[str, Any], p: str) -> Tensor:
+        key = ref.get("key")
+        if key not in tensors:
+            raise CheckpointError(f"{p}: tensor {key!r} is missing from the checkpoint")
+        if key not in cache:
+            t = tensors[key].clone()
+            cache[key] = t.requires_grad_(True) if ref.get("grad") and t.is_floating_point() else t
+        return cache[key]
+
+    def walk(n: Any, tmpl: Any, p: str) -> Any:
+        if n is None or isinstance(n, (bool, int, float, str)):
+            return n
+        if isinstance(n, list):
+            raise CheckpointError(f"{p}: malformed node")
+        if not isinstance(n, dict) or "t" not in n:
+            raise CheckpointError(f"{p}: malformed node {str(n)[:60]!r}")
+        t = n["t"]
+        if t == "float":
+            return float(n["v"])
+        if t == "tensor":
+            out = tensor(n, p)
+            if isinstance(tmpl, Tensor) and tmpl.device.type != "cpu":
+                out = out.to(tmpl.device)
+            return out
+        if t == "ndarray":
+            return walk(n["v"], None, p).numpy()
+        if t == "generator":
+            g = torch.Generator()
+            g.set_state(walk(n["v"], None, p))
+            return g
+        if t == "module":
+            if not isinstance(tmpl, nn.Module) or type(tmpl).__qualname__ != n.get("cls"):
+                raise CheckpointError(
+                    f"{p}: the checkpoint has a module {n.get('cls')!r} where this run has "
+                    f"{type(tmpl).__qualname__!r} (a checkpoint of another algorithm or version?)"
+                )
+            state = {k: walk(v, None, f"{p}.{k}") for k, v in n["state"].items()}
+            try:
+                tmpl.load_state_dict(state, strict=True)
+            except (RuntimeError, KeyError) as exc:
+                raise CheckpointError(f"{p}: module state does not fit this run: {exc}") from exc
+            tmpl.train(bool(n.get("training", False)))
+            return tmpl
+        if t == "dataclass":
+            if not (dataclasses.is_dataclass(tmpl) and type(tmpl).__qualname__ == n.get("cls")):
+                raise CheckpointError(
+                    f"{p}: the checkpoint has a {n.get('cls')!r} where this run has "
+                    f"{type(tmpl).__qualname__!r} (a checkpoint of another algorithm?)"
+                )
+            names = [f.name for f in dataclasses.fields(tmpl)]
+            fields = n.get("fields", {})
+            if sorted(fields) != sorted(names):
+                raise CheckpointError(
+                    f"{p}: fields {sorted(fields)} do not match {type(tmpl).__qualname__}'s {names}"
+                )
+            obj = object.__new__(type(tmpl))
+            if hasattr(tmpl, "__dict__"):
+                obj.__dict__.update(tmpl.__dict__)  # non-field attributes (caches) as initialised
+            for name in names:
+                value = walk(fields[name], getattr(tmpl, name), f"{p}.{name}")
+                object.__setattr__(obj, name, value)
+            return obj
+        if t == "dict":
+            tdict = tmpl if isinstance(tmpl, dict) else {}
+            return {k: walk(v, tdict.get(k), f"{p}[{k!r}]") for k, v in n["items"]}
+        if t in ("list", "tuple"):
+            tseq = tmpl if isinstance(tmpl, (list, tuple)) else ()
+            items = [
+                walk(v, tseq[i] if i < len(tseq) else None, f"{p}[{i}]")
+                for i, v in enumerate(n["items"])
+            ]
+            return items if t == "list" else tuple(items)
+        raise CheckpointError(f"{p}: unknown node type {t!r}")
+
+    return walk(node, template, path)
+
+
+# ---- RNG state ---------------------------------------------------------------------------------
+def capture_rng(tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """Torch / NumPy / Python global RNG states (our streams are derived; these are belt and braces)."""
+    tensors["rng/torch"] = torch.get_rng_state()
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["rng/numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64))
+    version, internal, py_gauss = random.getstate()
+    return {
+        "numpy": [str(name), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(internal), py_gauss],
+    }
+
+
+def restore_rng(meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    torch.set_rng_state(tensors["rng/torch"])
+    name, pos, has_gauss, gauss = meta["numpy"]
+    keys = tensors["rng/numpy"].numpy().astype(np.uint32)
+    np.random.set_state((name, keys, pos, has_gauss, gauss))
+    version, internal, py_gauss = meta["python"]
+    random.setstate((version, tuple(internal), py_gauss))
+
+
+# ---- history -------------------------------------------------------------------------------------
+def _evals(results: Sequence[EvalResult]) -> list[dict[str, Any]]:
+    return [{"client_id": r.client_id, "counts": r.counts} for r in results]
+
+
+def _from_evals(items: Sequence[dict[str, Any]]) -> list[EvalResult]:
+    return [EvalResult(int(d["client_id"]), d["counts"]) for d in items]
+
+
+def history_to_json(history: History) -> dict[str, Any]:
+    return {
+        "rounds": history.rounds,
+        "participants": history.participants,
+        "final_eval": _evals(history.final_eval),
+        "finetune_eval": _evals(history.finetune_eval),
+    }
+
+
+def history_from_json(d: dict[str, Any]) -> History:
+    return History(
+        rounds=list(d["rounds"]),
+        final_eval=_from_evals(d["final_eval"]),
+        finetune_eval=_from_evals(d["finetune_eval"]),
+        participants=[list(p) for p in d["participants"]],
+    )
+
+
+# ---- the file -------------------------------------------------------------------------------------
+def config_fingerprint(config: dict[str, Any]) -> dict[str, Any]:
+    """The config without the keys that do not change results (for the resume check)."""
+    cfg = json.loads(json.dumps(config))
+    for dotted in NEUTRAL_KEYS:
+        section, key = dotted.split(".")
+        cfg.get(section, {}).pop(key, None)
+    return cfg
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    blob = json.dumps(config_fingerprint(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _digest(meta_json: str, tensors: dict[str, Tensor]) -> str:
+    h = hashlib.sha256(meta_json.encode())
+    for key in sorted(tensors):
+        t = tensors[key]
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.reshape(-1).contiguous()
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class Loaded:
+    meta: dict[str, Any]
+    tensors: dict[str, Tensor]
+
+
+def write_checkpoint(path: Path, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    """Write-then-rename: the previous checkpoint stays until the new one is verified on disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
+    header = {"format": FORMAT, "meta": meta_json, "digest": _digest(meta_json, tensors)}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        read_checkpoint(tmp)  # verify before it replaces anything
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by a process killed mid-write
+        stale.unlink(missing_ok=True)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:  # pragma: no cover - filesystems without directory fsync
+        pass
+
+
+def read_header(path: Path) -> dict[str, str]:
+    """The safetensors metadata of ``path``, or a CheckpointError saying why it is not ours."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            header = fh.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error types
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint (corrupt or not a safetensors file: {exc})"
+        ) from exc
+    if header.get("format") != FORMAT or "meta" not in header:
+        raise CheckpointError(f"{path}: a foreign safetensors file, not a fedmosaic checkpoint")
+    return header
+
+
+def peek(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's metadata (round, config, ...) without loading tensors or verifying."""
+    header = read_header(Path(path))
+    try:
+        return json.loads(header["meta"])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata ({exc})") from exc
+
+
+def read_checkpoint(path: str | Path) -> Loaded:
+    """Load and verify (digest over metadata and every tensor byte)."""
+    path = Path(path)
+    header = read_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    except Exception as exc:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from exc
+    if _digest(header["meta"], tensors) != header.get("digest"):
+        raise CheckpointError(f"{path}: corrupt checkpoint (digest mismatch)")
+    meta = json.loads(header["meta"])
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format version {meta.get('version')!r}, this fedmosaic reads {VERSION}"
+        )
+    return Loaded(meta, tensors)
+
+
+# ---- the round-loop hook -----------------------------------------------------------------------------
+ClientStates = Callable[[], list[tuple[dict[str, Tensor], dict[str, Tensor]]]]
+LoadClientStates = Callable[[list[tuple[dict[str, Tensor], dict[str, Tensor]]]], None]
+
+
+class Checkpointer:
+    """Saves every ``every`` rounds (and after the last round); restores on ``resume``.
+
+    ``get_clients`` returns each client's ``(model state_dict, extras state_dict)``;
+    ``set_clients`` loads them back. Implements ``core.rounds.RoundCheckpoint``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        every: int,
+        config: dict[str, Any],
+        get_clients: ClientStates,
+        set_clients: LoadClientStates,
+        resume: bool = False,
+        last_round: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.every = int(every)
+        self.config = config
+        self.get_clients = get_clients
+        self.set_clients = set_clients
+        self.resume = resume
+        self.last_round = last_round if last_round is not None else config["train"]["rounds"]
+        self.restored_round = 0
+        if self.every < 0:
+            raise CheckpointError(f"checkpoint interval {every} must be >= 0")
+
+    # -- restore --
+    def restore(self, template: Any) -> tuple[int, Any, History, list[EvalResult]] | None:
+        if not self.resume:
+            return None
+        if not self.path.exists():
+            log.warning("no checkpoint at %s: starting from round 1", self.path)
+            return None
+        loaded = read_checkpoint(self.path)
+        meta, tensors = loaded.meta, loaded.tensors
+        self._check_config(meta)
+        try:
+            state = restore_tree(meta["server_state"], tensors, template)
+            clients = []
+            for cid in range(meta["num_clients"]):
+                model = {
+                    k[len(f"client/{cid}/model/") :]: v
+                    for k, v in tensors.items()
+                    if k.startswith(f"client/{cid}/model/")
+                }
+                extras = {
+                    k[len(f"client/{cid}/extras/") :]: v
+                    for k, v in tensors.items()
+                    if k.startswith(f"client/{cid}/extras/")
+                }
+                clients.append((model, extras))
+            self.set_clients(clients)
+            history = history_from_json(meta["history"])
+            last_eval = _from_evals(meta["last_eval"])
+            restore_rng(meta["rng"], tensors)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{self.path}: checkpoint does not fit this run: {exc}") from exc
+        self.restored_round = int(meta["round"])
+        log.info("resumed from %s after round %d", self.path, self.restored_round)
+        return self.restored_round, state, history, last_eval
+
+    def _check_config(self, meta: dict[str, Any]) -> None:
+        mine = config_fingerprint(self.config)
+        theirs = config_fingerprint(meta.get("config", {}))
+        if mine == theirs:
+            return
+        diffs = []
+        for section in sorted(set(mine) | set(theirs)):
+            a, b = mine.get(section), theirs.get(section)
+            if isinstance(a, dict) and isinstance(b, dict):
+                for k in sorted(set(a) | set(b)):
+                    if a.get(k) != b.get(k):
+                        diffs.append(f"{section}.{k}: checkpoint {b.get(k)!r}, now {a.get(k)!r}")
+            elif a != b:
+                diffs.append(f"{section}: checkpoint {b!r}, now {a!r}")
+        raise CheckpointError(
+            f"{self.path} belongs to a different configuration ({'; '.join(diffs[:6])})"
+        )
+
+    # -- save --
+    def due(self, round_num: int) -> bool:
+        if self.every <= 0:
+            return False
+        return round_num % self.every == 0 or round_num == self.last_round
+
+    def after_round(
+        self, round_num: int, state: Any, history: History, last_eval: list[EvalResult]
+    ) -> None:
+        if not self.due(round_num):
+            return
+        self.save(round_num, state, history, last_eval)
+        if os.environ.get(KILL_ENV) == str(round_num):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def save(
+        self, round_num: int, state: Any, history: History, last_eval: list[EvalResult]
+    ) -> None:
+        tensors: dict[str, Tensor] = {}
+        tree = flatten_tree(state, tensors, "server")
+        clients = self.get_clients()
+        for cid, (model, extras) in enumerate(clients):
+            for k, v in model.items():
+                tensors[f"client/{cid}/model/{k}"] = v.detach().to("cpu").contiguous().clone()
+            for k, v in extras.items():
+                tensors[f"client/{cid}/extras/{k}"] = v.detach().to("cpu").contiguous().clone()
+        meta = {
+            "version": VERSION,
+            "library": fedmosaic.__version__,
+            "round": round_num,
+            "config": self.config,
+            "config_hash": config_hash(self.config),
+            "num_clients": len(clients),
+            "server_state": tree,
+            "history": history_to_json(history),
+            "last_eval": _evals(last_eval),
+            "rng": capture_rng(tensors),
+        }
+        write_checkpoint(self.path, meta, tensors)

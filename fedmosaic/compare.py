@@ -1,0 +1,365 @@
+"""``fedmosaic compare SUITE.toml``: a grid of methods x settings x seeds, cached and resumable.
+
+A suite file is an experiment TOML (``[base]``) plus the grid around it::
+
+    [suite]
+    name = "fedtgp-table10"
+    title = "FedTGP Table 10: FMNIST, HtCNN8, 20 clients"
+    seeds = [0, 1, 2]
+    methods = ["local", "fedproto", "fedtgp"]   # labels; a label without a [methods.X] table
+    settings = ["pathological", "practical"]    #   is the algorithm of that name, defaults
+    target_accuracy = 0.9                       # for rounds / bytes to target
+    checkpoint_every = 10
+
+    [base]                 # the shared experiment config (the schema of `fedmosaic run`)
+    [base.data] ...
+
+    [settings.pathological]                     # dotted overrides on [base]
+    "data.partition" = "pathological"
+
+    [methods.fedhenn_rbf]                       # an algorithm table and optional overrides
+    algorithm = { name = "fedhenn", kernel = "rbf" }
+    set = { "data.public_size" = 1000 }
+
+    [quick]                                     # the reduced budget of `--quick`
+    "train.rounds" = 5
+
+    [reference.pathological]                    # the paper's numbers (accuracy, %), optional
+    fedtgp = "99.56 ± 0.03"
+
+Each cell's config is ``base <- setting <- method <- seed <- [quick] <- --set``. Cells are stored in
+``OUT/cells/<setting>/<method>/seed<k>/``; a cell whose ``results.json`` was produced by the same
+config (hash) is skipped; ``--resume`` continues interrupted cells from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
+from fedmosaic.checkpoint import config_hash
+from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict
+
+log = logging.getLogger("fedmosaic")
+
+SUITE_KEYS = {
+    "name",
+    "title",
+    "paper",
+    "description",
+    "seeds",
+    "methods",
+    "settings",
+    "target_accuracy",
+    "checkpoint_every",
+    "budget",
+    "quick_budget",
+    "prototype_plot",
+}
+
+
+@dataclass
+class Method:
+    label: str
+    algorithm: dict[str, Any]
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Setting:
+    label: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Suite:
+    name: str
+    title: str
+    base: dict[str, Any]
+    methods: list[Method]
+    settings: list[Setting]
+    seeds: list[int]
+    target_accuracy: float | None = None
+    checkpoint_every: int = 10
+    paper: str = ""
+    description: str = ""
+    budget: str = ""
+    quick_budget: str = ""
+    prototype_plot: str = "tsne"  # tsne | pca | none: client/global prototypes of prototype methods
+    quick: dict[str, Any] = field(default_factory=dict)
+    reference: dict[str, dict[str, str]] = field(default_factory=dict)
+    path: str = ""
+
+
+@dataclass
+class Cell:
+    method: Method
+    setting: Setting
+    seed: int
+    cfg: ExperimentConfig
+    hash: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.setting.label}/{self.method.label}/seed{self.seed}"
+
+
+def _apply(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = raw
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: {key!r}: {p!r} is not a table")
+        node[parts[-1]] = copy.deepcopy(value)
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Parse and check a suite file (unknown keys fail, naming them)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"suite file {str(p)!r} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"suite file {str(p)!r} is not valid TOML: {exc}") from exc
+    known = {"suite", "base", "settings", "methods", "quick", "reference"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{p}: unknown table {key!r}; valid: {', '.join(sorted(known))}")
+    meta = raw.get("suite", {})
+    for key in meta:
+        if key not in SUITE_KEYS:
+            raise ConfigError(
+                f"{p}: unknown key suite.{key}; valid: {', '.join(sorted(SUITE_KEYS))}"
+            )
+    method_tables = raw.get("methods", {})
+    labels = meta.get("methods", list(method_tables))
+    if not labels:
+        raise ConfigError(f"{p}: suite.methods lists no method")
+    methods = []
+    for label in labels:
+        table = method_tables.get(label, {})
+        extra = set(table) - {"algorithm", "set"}
+        if extra:
+            raise ConfigError(
+                f"{p}: methods.{label}: unknown keys {sorted(extra)} (use algorithm, set)"
+            )
+        algo = dict(table.get("algorithm", {"name": label}))
+        algo.setdefault("name", label)
+        methods.append(Method(label, algo, dict(table.get("set", {}))))
+    setting_tables = raw.get("settings", {})
+    setting_labels = meta.get("settings", list(setting_tables) or ["default"])
+    settings = [Setting(s, dict(setting_tables.get(s, {}))) for s in setting_labels]
+    if meta.get("prototype_plot", "tsne") not in ("tsne", "pca", "none"):
+        raise ConfigError(f"{p}: suite.prototype_plot must be tsne, pca or none")
+    seeds = meta.get("seeds", [0])
+    if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds) or not seeds:
+        raise ConfigError(f"{p}: suite.seeds must be a non-empty list of integers")
+    return Suite(
+        name=meta.get("name", p.stem),
+        title=meta.get("title", meta.get("name", p.stem)),
+        base=raw.get("base", {}),
+        methods=methods,
+        settings=settings,
+        seeds=seeds,
+        target_accuracy=meta.get("target_accuracy"),
+        checkpoint_every=int(meta.get("checkpoint_every", 10)),
+        paper=meta.get("paper", ""),
+        description=meta.get("description", ""),
+        budget=meta.get("budget", ""),
+        quick_budget=meta.get("quick_budget", ""),
+        prototype_plot=meta.get("prototype_plot", "tsne"),
+        quick=dict(raw.get("quick", {})),
+        reference={k: dict(v) for k, v in raw.get("reference", {}).items()},
+        path=str(p),
+    )
+
+
+def build_cells(
+    suite: Suite,
+    overrides: list[str] | None = None,
+    quick: bool = False,
+    methods: list[str] | None = None,
+    settings: list[str] | None = None,
+    seeds: list[int] | None = None,
+) -> list[Cell]:
+    """Every cell's validated config, before anything runs (errors name the cell)."""
+    pick_m = [m for m in suite.methods if not methods or m.label in methods]
+    pick_s = [s for s in suite.settings if not settings or s.label in settings]
+    for name, wanted, have in (
+        ("method", methods, [m.label for m in suite.methods]),
+        ("setting", settings, [s.label for s in suite.settings]),
+    ):
+        for w in wanted or []:
+            if w not in have:
+                raise ConfigError(f"unknown {name} {w!r} in suite {suite.name}; have {have}")
+    cells = []
+    for setting in pick_s:
+        for method in pick_m:
+            for seed in seeds if seeds else suite.seeds:
+                raw = copy.deepcopy(suite.base)
+                where = f"cell {setting.label}/{method.label}/seed{seed}"
+                _apply(raw, setting.overrides, where)
+                _apply(raw, method.overrides, where)
+                raw["algorithm"] = copy.deepcopy(method.algorithm)
+                raw["seed"] = seed
+                if quick:
+                    _apply(raw, suite.quick, where)
+                raw.setdefault("sim", {})["progress"] = False
+                try:
+                    cfg = from_dict(apply_overrides(raw, list(overrides or [])))
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from exc
+                cells.append(Cell(method, setting, seed, cfg, config_hash(cfg.to_dict())))
+    return cells
+
+
+def cell_dir(out: Path, cell: Cell) -> Path:
+    return out / "cells" / cell.setting.label / cell.method.label / f"seed{cell.seed}"
+
+
+def cached(out: Path, cell: Cell) -> dict[str, Any] | None:
+    """The cell's results when they exist and were produced by exactly this config."""
+    path = cell_dir(out, cell) / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if config_hash(doc.get("config", {})) != cell.hash:
+        return None
+    return doc
+
+
+def is_prototype_method(name: str) -> bool:
+    """A method whose broadcast carries global prototypes (``protos [C, d]`` + ``known [C]``)."""
+    from fedmosaic.algorithms import ALGORITHMS
+
+    cls = ALGORITHMS.get(name)
+    names = {f.name for f in dataclasses.fields(cls.Broadcast)}
+    return {"protos", "known"} <= names
+
+
+def run_cell(
+    out: Path,
+    cell: Cell,
+    resume: bool,
+    checkpoint_every: int,
+    progress: bool = False,
+    prototype_plot: str = "tsne",
+) -> dict[str, Any]:
+    from fedmosaic.experiment import run_experiment
+    from fedmosaic.report.results import write_results
+    from fedmosaic.report.sinks import Sinks
+
+    d = cell_dir(out, cell)
+    d.mkdir(parents=True, exist_ok=True)
+    ckpt = d / CHECKPOINT_FILE
+    keep = 0
+    if ckpt.exists() and not resume:
+        log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
+        ckpt.unlink()
+    elif ckpt.exists():
+        from fedmosaic.checkpoint import CheckpointError, peek
+
+        try:
+            meta = peek(ckpt)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{cell.key}: {exc} (delete it to restart this cell)") from exc
+        if meta.get("config_hash") == cell.hash:
+            keep = int(meta["round"])
+        else:  # the suite (or --set) changed since: that checkpoint is another cell's
+            log.warning("%s: the checkpoint is of another configuration; starting over", cell.key)
+            ckpt.unlink()
+    sinks = Sinks(d, keep_rounds=keep)
+    every = checkpoint_every if checkpoint_every > 0 else cell.cfg.train.rounds
+    try:
+        doc = run_experiment(
+            cell.cfg,
+            progress=progress,
+            on_round=sinks,
+            checkpoint_dir=d,
+            checkpoint_every=every,
+            resume=resume,
+        )
+    finally:
+        sinks.close()
+    doc["cell"] = {
+        "suite_setting": cell.setting.label,
+        "method": cell.method.label,
+        "seed": cell.seed,
+        "config_hash": cell.hash,
+    }
+    if prototype_plot != "none" and is_prototype_method(cell.cfg.algorithm["name"]):
+        from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
+
+        try:
+            plot_prototypes_from_checkpoint(cell.cfg, ckpt, d / "prototypes.png", prototype_plot)
+        except Exception as exc:  # a report plot must not lose a finished run
+            log.warning("%s: prototype plot failed: %s", cell.key, exc)
+    write_results(d, doc)
+    ckpt.unlink(missing_ok=True)  # the run is complete; results.json is the product
+    return doc
+
+
+def run_suite(
+    suite: Suite,
+    out: str | Path,
+    cells: list[Cell],
+    resume: bool = False,
+    checkpoint_every: int | None = None,
+    progress: bool = True,
+    command: str = "",
+) -> dict[str, list[dict[str, Any]]]:
+    """Run (or reuse) every cell, then write the report. Returns the docs per cell key."""
+    from fedmosaic.report.compare import write_report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    every = suite.checkpoint_every if checkpoint_every is None else checkpoint_every
+    docs: dict[str, dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    for i, cell in enumerate(cells, 1):
+        doc = cached(out, cell)
+        if doc is not None:
+            print(f"[{i}/{len(cells)}] {cell.key}: cached")
+        else:
+            c = cell.cfg
+            print(
+                f"[{i}/{len(cells)}] {cell.key}: {c.data.dataset}, {c.data.num_clients} clients, "
+                f"{c.data.partition}, {c.model.family}, {c.train.rounds} rounds",
+                flush=True,
+            )
+            t0 = time.perf_counter()
+            doc = run_cell(out, cell, resume, every, progress, suite.prototype_plot)
+            acc = doc.get("summary", {}).get("final", {}).get("acc_weighted")
+            print(
+                f"    final acc {acc if acc is None else f'{100 * acc:.2f}%'}, "
+                f"{time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+        docs[cell.key] = doc
+    manifest = {
+        "suite": suite.name,
+        "suite_file": suite.path,
+        "command": command,
+        "cells": [
+            {"key": c.key, "config_hash": c.hash, "dir": str(cell_dir(out, c).relative_to(out))}
+            for c in cells
+        ],
+        "seconds": time.perf_counter() - t_start,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_report(suite, out, cells, docs, command=command)
+    return {k: [v] for k, v in docs.items()}

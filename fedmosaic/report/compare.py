@@ -1,0 +1,388 @@
+"""The report of a comparison grid: one table (Markdown + CSV + HTML), curves, client spread.
+
+Every number is a mean ± std over seeds (population std, ddof=0, as PFLlib/HtFLlib report it)
+of one per-run statistic:
+
+- final: test accuracy at the last round (sample-weighted over all clients);
+- after fine-tune: the same after the method's local fine-tuning (FedBABU, layer expansion);
+- best on val: test accuracy at the round with the best validation accuracy (needs a validation
+  split; ``-`` without one);
+- best on test: the maximum test accuracy over rounds, *as the papers report it* (optimistic:
+  it selects the round on the test set);
+- client std: the spread of per-client final accuracies (std over clients);
+- rounds to target: first round whose test accuracy reaches the suite's target, mean over the
+  seeds that reached it (``k/n`` of the seeds did);
+- KB up / down per client per round; MB to target: all clients' traffic (up + down) until then;
+- s/round: wall-clock seconds per round on this machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from fedmosaic.compare import Cell, Suite
+
+METRICS: tuple[tuple[str, str, str], ...] = (
+    # key, column label, unit (pct | int | kb | mb | s)
+    ("final", "final acc", "pct"),
+    ("after_finetune", "after fine-tune", "pct"),
+    ("best_on_val", "best-on-val acc", "pct"),
+    ("best_on_test", "best-on-test acc (as the papers report it)", "pct"),
+    ("client_std", "per-client std", "pct"),
+    ("rounds_to_target", "rounds to target", "int"),
+    ("kb_up", "KB up /client/round", "kb"),
+    ("kb_down", "KB down /client/round", "kb"),
+    ("mb_to_target", "MB to target (all clients)", "mb"),
+    ("seconds_per_round", "s/round", "s"),
+)
+
+
+def run_metrics(doc: dict[str, Any], target: float | None) -> dict[str, float | None]:
+    """The per-run statistics of one results document (None where not defined)."""
+    s = doc.get("summary", {})
+    out: dict[str, float | None] = {
+        "final": s.get("final", {}).get("acc_weighted"),
+        "after_finetune": s.get("after_finetune", {}).get("acc_weighted"),
+        "best_on_val": s.get("best_on_val", {}).get("acc_weighted"),
+        "best_on_test": s.get("best_on_test", {}).get("acc_weighted"),
+        "client_std": s.get("final", {}).get("acc_std"),
+        "kb_up": _div(s.get("bytes_up_per_client_per_round"), 1024),
+        "kb_down": _div(s.get("bytes_down_per_client_per_round"), 1024),
+        "seconds_per_round": s.get("seconds_per_round"),
+        "rounds_to_target": None,
+        "mb_to_target": None,
+    }
+    if target is not None:
+        total = 0.0
+        for r in doc.get("rounds", []):
+            total += (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)
+            acc = r.get("acc_weighted")
+            if acc is not None and acc >= target:
+                out["rounds_to_target"] = float(r["round"])
+                out["mb_to_target"] = total / 2**20
+                break
+    return out
+
+
+def _div(v: Any, d: float) -> float | None:
+    return None if v is None else float(v) / d
+
+
+def aggregate(values: Sequence[float | None]) -> dict[str, Any]:
+    """Mean and std (ddof=0) over the defined values, and how many were defined."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0, "of": len(values)}
+    return {
+        "mean": float(np.mean(vals)),
+        "std": float(np.std(vals)),
+        "n": len(vals),
+        "of": len(values),
+    }
+
+
+def summarize_grid(
+    suite: Suite, cells: Sequence[Cell], docs: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One row per (setting, method): aggregated metrics over its seeds."""
+    rows = []
+    order: list[tuple[str, str]] = []
+    for c in cells:
+        if (c.setting.label, c.method.label) not in order:
+            order.append((c.setting.label, c.method.label))
+    for setting, method in order:
+        mine = [c for c in cells if c.setting.label == setting and c.method.label == method]
+        per_run = [run_metrics(docs[c.key], suite.target_accuracy) for c in mine if c.key in docs]
+        row: dict[str, Any] = {
+            "setting": setting,
+            "method": method,
+            "seeds": [c.seed for c in mine if c.key in docs],
+            "reference": suite.reference.get(setting, {}).get(method, ""),
+        }
+        for key, _, _ in METRICS:
+            row[key] = aggregate([m[key] for m in per_run])
+        rows.append(row)
+    return rows
+
+
+def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
+    if agg["mean"] is None:
+        return "-"
+    m, s = agg["mean"], agg["std"]
+    if unit == "pct":
+        text = f"{100 * m:.2f} ± {100 * s:.2f}"
+    elif unit == "int":
+        text = f"{m:.1f} ± {s:.1f}" if agg["n"] > 1 else f"{m:.0f}"
+    elif unit == "kb":
+        text = f"{m:.1f}"
+    elif unit == "mb":
+        text = f"{m:.2f}"
+    else:
+        text = f"{m:.2f}"
+    if with_count and agg["n"] < agg["of"]:
+        text += f" ({agg['n']}/{agg['of']})"
+    return text
+
+
+def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, str, str]]:
+    cols = []
+    for key, label, unit in METRICS:
+        if key in ("rounds_to_target", "mb_to_target") and suite.target_accuracy is None:
+            continue
+        if key in ("after_finetune", "best_on_val") and all(r[key]["mean"] is None for r in rows):
+            continue
+        cols.append((key, label, unit))
+    return cols
+
+
+def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]]) -> str:
+    cols = _columns(rows, suite)
+    has_ref = any(r["reference"] for r in rows)
+    lines = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        mine = [r for r in rows if r["setting"] == setting]
+        lines.append(f"### {setting}\n")
+        header = ["method", "seeds", *[c[1] for c in cols]] + (["paper"] if has_ref else [])
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        for r in mine:
+            cells = [r["method"], str(len(r["seeds"]))]
+            for key, _, unit in cols:
+                cells.append(fmt(r[key], unit, with_count=key == "rounds_to_target"))
+            if has_ref:
+                cells.append(r["reference"] or "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if suite.target_accuracy is not None:
+        lines.append(
+            f"Target accuracy: {100 * suite.target_accuracy:.1f}% (weighted test accuracy); "
+            "`(k/n)`: k of n seeds reached it."
+        )
+    lines.append(
+        "Accuracies in %, mean ± std over seeds; best-on-test selects the round on the test set, "
+        "as the papers report it."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        header = ["setting", "method", "seeds"]
+        for key, _, _ in METRICS:
+            header += [f"{key}_mean", f"{key}_std", f"{key}_n"]
+        header.append("paper")
+        w.writerow(header)
+        for r in rows:
+            line: list[Any] = [r["setting"], r["method"], " ".join(map(str, r["seeds"]))]
+            for key, _, _ in METRICS:
+                a = r[key]
+                line += [
+                    "" if a["mean"] is None else a["mean"],
+                    "" if a["std"] is None else a["std"],
+                    a["n"],
+                ]
+            line.append(r["reference"])
+            w.writerow(line)
+
+
+# ---- plots ------------------------------------------------------------------------------------
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_grid_curves(
+    cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path, target: float | None
+) -> None:
+    """Test accuracy per round of every method, mean over seeds (band: min-max), per setting."""
+    plt = _plt()
+    settings = list(dict.fromkeys(c.setting.label for c in cells))
+    fig, axes = plt.subplots(
+        1, len(settings), figsize=(5.5 * len(settings), 4), dpi=110, squeeze=False
+    )
+    for ax, setting in zip(axes[0], settings, strict=True):
+        methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
+        for method in methods:
+            runs = [
+                docs[c.key]
+                for c in cells
+                if c.setting.label == setting and c.method.label == method and c.key in docs
+            ]
+            curves: dict[int, list[float]] = {}
+            for doc in runs:
+                for r in doc.get("rounds", []):
+                    if r.get("acc_weighted") is not None:
+                        curves.setdefault(int(r["round"]), []).append(100 * r["acc_weighted"])
+            if not curves:
+                continue
+            xs = sorted(curves)
+            mean = [float(np.mean(curves[x])) for x in xs]
+            (line,) = ax.plot(xs, mean, label=method, marker="." if len(xs) < 30 else None)
+            if len(runs) > 1:
+                lo = [min(curves[x]) for x in xs]
+                hi = [max(curves[x]) for x in xs]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+        if target is not None:
+            ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label="target")
+        ax.set_title(setting, fontsize=10)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_client_spread(cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Per-client final test accuracies of every method (pooled over seeds), box + points."""
+    plt = _plt()
+    settings = list(dict.fromkeys(c.setting.label for c in cells))
+    fig, axes = plt.subplots(
+        1, len(settings), figsize=(5.5 * len(settings), 4), dpi=110, squeeze=False
+    )
+    for ax, setting in zip(axes[0], settings, strict=True):
+        methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
+        data = []
+        for method in methods:
+            accs = []
+            for c in cells:
+                if c.setting.label == setting and c.method.label == method and c.key in docs:
+                    accs += [
+                        100 * float(v) for v in docs[c.key].get("per_client_final_acc", {}).values()
+                    ]
+            data.append(accs)
+        pos = [i for i, d in enumerate(data, 1) if d]
+        if pos:
+            ax.boxplot([d for d in data if d], positions=pos, widths=0.6, showfliers=False)
+            rng = np.random.default_rng(0)
+            for i, d in zip(pos, [d for d in data if d], strict=True):
+                ax.scatter(i + rng.uniform(-0.15, 0.15, len(d)), d, s=6, alpha=0.5)
+        ax.set_xticks(range(1, len(methods) + 1))
+        ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("per-client final test accuracy (%)")
+        ax.set_title(setting, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- HTML -------------------------------------------------------------------------------------
+def html_report(
+    suite: Suite,
+    rows: Sequence[dict[str, Any]],
+    cells: Sequence[Cell],
+    images: Sequence[tuple[str, str]],
+    command: str,
+    out: Path,
+) -> str:
+    esc = html.escape
+    cols = _columns(rows, suite)
+    has_ref = any(r["reference"] for r in rows)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{esc(suite.title)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1400px}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;"
+        "text-align:right}td:first-child,th:first-child{text-align:left}"
+        "img{max-width:100%;border:1px solid #eee;margin:0.5em 0}"
+        "code{background:#f4f4f4;padding:1px 4px}</style></head><body>",
+        f"<h1>{esc(suite.title)}</h1>",
+    ]
+    if suite.paper:
+        parts.append(f"<p>Paper setting: {esc(suite.paper)}</p>")
+    if suite.description:
+        parts.append(f"<p>{esc(suite.description)}</p>")
+    if command:
+        parts.append(f"<p>Command: <code>{esc(command)}</code></p>")
+    c0 = cells[0].cfg if cells else None
+    if c0 is not None:
+        parts.append(
+            f"<p>{esc(c0.data.dataset)}, {c0.data.num_clients} clients, family "
+            f"<code>{esc(c0.model.family)}</code>, {c0.train.rounds} rounds, batch "
+            f"{c0.train.batch_size}, lr {c0.train.lr}, {c0.train.local_epochs} local epoch(s), "
+            f"subsample {c0.data.subsample}; seeds {sorted({c.seed for c in cells})}.</p>"
+        )
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        parts.append(f"<h2>{esc(setting)}</h2><table><tr><th>method</th><th>seeds</th>")
+        parts += [f"<th>{esc(label)}</th>" for _, label, _ in cols]
+        parts.append("<th>paper</th></tr>" if has_ref else "</tr>")
+        for r in rows:
+            if r["setting"] != setting:
+                continue
+            parts.append(f"<tr><td>{esc(r['method'])}</td><td>{len(r['seeds'])}</td>")
+            parts += [
+                f"<td>{esc(fmt(r[k], u, with_count=k == 'rounds_to_target'))}</td>"
+                for k, _, u in cols
+            ]
+            parts.append(f"<td>{esc(r['reference'] or '-')}</td></tr>" if has_ref else "</tr>")
+        parts.append("</table>")
+    parts.append(
+        "<p>Accuracies in %, mean ± std over seeds. <em>best-on-test</em> picks the round on the "
+        "test set, as the papers report it; <em>best-on-val</em> picks it on a validation split.</p>"
+    )
+    for title, rel in images:
+        parts.append(f"<h2>{esc(title)}</h2><img src='{esc(rel)}' alt='{esc(title)}'>")
+    parts.append("<h2>Runs</h2><ul>")
+    for c in cells:
+        d = f"cells/{c.setting.label}/{c.method.label}/seed{c.seed}"
+        if (out / d / "results.json").exists():
+            parts.append(
+                f"<li>{esc(c.key)}: <a href='{esc(d)}/results.json'>results.json</a>, "
+                f"<a href='{esc(d)}/rounds.csv'>rounds.csv</a></li>"
+            )
+    parts.append("</ul></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(
+    suite: Suite,
+    out: Path,
+    cells: Sequence[Cell],
+    docs: dict[str, dict[str, Any]],
+    command: str = "",
+) -> dict[str, Path]:
+    """``table.md``, ``table.csv``, ``summary.json``, ``curves.png``, ``clients.png``,
+    ``index.html`` in ``out`` (plus the per-cell prototype plots the runs made)."""
+    out = Path(out)
+    rows = summarize_grid(suite, cells, docs)
+    md = f"# {suite.title}\n\n"
+    if command:
+        md += f"Command: `{command}`\n\n"
+    md += markdown_table(suite, rows)
+    (out / "table.md").write_text(md)
+    write_csv(out / "table.csv", rows)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    plot_grid_curves(cells, docs, out / "curves.png", suite.target_accuracy)
+    plot_client_spread(cells, docs, out / "clients.png")
+    images = [
+        ("Learning curves (mean over seeds; band: min-max)", "curves.png"),
+        ("Per-client final accuracy", "clients.png"),
+    ]
+    for c in cells:
+        rel = f"cells/{c.setting.label}/{c.method.label}/seed{c.seed}/prototypes.png"
+        if c.seed == min(x.seed for x in cells) and (out / rel).exists():
+            images.append((f"Prototypes: {c.method.label}, {c.setting.label}, seed {c.seed}", rel))
+    (out / "index.html").write_text(html_report(suite, rows, cells, images, command, out))
+    return {
+        "table_md": out / "table.md",
+        "table_csv": out / "table.csv",
+        "html": out / "index.html",
+        "curves": out / "curves.png",
+        "clients": out / "clients.png",
+    }

@@ -1,0 +1,114 @@
+"""Compact off-process storage of client state: one raw file per client.
+
+A client's persistent state is every parameter and buffer (persistent or not) of its model and
+extras, in module order. :func:`state_tensors` lists them; :class:`StateStore` writes them as raw
+bytes (no pickle, no headers beyond a layout digest) to ``<dir>/<client>.bin`` and reads them back
+straight into the live tensors of a module of the same layout. Files go through the OS page cache:
+they cost no process memory (RSS), the kernel keeps them in RAM while there is room, and any
+worker process can read any client's file, so clients can move between workers freely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+_DIGEST = 16  # bytes of layout digest at the start of every file
+
+
+def state_tensors(model: nn.Module, extras: nn.Module) -> list[tuple[str, Tensor]]:
+    """The tensors that make up a client's state: parameters and all buffers, model then extras."""
+    out: list[tuple[str, Tensor]] = []
+    for prefix, module in (("model.", model), ("extras.", extras)):
+        out += [(prefix + n, p.data) for n, p in module.named_parameters()]
+        out += [(prefix + n, b) for n, b in module.named_buffers()]
+    return out
+
+
+def layout_digest(tensors: list[tuple[str, Tensor]]) -> bytes:
+    """A digest of names, dtypes and shapes: a file only loads into a module of the same layout."""
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for name, t in tensors:
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+    return h.digest()
+
+
+def state_nbytes(model: nn.Module, extras: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for _, t in state_tensors(model, extras))
+
+
+def _bytes_view(t: Tensor) -> memoryview:
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class StateStore:
+    """Per-client state files in a private temporary folder (removed by :meth:`close`)."""
+
+    def __init__(self, root: str | Path | None = None, create: bool = True) -> None:
+        if root is None:
+            root = tempfile.mkdtemp(prefix="fedmosaic-states-")
+        self.root = Path(root)
+        self.owner = create
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, cid: int) -> Path:
+        return self.root / f"{cid}.bin"
+
+    def has(self, cid: int) -> bool:
+        return self.path(cid).exists()
+
+    def save(self, cid: int, model: nn.Module, extras: nn.Module) -> int:
+        """Write the client's state (atomically: a reader never sees half a file); returns bytes."""
+        tensors = state_tensors(model, extras)
+        tmp = self.path(cid).with_suffix(f".tmp{os.getpid()}")
+        n = _DIGEST
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(layout_digest(tensors))
+            for _, t in tensors:
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    t = t.detach().to("cpu").contiguous()
+                if t.numel():
+                    n += f.write(_bytes_view(t))
+        os.replace(tmp, self.path(cid))
+        return n
+
+    def load(self, cid: int, model: nn.Module, extras: nn.Module) -> bool:
+        """Read the client's state into ``model``/``extras`` (same layout); False if no file.
+
+        Raises ``ValueError`` when the file was written from a module of another layout.
+        """
+        try:
+            f = open(self.path(cid), "rb", buffering=0)  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            return False
+        with f, torch.no_grad():
+            tensors = state_tensors(model, extras)
+            if f.read(_DIGEST) != layout_digest(tensors):
+                raise ValueError(f"client {cid}: stored state has another layout")
+            for name, t in tensors:
+                direct = t.device.type == "cpu" and t.is_contiguous()
+                dst = t if direct else torch.empty_like(t, device="cpu").contiguous()
+                if dst.numel():
+                    view = _bytes_view(dst)
+                    if f.readinto(view) != len(view):
+                        raise ValueError(f"client {cid}: stored state is truncated at {name}")
+                if not direct:
+                    t.copy_(dst)
+        return True
+
+    def drop(self, cid: int) -> None:
+        self.path(cid).unlink(missing_ok=True)
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.glob("*.bin"))
+
+    def close(self) -> None:
+        if self.owner:
+            shutil.rmtree(self.root, ignore_errors=True)

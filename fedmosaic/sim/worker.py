@@ -1,0 +1,133 @@
+"""Entry point of a simulator worker process: ``python -m fedmosaic.sim.worker <fd>``.
+
+Started by :class:`fedmosaic.sim.processes.ProcessTransport` as a fresh interpreter (not a
+multiprocessing child: nothing re-imports the user's ``__main__``, so scripts without an
+``if __name__ == "__main__"`` guard, notebooks and pytest all work). ``<fd>`` is this end of a
+socket pair; messages on it are pickled tuples of plain values and wire bytes (never datasets or
+models). The environment (set by the parent) pins one math thread and tunes glibc malloc before
+torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fedmosaic.sim.processes import recv, send
+
+
+def _serve(conn: Connection) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("FEDMOSAIC_WORKER_THREADS", "1")))
+    from fedmosaic.sim.processes import worker_setup
+
+    host = None
+    while True:
+        try:
+            cmd, args = recv(conn)
+        except (EOFError, OSError):  # the parent went away
+            return
+        if cmd == "stop":
+            return
+        try:
+            if cmd == "init":
+                host = None
+                _reset_peak_rss()
+                host = worker_setup(args)
+                reply: tuple[str, Any] = ("ok", os.getpid())
+            elif cmd == "reset":
+                host = None
+                _release_memory()
+                reply = ("ok", None)
+            else:
+                reply = ("ok", _run(host, cmd, args, lambda part: send(conn, ("part", part))))
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        send(conn, reply)
+
+
+def _release_memory() -> None:
+    """Free what the last run held and hand it back to the OS (malloc keeps it otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> None:
+    """Restart VmHWM so ``rss`` reports this run's peak (Linux; ignored elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None]) -> Any:
+    """Run one command; per-client results of ``fit`` are sent as they are ready (``emit``)."""
+    if cmd == "flush":
+        host.flush(args["cids"])
+        return None
+    if cmd == "fit":
+        msgs = host.decode_all(args["blobs"])
+        flushed = host.keep_only([]) if args["offload"] else []  # last round's clients
+        for cid, key in args["clients"]:
+            emit((cid, *host.fit(args["round"], cid, msgs[key])))
+            if args["offload"]:  # memory per worker: one client's model, whatever the round size
+                host.flush([cid])
+        return flushed + ([c for c, _ in args["clients"]] if args["offload"] else [])
+    if cmd == "eval":
+        msgs = host.decode_all(args["blobs"])
+        return [
+            (cid, host.evaluate(cid, msgs[key], args["receive"])) for cid, key in args["clients"]
+        ]
+    if cmd == "finetune":
+        msgs = host.decode_all(args["blobs"])
+        for cid, key in args["clients"]:
+            host.finetune(cid, msgs[key], args["phases"])
+            if args["offload"]:
+                host.flush([cid])
+        return None
+    if cmd == "states":
+        return host.state_dicts(args["cids"])
+    if cmd == "set_states":
+        for cid, (model_state, extras_state) in args["states"].items():
+            model, extras = host.take(cid)
+            model.load_state_dict(model_state, strict=True)
+            extras.load_state_dict(extras_state, strict=True)
+            if args["offload"]:
+                host.flush([cid])
+        return None
+    if cmd == "rss":
+        return _peak_rss_bytes()
+    raise ValueError(f"unknown worker command {cmd!r}")
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    try:
+        _serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""`fedmosaic compare`: suite parsing, the grid, caching, the table, plots and the HTML report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from fedmosaic import compare
+from fedmosaic.cli import main
+from fedmosaic.compare import build_cells, load_suite
+from fedmosaic.config import ConfigError
+from fedmosaic.report.compare import aggregate, run_metrics
+
+SUITES = Path(__file__).resolve().parents[2] / "benchmarks" / "suites"
+
+TINY_SUITE = """
+[suite]
+name = "tiny"
+title = "Tiny grid"
+seeds = [0, 1]
+methods = ["local", "proto"]
+settings = ["dir"]
+target_accuracy = 0.3
+prototype_plot = "pca"
+checkpoint_every = 1
+
+[base]
+[base.data]
+dataset = "synthetic"
+synthetic_size = 160
+synthetic_classes = 4
+synthetic_shape = [1, 16, 16]
+partition = "dirichlet"
+alpha = 1.0
+min_size = 20
+num_clients = 3
+val_fraction = 0.2
+[base.model]
+family = "cnn1"
+feature_dim = 8
+[base.train]
+rounds = 2
+batch_size = 10
+lr = 0.05
+
+[settings.dir]
+"data.alpha" = 1.0
+
+[methods.proto]
+algorithm = { name = "fedproto", lam = 0.1 }
+
+[quick]
+"train.rounds" = 1
+
+[reference.dir]
+proto = "12.34 ± 0.56"
+"""
+
+
+def _suite(tmp_path: Path, text: str = TINY_SUITE) -> Path:
+    p = tmp_path / "tiny.toml"
+    p.write_text(text)
+    return p
+
+
+def test_every_shipped_suite_builds_valid_cells():
+    paths = sorted(SUITES.glob("*.toml"))
+    assert len(paths) >= 5
+    for path in paths:
+        suite = load_suite(path)
+        cells = build_cells(suite, quick=True)
+        assert cells and suite.budget and suite.quick_budget, path.name
+        assert len({c.key for c in cells}) == len(cells)
+
+
+def test_cells_layer_base_setting_method_seed_quick_and_set(tmp_path: Path):
+    suite = load_suite(_suite(tmp_path))
+    cells = build_cells(suite, ["train.lr=0.02"], quick=True)
+    assert [c.key for c in cells] == [
+        "dir/local/seed0",
+        "dir/local/seed1",
+        "dir/proto/seed0",
+        "dir/proto/seed1",
+    ]
+    c = cells[2]
+    assert c.cfg.algorithm == {"name": "fedproto", "lam": 0.1}
+    assert (c.cfg.seed, c.cfg.train.rounds, c.cfg.train.lr) == (0, 1, 0.02)
+    assert len({x.hash for x in cells}) == 4
+    assert build_cells(suite, methods=["proto"], seeds=[5])[0].key == "dir/proto/seed5"
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        build_cells(suite, methods=["nope"])
+    with pytest.raises(ConfigError, match=r"cell dir/local/seed0: .*train\.rounds"):
+        build_cells(suite, ["train.rounds=0"])
+
+
+def test_suite_errors_name_the_key(tmp_path: Path):
+    with pytest.raises(ConfigError, match="unknown key suite.seed;"):
+        load_suite(_suite(tmp_path, "[suite]\nseed = 1\n"))
+    with pytest.raises(ConfigError, match=r"methods.x: unknown keys \['lam'\]"):
+        load_suite(_suite(tmp_path, '[suite]\nmethods = ["x"]\n[methods.x]\nlam = 1\n'))
+
+
+def test_run_metrics_target_and_bytes():
+    doc = {
+        "summary": {
+            "final": {"acc_weighted": 0.8, "acc_std": 0.1},
+            "best_on_test": {"acc_weighted": 0.85},
+            "bytes_up_per_client_per_round": 2048,
+            "bytes_down_per_client_per_round": 1024,
+            "seconds_per_round": 1.5,
+        },
+        "rounds": [
+            {"round": 1, "acc_weighted": 0.4, "bytes_up": 2**20, "bytes_down": 2**20},
+            {"round": 2, "bytes_up": 2**20, "bytes_down": 0},  # not evaluated
+            {"round": 3, "acc_weighted": 0.7, "bytes_up": 2**19, "bytes_down": 2**19},
+            {"round": 4, "acc_weighted": 0.9, "bytes_up": 2**20, "bytes_down": 2**20},
+        ],
+    }
+    m = run_metrics(doc, 0.7)
+    assert m["rounds_to_target"] == 3 and m["mb_to_target"] == 4.0
+    assert (m["kb_up"], m["kb_down"], m["best_on_val"]) == (2.0, 1.0, None)
+    assert run_metrics(doc, 0.95)["rounds_to_target"] is None
+    a = aggregate([3.0, None, 5.0])
+    assert (a["mean"], a["std"], a["n"], a["of"]) == (4.0, 1.0, 2, 3)
+
+
+class _Refs(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        for k, v in attrs:
+            if (tag, k) in (("img", "src"), ("a", "href")):
+                self.refs.append(v)
+
+
+def test_compare_end_to_end_cached_and_report(tmp_path: Path, monkeypatch, capsys):
+    suite = _suite(tmp_path)
+    out = tmp_path / "out"
+    assert main(["compare", str(suite), "--out", str(out), "--quiet"]) == 0
+    for name in ("table.md", "table.csv", "summary.json", "curves.png", "clients.png"):
+        assert (out / name).stat().st_size > 0, name
+    md = (out / "table.md").read_text()
+    assert "best-on-test acc (as the papers report it)" in md and "12.34 ± 0.56" in md
+    assert re.search(r"\| proto \| 2 \| \d+\.\d\d ± \d+\.\d\d \|", md)
+    rows = list(csv.DictReader(open(out / "table.csv")))
+    assert [r["method"] for r in rows] == ["local", "proto"] and rows[0]["final_n"] == "2"
+    assert rows[0]["best_on_val_mean"] != ""  # the suite has a validation split
+    cell = out / "cells" / "dir" / "proto" / "seed0"
+    assert (cell / "prototypes.png").stat().st_size > 0  # prototype method: t-SNE/PCA plot
+    assert not (cell / "checkpoint.safetensors").exists()
+    # The HTML report shows the plots and links the runs: every reference resolves to a file.
+    page = (out / "index.html").read_text()
+    parser = _Refs()
+    parser.feed(page)
+    imgs = [r for r in parser.refs if r.endswith(".png")]
+    assert {"curves.png", "clients.png"} <= set(imgs) and any("prototypes" in r for r in imgs)
+    assert all((out / r).is_file() for r in parser.refs), parser.refs
+    # A second run reuses every cell (results cached by config hash) and rewrites the report.
+    monkeypatch.setattr(compare, "run_cell", lambda *a, **k: pytest.fail("re-ran a cached cell"))
+    capsys.readouterr()
+    assert main(["compare", str(suite), "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out.count(": cached") == 4
+    # A changed config is a different cell: it runs again.
+    calls = []
+    monkeypatch.setattr(
+        compare,
+        "run_cell",
+        lambda out, cell, *a, **k: (
+            calls.append(cell.key)
+            or json.loads((out / "cells" / "dir" / "local" / "seed0" / "results.json").read_text())
+        ),
+    )
+    assert (
+        main(
+            [
+                "compare",
+                str(suite),
+                "--out",
+                str(out),
+                "--quiet",
+                "--set",
+                "train.lr=0.01",
+                "--methods",
+                "local",
+                "--seeds",
+                "0",
+            ]
+        )
+        == 0
+    )
+    assert calls == ["dir/local/seed0"]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _untimed(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    doc.pop("wall_seconds")
+    doc["summary"].pop("seconds_per_round")
+    for r in doc["rounds"]:
+        for k in [k for k in r if k.startswith("seconds")]:
+            del r[k]
+    return doc
+
+
+def test_resume_continues_an_interrupted_grid(tmp_path: Path, monkeypatch):
+    from fedmosaic.checkpoint import Checkpointer, peek
+
+    suite = _suite(tmp_path)
+    args = ["compare", str(suite), "--quiet", "--methods", "proto", "--seeds", "0"]
+    assert main([*args, "--out", str(tmp_path / "ref")]) == 0
+    original = Checkpointer.after_round
+
+    def stop_after_first(self, t, *rest):
+        original(self, t, *rest)
+        if t == 1:
+            raise _Stop
+
+    monkeypatch.setattr(Checkpointer, "after_round", stop_after_first)
+    with pytest.raises(_Stop):
+        main([*args, "--out", str(tmp_path / "got")])
+    monkeypatch.setattr(Checkpointer, "after_round", original)
+    cell = Path("cells/dir/proto/seed0")
+    assert peek(tmp_path / "got" / cell / "checkpoint.safetensors")["round"] == 1
+    assert main([*args, "--out", str(tmp_path / "got"), "--resume"]) == 0
+    ref = _untimed(tmp_path / "ref" / cell / "results.json")
+    assert _untimed(tmp_path / "got" / cell / "results.json") == ref

@@ -1,0 +1,55 @@
+"""Plain SGD fused into the Linear layers' backward: the same step as the optimizer's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedmosaic.core.training import TrainSettings, train_epochs
+
+
+def _train(fused: bool, twice: bool = False, frozen: bool = False, momentum: float = 0.0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    if frozen:
+        model[0].requires_grad_(False)
+    x = torch.randn(40, 6)
+    y = torch.randint(0, 3, (40,))
+    anchor = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(xb, yb):
+        loss = F.cross_entropy(model(xb), yb)
+        loss = loss + 0.1 * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+        if twice:  # the last layer used a second time in the same forward
+            loss = loss + model[2](torch.relu(model[0](xb))).pow(2).mean()
+        return loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    s = TrainSettings(batch_size=5, lr=0.1, fused_sgd=fused, momentum=momentum)
+    gen = torch.Generator().manual_seed(1)
+    stats = train_epochs(params, loss_fn, lambda p: (x[p], y[p]), 40, 2, s, gen, modules=(model,))
+    assert "forward" not in model[0].__dict__ and "forward" not in model[2].__dict__
+    return stats, [p.detach().clone() for p in model.parameters()]
+
+
+def _close(a, b, tol=1e-6):
+    return all(torch.allclose(u, v, atol=tol, rtol=0) for u, v in zip(a, b))
+
+
+def test_fused_matches_optimizer_step():
+    (s0, p0), (s1, p1) = _train(False), _train(True)
+    assert s0.steps == s1.steps == 16
+    assert _close(p0, p1)  # same SGD step up to rounding (proximal term included)
+
+
+def test_layer_used_twice_falls_back_to_the_plain_step():
+    (_, p0), (_, p1) = _train(False, twice=True), _train(True, twice=True)
+    assert all(torch.equal(u, v) for u, v in zip(p0, p1))  # redone unfused from step 1
+
+
+def test_frozen_layers_and_momentum_untouched():
+    (_, p0), (_, p1) = _train(False, frozen=True), _train(True, frozen=True)
+    assert _close(p0, p1)
+    (_, m0), (_, m1) = _train(False, momentum=0.9), _train(True, momentum=0.9)
+    assert all(torch.equal(u, v) for u, v in zip(m0, m1))  # momentum: never fused

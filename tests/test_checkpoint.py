@@ -1,0 +1,237 @@
+"""Checkpoint/resume: the generic flattener, corrupt and foreign files, SIGKILL + resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_raw
+from safetensors.torch import save_file
+from torch import nn
+
+from fedmosaic import checkpoint as ck
+from fedmosaic.checkpoint import Checkpointer, CheckpointError, flatten_tree, restore_tree
+from fedmosaic.cli import main
+from fedmosaic.config import from_dict
+from fedmosaic.experiment import run_experiment
+
+# Small images keep the models (and so the checkpoints) small: cnn1 on 16x16 is ~0.6M params.
+SMALL = {"synthetic_shape": [1, 16, 16]}
+
+
+@dataclass
+class Inner:
+    w: torch.Tensor
+    steps: int
+
+
+@dataclass(frozen=True)
+class State:
+    head: nn.Linear
+    inner: Inner
+    cache: dict[int, torch.Tensor] = field(default_factory=dict)
+    names: tuple[tuple[str, ...], ...] = ()
+    loss: float = math.nan
+    flag: bool = False
+    label: str | None = None
+    arr: Any = None
+    gen: Any = None
+
+
+def _state(seed: int) -> State:
+    torch.manual_seed(seed)
+    shared = torch.randn(3)
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(2, generator=g)
+    return State(
+        head=nn.Linear(4, 2),
+        inner=Inner(shared, seed),
+        cache={1: shared, 7: torch.arange(4)},
+        names=(("a", "b"), ("c",)),
+        loss=math.nan if seed == 0 else 0.5,
+        flag=seed == 0,
+        label="x" if seed else None,
+        arr=np.arange(3, dtype=np.float32) * seed,
+        gen=g,
+    )
+
+
+def test_tree_roundtrip_restores_every_leaf_and_aliasing():
+    saved = _state(0)
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten_tree(saved, tensors, "server")
+    json.dumps(tree)  # the structure is plain JSON
+    back = restore_tree(json.loads(json.dumps(tree)), tensors, _state(1))
+    assert type(back) is State and type(back.inner) is Inner
+    assert torch.equal(back.head.weight, saved.head.weight)
+    assert torch.equal(back.inner.w, saved.inner.w) and back.inner.steps == 0
+    assert back.cache[1] is back.inner.w  # one tensor object, as saved
+    assert sorted(back.cache) == [1, 7] and back.names == (("a", "b"), ("c",))
+    assert math.isnan(back.loss) and back.flag is True and back.label is None
+    assert np.array_equal(back.arr, saved.arr)
+    assert torch.equal(torch.randn(2, generator=back.gen), torch.randn(2, generator=saved.gen))
+
+
+def test_unsupported_value_fails_naming_its_path():
+    with pytest.raises(CheckpointError, match=r"server\.inner\.w: cannot checkpoint .*object"):
+        flatten_tree(State(nn.Linear(1, 1), Inner(object(), 0)), {}, "server")  # type: ignore[arg-type]
+
+
+def test_foreign_structure_is_rejected():
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten_tree(_state(0), tensors, "server")
+    with pytest.raises(CheckpointError, match="checkpoint has a 'State'"):
+        restore_tree(tree, tensors, {"w": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="module state does not fit"):
+        restore_tree(flatten_tree(nn.Linear(3, 2), tensors, "m"), tensors, nn.Linear(4, 2))
+    plain: dict[str, torch.Tensor] = {}
+    tree = flatten_tree({"w": torch.ones(2)}, plain, "server")
+    assert restore_tree(tree, plain, None)["w"].tolist() == [
+        1.0,
+        1.0,
+    ]  # plain data needs no template
+
+
+def _good(tmp_path: Path) -> Path:
+    path = tmp_path / ck.FILENAME
+    ck.write_checkpoint(path, {"version": ck.VERSION, "round": 3}, {"a": torch.arange(100.0)})
+    return path
+
+
+def test_corrupt_or_foreign_files_fail_clearly(tmp_path: Path):
+    path = _good(tmp_path)
+    assert ck.read_checkpoint(path).meta["round"] == 3
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # one flipped bit in a tensor
+    bad = tmp_path / "flipped.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        ck.read_checkpoint(bad)
+    trunc = tmp_path / "truncated.safetensors"
+    trunc.write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        ck.read_checkpoint(trunc)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00\x01 not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        ck.read_checkpoint(junk)
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"x": torch.zeros(2)}, str(foreign), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="foreign"):
+        ck.read_checkpoint(foreign)
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch):
+    path = _good(tmp_path)
+    before = path.read_bytes()
+
+    def half_write(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "save_file", half_write)
+    with pytest.raises(OSError, match="disk full"):
+        ck.write_checkpoint(path, {"version": ck.VERSION, "round": 4}, {"a": torch.zeros(1)})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [ck.FILENAME]  # no temporary left behind
+    # A writer SIGKILLed mid-write leaves its temporary: the next good write removes it.
+    monkeypatch.undo()
+    (tmp_path / f"{ck.FILENAME}.tmp-999999").write_bytes(b"half")
+    ck.write_checkpoint(path, {"version": ck.VERSION, "round": 5}, {"a": torch.zeros(1)})
+    assert [p.name for p in tmp_path.iterdir()] == [ck.FILENAME]
+    assert ck.read_checkpoint(path).meta["round"] == 5
+
+
+def _without_timing(doc: dict[str, Any]) -> dict[str, Any]:
+    doc = json.loads(json.dumps(doc))
+    doc.pop("wall_seconds", None)
+    doc["summary"].pop("seconds_per_round", None)
+    for r in doc["rounds"]:
+        for k in [k for k in r if k.startswith("seconds")]:
+            del r[k]
+    return doc
+
+
+def _write_tiny_toml(path: Path, algorithm: str, rounds: int) -> Path:
+    raw = tiny_raw(data=SMALL, train={"rounds": rounds}, algorithm={"name": algorithm})
+    raw["sim"]["check_wire"] = False
+    lines = [f"seed = {raw['seed']}"]
+    for section in ("data", "model", "train", "sim", "algorithm"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_sigkill_then_resume_gives_the_same_results(tmp_path: Path):
+    cfg = _write_tiny_toml(tmp_path / "tiny.toml", "fedtgp", rounds=3)
+    assert main(["run", str(cfg), "--out", str(tmp_path / "ref"), "--quiet"]) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "fedmosaic.cli", "run", str(cfg), "--out", str(out), "--quiet"]
+    env = {**os.environ, ck.KILL_ENV: "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--checkpoint-every", "1"], env=env, capture_output=True, timeout=120
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]  # SIGKILLed itself after round 2
+    assert ck.peek(out / ck.FILENAME)["round"] == 2 and not (out / "results.json").exists()
+    # Without --resume the interrupted run's checkpoint is not overwritten.
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--checkpoint-every", "1"]) == 2
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--resume"]) == 0
+    ref = json.loads((tmp_path / "ref" / "results.json").read_text())
+    got = json.loads((out / "results.json").read_text())
+    assert _without_timing(got) == _without_timing(ref)
+    assert not (out / ck.FILENAME).exists()  # a complete run removes its checkpoint
+    rows = (out / "progress.csv").read_text().strip().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
+
+
+def test_resume_with_another_config_fails_naming_the_key(tmp_path: Path):
+    cfg = from_dict(tiny_raw(data=SMALL, train={"rounds": 2}, algorithm={"name": "local"}))
+    run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
+    other = from_dict(
+        tiny_raw(data=SMALL, train={"rounds": 2, "lr": 0.1}, algorithm={"name": "local"})
+    )
+    with pytest.raises(CheckpointError, match=r"train\.lr: checkpoint 0\.05, now 0\.1"):
+        run_experiment(other, progress=False, checkpoint_dir=tmp_path, resume=True)
+
+
+class _Stop(Exception):
+    pass
+
+
+# Server states of every kind in the registry: dicts of tensors, dataclasses with modules,
+# generator networks, caches keyed by round, SVD messages, coefficient matrices.
+RESUME_ALGOS = ["lg_fedavg", "fedgen", "fedgh", "fedhenn", "fedkd", "ktpfl", "fedseq_anti"]
+
+
+@pytest.mark.parametrize("name", RESUME_ALGOS)
+def test_interrupted_and_resumed_run_is_identical(tmp_path: Path, monkeypatch, name: str):
+    family = {"fedseq_anti": "cnn1"}.get(name, "htfe8-gray")
+    raw = tiny_raw(
+        data=SMALL, model={"family": family}, train={"rounds": 2}, algorithm={"name": name}
+    )
+    raw["sim"]["check_wire"] = False
+    cfg = from_dict(raw)
+    ref = run_experiment(cfg, progress=False)
+    original = Checkpointer.after_round
+
+    def stop_after_first(self, t, *args):
+        original(self, t, *args)
+        if t == 1:
+            raise _Stop
+
+    monkeypatch.setattr(Checkpointer, "after_round", stop_after_first)
+    with pytest.raises(_Stop):
+        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
+    monkeypatch.setattr(Checkpointer, "after_round", original)
+    got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+    assert _without_timing(got) == _without_timing(ref)
