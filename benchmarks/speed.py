@@ -267,7 +267,7 @@ class Reference:
     def _upload(self, model: Any, ext: Any, cid: int, msg: Any) -> Any:
         if type(self.fed.algo).__name__ != "FedTGP":
             return self.fed.algo.upload(model, ext, self.fed.clients[cid], msg)  # weights only
-        from fedmosaic.algorithms.fedtgp import Prototypes
+        from fedmosaic.algorithms.fedtgp import ClientPrototypes
 
         c, d = self.fed.spec.num_classes, self.fed.spec.feature_dim
         sums, counts = torch.zeros(c, d), torch.zeros(c)
@@ -275,7 +275,10 @@ class Reference:
             for x, y in DataLoader(self.train_sets[cid], batch_size=10):
                 sums.index_add_(0, y, model.features(x))
                 counts.index_add_(0, y, torch.ones(len(y)))
-        return Prototypes(sums / counts.clamp_min(1).unsqueeze(1), counts > 0)
+        has = counts > 0
+        return ClientPrototypes(
+            (sums[has] / counts[has].unsqueeze(1)).contiguous(), has.nonzero().flatten()
+        )
 
 
 # ---- memory -----------------------------------------------------------------------------------------

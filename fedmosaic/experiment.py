@@ -159,6 +159,10 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
     summary["bytes_down_per_client_per_round"] = sum(
         r["bytes_down_per_client"] for r in history.rounds
     ) / len(history.rounds)
+    if any("train_flops" in r for r in history.rounds):
+        # The layer-expansion paper's Table 4 accounting: training FLOPs summed over clients
+        # and rounds (forward + backward of the trainable blocks).
+        summary["train_flops_total"] = sum(r.get("train_flops", 0) for r in history.rounds)
     if history.finetune_eval:
         from fedmosaic.core.rounds import summarize_eval
 

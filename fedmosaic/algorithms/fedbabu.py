@@ -110,6 +110,9 @@ class FedBABU(SharedWeights):
         check_finetune(self.finetune_part, self.finetune_epochs)
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
+    def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:
+        return {"train_flops": float(upload.train_flops)}
+
     def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
         check_state_like(upload.state, state, f"client {client_id} body state")
         if upload.train_flops < 0:

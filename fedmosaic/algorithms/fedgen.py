@@ -71,6 +71,8 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 
+MAX_COUNT = 10**9  # a client claiming more examples than this is not a real client
+
 if TYPE_CHECKING:
     from fedmosaic.config import ExperimentConfig
 
@@ -197,10 +199,10 @@ def generator_loss(
     return loss
 
 
-def generated_ce(
-    head: nn.Module, generator: nn.Module, label_probs: Tensor, n: int, noise_dim: int
-) -> Tensor:
-    """``CE(head(G(z, y')), y')`` on ``n`` fresh samples; gradients reach the head only.
+def generated_features(
+    generator: nn.Module, label_probs: Tensor, n: int, noise_dim: int
+) -> tuple[Tensor, Tensor]:
+    """``(G(z, y'), y')`` for ``n`` fresh samples, no gradient (the generator is frozen here).
 
     Draws ``y'`` and ``z`` from torch's global RNG (seeded per round and client by the runtime).
     """
@@ -208,6 +210,14 @@ def generated_ce(
     z = torch.randn(n, noise_dim, device=label_probs.device)  # [n, noise_dim]
     with torch.no_grad():
         feats = generator(z, y)  # [n, d]
+    return feats, y
+
+
+def generated_ce(
+    head: nn.Module, generator: nn.Module, label_probs: Tensor, n: int, noise_dim: int
+) -> Tensor:
+    """``CE(head(G(z, y')), y')`` on ``n`` fresh samples; gradients reach the head only."""
+    feats, y = generated_features(generator, label_probs, n, noise_dim)
     return F.cross_entropy(head(feats), y)
 
 
@@ -286,8 +296,10 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
                 f"client {client_id} counts is {counts.dtype}{tuple(counts.shape)}, "
                 f"expected torch.int64({c},)"
             )
-        if bool((counts < 0).any()):
-            raise PayloadError(f"client {client_id} counts has negative entries")
+        if bool((counts < 0).any()) or int(counts.sum()) > MAX_COUNT:
+            raise PayloadError(
+                f"client {client_id} counts must be >= 0 and sum to at most {MAX_COUNT}"
+            )
 
     def aggregate(
         self, state: FedGenState, uploads: Sequence[Weighted[FedGenUpload]], round_num: int
@@ -352,13 +364,18 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: FedGenBroadcast
     ) -> Tensor:
-        ce = F.cross_entropy(model(x), y)
+        features = model.features(x)  # [B, d]
         if self.gen_lam == 0 or not msg.trained:
-            return ce
-        gen_ce = generated_ce(
-            model.head, extras.generator, msg.label_probs, x.shape[0], self.noise_dim
-        )
-        return ce + self.gen_lam * gen_ce
+            return F.cross_entropy(model.head(features), y)
+        b = x.shape[0]
+        gen_feats, gen_y = generated_features(
+            extras.generator, msg.label_probs, b, self.noise_dim
+        )  # [B, d], [B]
+        # One head call on real and generated rows (heads act row-wise): the same values as two
+        # calls, and the head's layers stay eligible for the fused SGD update.
+        logits = model.head(torch.cat([features, gen_feats.to(features.dtype)]))  # [2B, C]
+        ce = F.cross_entropy(logits[:b], y)
+        return ce + self.gen_lam * F.cross_entropy(logits[b:], gen_y)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: FedGenBroadcast

@@ -230,6 +230,9 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         keys = _active_keys(state.block_keys, n, self.order)
         return ExpansionBroadcast({k: state.body[k] for k in keys}, n, self.order)
 
+    def upload_metrics(self, upload: ExpansionUpload) -> dict[str, float]:
+        return {"train_flops": float(upload.train_flops)}
+
     def validate_upload(
         self, state: ExpansionState, upload: ExpansionUpload, client_id: int
     ) -> None:

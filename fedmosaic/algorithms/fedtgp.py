@@ -3,8 +3,9 @@
 Zhang, Liu, Hua, Cao. FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced
 Contrastive Learning for Data and Model Heterogeneity in Federated Learning. AAAI 2024.
 
-Shared: per-class prototypes only. Clients upload the exact per-class mean feature of their
-training data (``protos [C, d]`` + ``known [C]``; never class counts, the paper's privacy point);
+Shared: per-class prototypes only. Clients upload the exact per-class mean feature of each class
+they hold (``protos [k, d]`` + ``classes [k]``, k = |C_i|: the paper's ``K x |C_i|`` floats; never
+class counts, the paper's privacy point);
 the server trains global prototypes ``P_hat = F(Embedding(c))`` with the ACL loss (Eq. 10) and
 broadcasts them. Client models (encoder and head, any architecture) stay local; the client loss is
 ``CE + lam * phi(f(x), P_hat[y])`` (Eq. 11) and inference is the nearest global prototype.
@@ -66,8 +67,16 @@ class Prototypes(Payload):
     known: Tensor  # [C] bool
 
 
+@dataclass(frozen=True)
+class ClientPrototypes(Payload):
+    """A client's prototypes of the classes it holds only: ``k = |C_i|`` rows, sorted classes."""
+
+    protos: Tensor  # [k, d] float32
+    classes: Tensor  # [k] int64, strictly increasing class ids
+
+
 Broadcast = Prototypes
-Upload = Prototypes
+Upload = ClientPrototypes
 
 
 class TrainablePrototypes(nn.Module):
@@ -206,7 +215,7 @@ def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) ->
 # ---- the algorithm -----------------------------------------------------------------------------
 @ALGORITHMS.register("fedtgp")
 @dataclass(frozen=True)
-class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
+class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
 
     lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)
@@ -221,7 +230,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
 
     Broadcast: ClassVar[type[Payload]] = Prototypes
-    Upload: ClassVar[type[Payload]] = Prototypes
+    Upload: ClassVar[type[Payload]] = ClientPrototypes
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced "
@@ -253,17 +262,24 @@ class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
         protos = protos.masked_fill(~state.known.unsqueeze(1), 0.0)
         return Prototypes(protos.contiguous(), state.known.clone())
 
-    def validate_upload(self, state: TGPState, upload: Prototypes, client_id: int) -> None:
+    def validate_upload(self, state: TGPState, upload: ClientPrototypes, client_id: int) -> None:
         c, d = state.prototypes.embedding.weight.shape
-        if upload.protos.dtype != torch.float32 or tuple(upload.protos.shape) != (c, d):
+        p, cls = upload.protos, upload.classes
+        if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
             raise PayloadError(
-                f"client {client_id}: protos is {upload.protos.dtype}{tuple(upload.protos.shape)},"
-                f" expected torch.float32{(c, d)}"
+                f"client {client_id}: protos is {p.dtype}{tuple(p.shape)},"
+                f" expected torch.float32 (k <= {c}, {d})"
             )
-        if upload.known.dtype != torch.bool or tuple(upload.known.shape) != (c,):
+        if cls.dtype != torch.int64 or tuple(cls.shape) != (p.shape[0],):
             raise PayloadError(
-                f"client {client_id}: known is {upload.known.dtype}{tuple(upload.known.shape)},"
-                f" expected torch.bool{(c,)}"
+                f"client {client_id}: classes is {cls.dtype}{tuple(cls.shape)},"
+                f" expected torch.int64{(p.shape[0],)}"
+            )
+        if cls.numel() and (
+            int(cls.min()) < 0 or int(cls.max()) >= c or bool((cls.diff() <= 0).any())
+        ):
+            raise PayloadError(
+                f"client {client_id}: classes must be strictly increasing ids in [0, {c})"
             )
 
     def margin_for(self, points: Tensor, labels: Tensor, num_classes: int) -> float:
@@ -273,12 +289,12 @@ class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
         return self.fixed_margin if self.margin == "fixed" else 0.0
 
     def aggregate(
-        self, state: TGPState, uploads: Sequence[Weighted[Prototypes]], round_num: int
+        self, state: TGPState, uploads: Sequence[Weighted[ClientPrototypes]], round_num: int
     ) -> TGPState:
         # The uploaded (prototype, class) pairs; weights (example counts) are not used: FedTGP
         # treats every client prototype alike (no class counts exist on the server).
-        points = torch.cat([u.payload.protos[u.payload.known] for u in uploads]).float()  # [N, d]
-        labels = torch.cat([u.payload.known.nonzero().flatten() for u in uploads])  # [N]
+        points = torch.cat([u.payload.protos for u in uploads]).float()  # [N, d]
+        labels = torch.cat([u.payload.classes for u in uploads])  # [N]
         if points.shape[0] == 0:
             return state
         num_classes = state.known.numel()
@@ -333,12 +349,15 @@ class FedTGP(Algorithm[TGPState, Prototypes, Prototypes]):
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: Prototypes
-    ) -> Prototypes:
+    ) -> ClientPrototypes:
         if self.stale_prototypes:
-            return Prototypes(extras.stale_protos.clone().cpu(), extras.stale_known.clone().cpu())
-        protos, counts = class_means(model, data, data.num_classes, PROTO_BATCH)
-        # Exact per-class means; the counts stay on the client (only "has this class" leaves).
-        return Prototypes(protos, counts > 0)
+            protos, has = extras.stale_protos, extras.stale_known
+        else:
+            protos, counts = class_means(model, data, data.num_classes, PROTO_BATCH)
+            has = counts > 0
+        # Exact per-class means of the classes held; the counts stay on the client.
+        classes = has.nonzero().flatten().cpu()  # [k] int64, increasing
+        return ClientPrototypes(protos[has].detach().float().cpu().contiguous(), classes)
 
     def predict(
         self, model: ClientModel, extras: nn.Module, x: Tensor, msg: Prototypes

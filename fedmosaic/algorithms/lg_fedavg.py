@@ -27,8 +27,10 @@ def check_same_heads(cfg: ExperimentConfig, name: str) -> None:
     """Shared heads need the same head on every client (member strings' ``/head`` suffix)."""
     from fedmosaic.config import ConfigError
     from fedmosaic.models import family_members
+    from fedmosaic.models.build import split_member
 
-    heads = {m.partition("/")[2] for m in family_members(cfg.model.family)}
+    members = family_members(cfg.model.family)[: max(cfg.data.num_clients, 1)]  # those in use
+    heads = {split_member(m)[1] for m in members}
     if len(heads) > 1:
         raise ConfigError(
             f"algorithm.name = {name!r} shares the head, but model.family = "

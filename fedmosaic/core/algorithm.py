@@ -112,6 +112,11 @@ class Algorithm(ABC, Generic[S, B, U]):
     def validate_upload(self, state: S, upload: U, client_id: int) -> None:  # noqa: B027
         """Server-side checks beyond the payload's own (shapes against the state); raise PayloadError."""
 
+    def upload_metrics(self, upload: U) -> dict[str, float]:
+        """Per-client numbers an upload reports, summed over the round's valid uploads into the
+        round record (e.g. layer expansion's ``train_flops``); none by default."""
+        return {}
+
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
         """Persistent client-side extras (FML meme model, FedRoD personal head, ...)."""

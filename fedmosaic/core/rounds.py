@@ -164,6 +164,9 @@ def run_rounds(
                 continue
             uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
         rec["rejected"] = rejected
+        for u in uploads:
+            for k, v in algo.upload_metrics(u.payload).items():
+                rec[k] = rec.get(k, 0) + v
         rec["aggregated"] = len(uploads) >= max(plan.min_replies, 1)
         if rec["aggregated"]:
             state = algo.aggregate(state, uploads, t)

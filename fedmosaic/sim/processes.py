@@ -9,10 +9,12 @@
 - **Clients** are rebuilt inside the workers from the config and their own seeded streams, exactly
   as the serial backend builds them. A worker holds the clients it trained as live modules; a
   client moves between workers through the state store (``store.py``: one raw file per client).
-- **Balancing**: every ``fit`` spreads the round's sampled clients over the workers by estimated
-  cost (forward FLOPs x examples), largest first onto the least-loaded worker. With full
-  participation the assignment is the same every round, so clients never move. Evaluation runs
-  each client where it is held, the rest (in the store) balanced the same way.
+- **Balancing**: every ``fit`` spreads the round's sampled clients over the workers by cost,
+  largest first onto the least-loaded worker: forward FLOPs x examples until a client has been
+  trained once, then its measured seconds (``balance_costs``). Clients stay on the worker that
+  holds them unless moving them shortens the round by more than 5%, so with full participation
+  they settle after round 1. Evaluation runs each client where it is held, the rest (in the
+  store) balanced the same way.
 - **Memory scales with participation**: with partial participation a worker keeps only the
   clients of its last ``fit`` live; everyone else lives in the store (disk files, page cache),
   and evaluation borrows a spare module per architecture.
@@ -230,6 +232,8 @@ class ProcessTransport:
         self.workers = max(1, min(int(workers), self.num_clients))
         self.offload = offload
         self.holder: dict[int, int] = {}  # client -> worker holding it live (else: in the store)
+        self.measured: dict[int, float] = {}  # client -> seconds of its last fit (cost model)
+        self.busy: list[float] = []  # seconds each worker spent fitting in the last round
         self.version = [0] * self.num_clients  # bumped whenever a client's state changes
         self.cache = EvalCache()
         self.store = StateStore(state_dir)
@@ -340,10 +344,34 @@ class ProcessTransport:
             groups[w] += extra
         return groups
 
+    def balance_costs(self) -> list[float]:
+        """Fit costs for balancing, in seconds where measured.
+
+        The FLOPs x examples estimate misjudges memory-bound models (wide fully-connected layers at
+        batch 10 run at a fraction of the FLOP rate of convolutions), so once a client has been
+        trained its measured seconds replace the estimate; clients not yet measured get the
+        estimate scaled by the median seconds-per-estimated-FLOP of those measured. Only the
+        placement depends on it: results are the same on any worker.
+        """
+        if not self.measured:
+            return list(self.fit_costs)
+        rates = sorted(s / max(self.fit_costs[c], 1e-9) for c, s in self.measured.items())
+        rate = rates[len(rates) // 2]
+        return [self.measured.get(c, self.fit_costs[c] * rate) for c in range(self.num_clients)]
+
     # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         table = MessageTable(messages)
-        groups = assign(list(messages), self.fit_costs, self.workers)
+        costs = self.balance_costs()
+        cids = list(messages)
+        stay = self._place(cids, costs)  # held clients where they are: nothing moves
+        fresh = assign(cids, costs, self.workers)
+
+        def span(groups: list[list[int]]) -> float:
+            return max(sum(costs[c] for c in g) for g in groups)
+
+        # Moving a client costs a store round trip: rebalance only for a clear gain.
+        groups = fresh if span(fresh) < 0.95 * span(stay) else stay
         self._release({cid: w for w, g in enumerate(groups) for cid in g})
         calls = {}
         for w, g in enumerate(groups):
@@ -359,9 +387,12 @@ class ProcessTransport:
                     },
                 )
         results: dict[int, FitResult] = {}
+        busy = [0.0] * self.workers
 
-        def arrived(w: int, part: tuple[int, bytes, int, float]) -> None:
-            cid, blob, n, loss = part  # decoded as it arrives: one blob in memory at a time
+        def arrived(w: int, part: tuple[int, bytes, int, float, float]) -> None:
+            cid, blob, n, loss, seconds = part  # decoded as it arrives: one blob at a time
+            self.measured[cid] = seconds
+            busy[w] += seconds
             self.holder[cid] = w
             self.version[cid] += 1
             res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
@@ -374,6 +405,7 @@ class ProcessTransport:
         for flushed in self._call(calls, arrived).values():
             for cid in flushed:
                 self.holder.pop(cid, None)
+        self.busy = busy
         return [results[c] for c in messages]
 
     def evaluate(

@@ -7,8 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -285,15 +283,17 @@ def test_hyperparameters_validated():
         FedGen(generator_batch_size=1)
 
 
-def test_check_config_requires_identical_heads(monkeypatch):
-    fake = types.ModuleType("fedmosaic.models")
-    fake.family_members = lambda family: ["cnn1/h1", "cnn2/h2"] if family == "mixed" else ["a/h"]
-    monkeypatch.setitem(sys.modules, "fedmosaic.models", fake)
+def test_check_config_requires_identical_heads():
     cfg = ExperimentConfig()
-    cfg.model.family = "mixed"
+    cfg.model.family = "htfe8-htc4"  # MLP heads of different widths
     with pytest.raises(ConfigError, match="fedgen"):
         FedGen().check_config(cfg)
-    cfg.model.family = "same"
+    cfg.model.family = "htfe8-gray"  # eight encoders, the same Linear head
+    FedGen().check_config(cfg)
+    cfg.model.family = "resnet34/linear"  # "x" and "x/linear" are the same head
+    FedGen().check_config(cfg)
+    cfg.model.family = "htfe8-htc4"
+    cfg.data.num_clients = 1  # only the members in use matter
     FedGen().check_config(cfg)
 
 

@@ -394,3 +394,12 @@ def test_three_rounds_on_the_zoo_with_wire_check(name):
     ups = [r["bytes_up"] for r in rounds]
     assert ups[0] < ups[1] < ups[2]
     assert "after_finetune" in doc["summary"]
+    # The paper's compute accounting reaches the round records and the summary: training FLOPs
+    # summed over clients; Vanilla's growing stack costs more every round, Anti's first round
+    # (only fc1 trains, no backward through the convs) is the cheapest of all.
+    flops = [r["train_flops"] for r in rounds]
+    assert all(f > 0 for f in flops) and flops[0] < flops[1] < flops[2]
+    assert doc["summary"]["train_flops_total"] == sum(flops)
+    babu = run_experiment(from_dict({**raw, "algorithm": {"name": "fedbabu"}}), progress=False)
+    full = [r["train_flops"] for r in babu["rounds"]]
+    assert full[0] == full[1] == full[2] == flops[2]

@@ -12,6 +12,7 @@ from _publicfed import C, D, run_fed, tiny_data, tiny_model
 from conftest import tiny_raw
 
 from fedmosaic.algorithms.fedtgp import (
+    ClientPrototypes,
     FedTGP,
     Prototypes,
     TGPState,
@@ -135,11 +136,9 @@ def test_aggregate_trains_persistent_prototypes_deterministically():
     algo = FedTGP(server_epochs=3)
     state = algo.init_server(_spec())
     before = copy.deepcopy(state.prototypes.state_dict())
-    known = torch.tensor([True, True, False])
-    up = Prototypes(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, 0]]), known)
-    up2 = Prototypes(
-        torch.tensor([[0.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 3.0, 0]]),
-        torch.ones(3, dtype=torch.bool),
+    up = ClientPrototypes(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]), torch.tensor([0, 1]))
+    up2 = ClientPrototypes(
+        torch.tensor([[0.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 3.0, 0]]), torch.tensor([0, 1, 2])
     )
     uploads = [Weighted(0, 10.0, up), Weighted(1, 99.0, up2)]
     new = algo.aggregate(state, uploads, 1)
@@ -219,16 +218,18 @@ def _hand_class_means(model, data):
 
 
 def test_upload_is_exact_class_means_without_counts():
-    assert {f.name for f in dataclasses.fields(FedTGP.Upload)} == {"protos", "known"}
+    assert {f.name for f in dataclasses.fields(FedTGP.Upload)} == {"protos", "classes"}
     torch.manual_seed(0)
     model = tiny_model()
     data = tiny_data(classes=(0, 2))  # class 1 absent
     up = FedTGP().upload(model, torch.nn.Module(), data, None)
-    assert up.known.dtype == torch.bool and up.known.tolist() == [True, False, True]
-    assert torch.allclose(up.protos, _hand_class_means(model, data), atol=1e-6)
+    assert up.classes.dtype == torch.int64 and up.classes.tolist() == [0, 2]
+    # Only the |C_i| = 2 classes held are sent (the paper's K x |C_i| floats), no counts.
+    assert up.protos.shape == (2, D)
+    assert torch.allclose(up.protos, _hand_class_means(model, data)[[0, 2]], atol=1e-6)
     arrays, scalars = up.flatten()
-    assert set(arrays) == {"protos", "known"} and scalars == {}
-    assert not any(a.dtype in (torch.int64, torch.int32) for a in arrays.values())
+    assert set(arrays) == {"protos", "classes"} and scalars == {}
+    assert sum(a.numel() * a.element_size() for a in arrays.values()) == 2 * D * 4 + 2 * 8
 
 
 def _fit(algo, model, data, msg):
@@ -250,7 +251,7 @@ def test_stale_prototypes_upload_the_model_before_training():
     assert torch.allclose(stale.protos, before, atol=1e-6)
     assert torch.allclose(fresh.protos, _hand_class_means(m_fresh, data), atol=1e-6)
     assert not torch.allclose(fresh.protos, before, atol=1e-3)  # training moved the features
-    assert stale.known.tolist() == fresh.known.tolist() == [True, True, True]
+    assert stale.classes.tolist() == fresh.classes.tolist() == [0, 1, 2]
 
 
 def test_predict_nearest_prototype_and_head_fallback():
@@ -279,14 +280,19 @@ def test_predict_nearest_prototype_and_head_fallback():
 def test_validate_upload_rejects_wrong_shapes_and_dtypes():
     algo = FedTGP()
     state: TGPState = algo.init_server(_spec())
-    ok = Prototypes(torch.zeros(C, D), torch.zeros(C, dtype=torch.bool))
+    ok = ClientPrototypes(torch.zeros(2, D), torch.tensor([0, 2]))
     algo.validate_upload(state, ok, 0)
+    algo.validate_upload(state, ClientPrototypes(torch.zeros(0, D), torch.zeros(0).long()), 0)
     bad = [
-        Prototypes(torch.zeros(C, D + 1), ok.known),
-        Prototypes(torch.zeros(C + 1, D), ok.known),
-        Prototypes(torch.zeros(C, D, dtype=torch.float64), ok.known),
-        Prototypes(ok.protos, torch.zeros(C, dtype=torch.long)),
-        Prototypes(ok.protos, torch.zeros(C + 1, dtype=torch.bool)),
+        ClientPrototypes(torch.zeros(2, D + 1), ok.classes),
+        ClientPrototypes(torch.zeros(C + 1, D), torch.arange(C + 1)),
+        ClientPrototypes(torch.zeros(2, D, dtype=torch.float64), ok.classes),
+        ClientPrototypes(ok.protos, torch.tensor([0, 2], dtype=torch.int32)),
+        ClientPrototypes(ok.protos, torch.tensor([0, 1, 2])),
+        ClientPrototypes(ok.protos, torch.tensor([2, 0])),  # not increasing
+        ClientPrototypes(ok.protos, torch.tensor([1, 1])),  # repeated
+        ClientPrototypes(ok.protos, torch.tensor([0, C])),  # out of range
+        ClientPrototypes(ok.protos, torch.tensor([-1, 0])),
     ]
     for up in bad:
         with pytest.raises(PayloadError):
