@@ -14,6 +14,16 @@ if [ ! -f "$FMNIST" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 
   }
 fi
 
+# Headless Chromium: the test that opens the HTML report in a real browser (skipped without it).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing Debian's chromium (headless report test)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ||
+      echo "setup: warning: could not install chromium (the report screenshot test will be skipped)"
+  }
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then

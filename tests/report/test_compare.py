@@ -234,3 +234,46 @@ def test_resume_continues_an_interrupted_grid(tmp_path: Path, monkeypatch):
     assert main([*args, "--out", str(tmp_path / "got"), "--resume"]) == 0
     ref = _untimed(tmp_path / "ref" / cell / "results.json")
     assert _untimed(tmp_path / "got" / cell / "results.json") == ref
+
+
+CHROMIUM = next(
+    (p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if Path(p).exists()), None
+)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt: chromium)")
+def test_html_report_renders_in_headless_chromium(tmp_path: Path):
+    """The report opens in a real browser and its plots render (not blank, not broken images)."""
+    import subprocess
+
+    import numpy as np
+    from matplotlib.image import imread
+
+    out = tmp_path / "out"
+    text = TINY_SUITE.replace("seeds = [0, 1]", "seeds = [0]")
+    assert main(["compare", str(_suite(tmp_path, text)), "--out", str(out), "--quiet"]) == 0
+    shot = tmp_path / "page.png"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1200,2400",
+        f"--screenshot={shot}",
+    ]
+    subprocess.run(
+        [CHROMIUM, *flags, (out / "index.html").as_uri()],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    img = imread(shot)  # [H, W, 3|4] floats in 0..1
+    assert img.shape[0] >= 2000 and img.shape[1] >= 1000
+    rgb = img[..., :3].reshape(-1, 3)
+    # The rendered page holds the plots: many distinct colours, not a blank or text-only page.
+    assert len(np.unique((rgb * 255).astype(np.uint8), axis=0)) > 200
