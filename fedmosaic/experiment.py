@@ -341,6 +341,28 @@ def run_experiment(
 
     start = time.perf_counter()
     fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
+    threads = torch.get_num_threads()
+    if cfg.sim.backend == "processes" and cfg.sim.threads == 0:
+        # The workers own the cores; the server's own steps (FedTGP's prototype training, FedGen's
+        # generator, KT-pFL's coefficients) are small ops that run faster on one thread than on
+        # two that contend, and one thread gives the numbers of the serial backend with one.
+        torch.set_num_threads(1)
+    try:
+        return _run(fed, cfg, start, progress, on_round, checkpoint_dir, checkpoint_every, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(
+    fed: Federation,
+    cfg: ExperimentConfig,
+    start: float,
+    progress: bool | None,
+    on_round: Callable[[dict[str, Any]], None] | None,
+    checkpoint_dir: str | Path | None,
+    checkpoint_every: int,
+    resume: bool,
+) -> dict[str, Any]:
     transport = make_transport(fed)
     ckpt = None
     if checkpoint_every > 0 or resume:
