@@ -145,6 +145,7 @@ class _Worker:
         env = dict(os.environ)
         env.update(MALLOC_ENV)
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        env["FEDMOSAIC_PARENT_PID"] = str(os.getpid())
         root = str(Path(fedmosaic.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         fd = theirs.fileno()

@@ -124,7 +124,25 @@ def _peak_rss_bytes() -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """On Linux, be killed when the process that started us dies (a killed run leaves no
+    worker computing on); elsewhere the closed socket ends us at the next message."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("FEDMOSAIC_PARENT_PID")
+    if parent is not None and os.getppid() != int(parent):  # died before prctl took effect
+        sys.exit(0)
+
+
 def main() -> None:
+    _die_with_parent()
     conn = Connection(int(sys.argv[1]))
     try:
         _serve(conn)
