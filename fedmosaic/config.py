@@ -21,9 +21,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    dataset: str = (
-        "fmnist"  # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
-    )
+    # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
+    dataset: str = "fmnist"
     root: str = ""  # explicit data folder; else $FEDMOSAIC_DATA, then system locations
     download: bool = False  # opt-in download for users with internet (never in tests/CI)
     emnist_split: str = "balanced"  # letters | balanced
@@ -34,9 +33,8 @@ class DataConfig:
     min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
     max_tries: int = 1000  # dirichlet: give up (error) after this many redraws
     split: str = "pool_75_25"  # pool_75_25 (PFLlib/HtFLlib) | 8_1_1 (FedGH: train/val/test)
-    val_fraction: float = (
-        0.0  # pool_75_25: fraction of each client's train part held out for validation
-    )
+    # pool_75_25: fraction of each client's train part held out for validation
+    val_fraction: float = 0.0
     public_size: int = 0  # server-held public/alignment split carved out before partitioning
     subsample: float = 1.0  # fraction of the pooled dataset to use (quick experiments)
     normalize: str = "half"  # half (0.5/0.5 as PFLlib) | dataset (per-dataset mean/std)
@@ -66,9 +64,8 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
     eval_every: int = 1
     eval_batch_size: int = 1000
-    finetune_epochs: int = (
-        -1
-    )  # fine-tuning after the last round: -1 = the algorithm's default, 0 = none
+    # fine-tuning after the last round: -1 = the algorithm's default, 0 = none
+    finetune_epochs: int = -1
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 

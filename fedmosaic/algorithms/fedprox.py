@@ -37,9 +37,8 @@ def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
 class FedProx(SharedWeights):
     """FedAvg with a proximal term ``mu/2 ||w - w_global||^2`` in the client loss."""
 
-    mu: float = (
-        0.01  # proximal strength; the FedProx paper sweeps {0.001, 0.01, 0.1, 1}; 0 = FedAvg
-    )
+    # mu: proximal strength; the FedProx paper sweeps {0.001, 0.01, 0.1, 1}; 0 = FedAvg
+    mu: float = 0.01
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
     paper: ClassVar[str] = "Li et al., Federated Optimization in Heterogeneous Networks, MLSys 2020"
