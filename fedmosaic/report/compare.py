@@ -216,7 +216,9 @@ def plot_grid_curves(
     )
     for ax, setting in zip(axes[0], settings, strict=True):
         methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
-        for method in methods:
+        # Past ten methods the default colour cycle repeats: 20 colours, then dashed lines.
+        colors = plt.get_cmap("tab20" if len(methods) > 10 else "tab10").colors
+        for i, method in enumerate(methods):
             runs = [
                 docs[c.key]
                 for c in cells
@@ -231,7 +233,14 @@ def plot_grid_curves(
                 continue
             xs = sorted(curves)
             mean = [float(np.mean(curves[x])) for x in xs]
-            (line,) = ax.plot(xs, mean, label=method, marker="." if len(xs) < 30 else None)
+            (line,) = ax.plot(
+                xs,
+                mean,
+                label=method,
+                marker="." if len(xs) < 30 else None,
+                color=colors[i % len(colors)],
+                ls="-" if i < len(colors) else "--",
+            )
             if len(runs) > 1:
                 lo = [min(curves[x]) for x in xs]
                 hi = [max(curves[x]) for x in xs]
@@ -242,9 +251,12 @@ def plot_grid_curves(
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if len(methods) > 8:  # a long legend would hide the curves: put it beside the axes
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        else:
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
