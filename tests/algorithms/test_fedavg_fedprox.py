@@ -45,4 +45,4 @@ def test_proximal_term_hand_computed():
         m.bias.fill_(0.5)
     g = {"weight": torch.tensor([[0.0, 0.0]]), "bias": torch.tensor([1.5])}
     # (1^2 + 2^2) + (0.5 - 1.5)^2 = 6
-    assert float(proximal_term(m, g)) == pytest.approx(6.0)
+    assert float(proximal_term(m, g).detach()) == pytest.approx(6.0)
