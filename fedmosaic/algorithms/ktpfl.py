@@ -220,6 +220,9 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     distill_epochs: int = 1  # epochs on the public inputs before private training (reference 1)
     distill_lr: float = 0.02  # learning rate of the distillation step (reference SGD 0.02)
     distill_batch_size: int = 256  # minibatch size of distillation (reference 256)
+    # The distillation step's own optimizer (reference: plain SGD at distill_lr), whatever
+    # train.optimizer the private training uses: Adam at SGD's 0.02 wrecks the model.
+    distill_optimizer: str = "sgd"  # sgd | adam
 
     Broadcast: ClassVar[type[Payload]] = KTpFLBroadcast
     Upload: ClassVar[type[Payload]] = KTpFLUpload
@@ -240,6 +243,8 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             raise ValueError("coef_steps and distill_epochs must be >= 0")
         if self.public_batch < 1 or self.distill_batch_size < 1:
             raise ValueError("public_batch and distill_batch_size must be >= 1")
+        if self.distill_optimizer not in ("sgd", "adam"):
+            raise ValueError(f"distill_optimizer = {self.distill_optimizer!r}; choose sgd or adam")
 
     def check_config(self, cfg: ExperimentConfig) -> None:
         from fedmosaic.config import ConfigError
@@ -315,7 +320,13 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     ) -> None:
         if not msg.has_target or self.distill_epochs == 0:
             return
-        s = dataclasses.replace(settings, batch_size=self.distill_batch_size)
+        s = dataclasses.replace(
+            settings,
+            batch_size=self.distill_batch_size,
+            optimizer=self.distill_optimizer,
+            momentum=0.0,
+            weight_decay=0.0,
+        )
         distill(model, msg.public, msg.target, self.T, self.distill_epochs, self.distill_lr, s, gen)
 
     def upload(

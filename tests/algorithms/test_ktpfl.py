@@ -21,6 +21,7 @@ from fedmosaic.algorithms.ktpfl import (
     personalized_targets,
     project_rows_to_simplex,
     reference_step_scale,
+    soft_kl,
     update_coef,
 )
 from fedmosaic.algorithms.local import Local
@@ -178,6 +179,30 @@ def test_distillation_moves_predictions_toward_target():
         up = algo.upload(model, torch.nn.Module(), toy.clients[0], msg)
         assert torch.allclose(up.soft, F.softmax(model(x) / algo.T, 1))
     assert torch.allclose(up.soft.sum(1), torch.ones(16))
+
+
+def test_distillation_uses_its_own_optimizer_not_the_private_one():
+    """Private training with Adam must not turn the distillation step into Adam at 0.02."""
+    algo = KTpFL(T=2.0, distill_epochs=1, distill_lr=0.05, distill_batch_size=16)
+    toy = make_toy(algo)
+    x = toy.spec.public  # [16, 1, 3, 4]: one distillation step with batch 16
+    target = F.softmax(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)) * 2, 1)
+    msg = KTpFLBroadcast(x, target, True)
+    got, want = toy_model(), toy_model()
+    want.load_state_dict(got.state_dict())
+    adam = TrainSettings(batch_size=6, lr=0.1, optimizer="adam", betas=(0.5, 0.999))
+    algo.before_fit(got, torch.nn.Module(), toy.clients[0], msg, adam, torch.Generator())
+    # By hand: one plain SGD step at distill_lr on the distillation loss over all 16 inputs.
+    want.train()
+    loss = soft_kl(want(x), target, algo.T)
+    grads = torch.autograd.grad(loss, list(want.parameters()))
+    with torch.no_grad():
+        for p, g in zip(want.parameters(), grads):
+            p.sub_(algo.distill_lr * g)
+    for a, b in zip(got.parameters(), want.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match="distill_optimizer"):
+        KTpFL(distill_optimizer="rmsprop")
 
 
 def test_distill_epochs_zero_trains_exactly_like_local():
