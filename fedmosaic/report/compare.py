@@ -43,6 +43,7 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("kb_down", "KB down /client/round", "kb"),
     ("mb_to_target", "MB to target (all clients)", "mb"),
     ("seconds_per_round", "s/round", "s"),
+    ("train_tflops", "train TFLOPs (all clients, all rounds)", "tflop"),
 )
 
 
@@ -58,6 +59,8 @@ def run_metrics(doc: dict[str, Any], target: float | None) -> dict[str, float | 
         "kb_up": _div(s.get("bytes_up_per_client_per_round"), 1024),
         "kb_down": _div(s.get("bytes_down_per_client_per_round"), 1024),
         "seconds_per_round": s.get("seconds_per_round"),
+        # Layer expansion's compute accounting (its Table 4), where the method reports it.
+        "train_tflops": _div(s.get("train_flops_total"), 1e12),
         "rounds_to_target": None,
         "mb_to_target": None,
     }
@@ -126,6 +129,8 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
         text = f"{m:.1f}"
     elif unit == "mb":
         text = f"{m:.2f}"
+    elif unit == "tflop":
+        text = f"{m:.3f}"
     else:
         text = f"{m:.2f}"
     if with_count and agg["n"] < agg["of"]:
@@ -138,7 +143,8 @@ def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, st
     for key, label, unit in METRICS:
         if key in ("rounds_to_target", "mb_to_target") and suite.target_accuracy is None:
             continue
-        if key in ("after_finetune", "best_on_val") and all(r[key]["mean"] is None for r in rows):
+        optional = ("after_finetune", "best_on_val", "train_tflops")
+        if key in optional and all(r[key]["mean"] is None for r in rows):
             continue
         cols.append((key, label, unit))
     return cols
