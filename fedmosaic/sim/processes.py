@@ -234,7 +234,6 @@ class ProcessTransport:
         self.offload = offload
         self.holder: dict[int, int] = {}  # client -> worker holding it live (else: in the store)
         self.measured: dict[int, float] = {}  # client -> seconds of its last fit (cost model)
-        self.busy: list[float] = []  # seconds each worker spent fitting in the last round
         self.version = [0] * self.num_clients  # bumped whenever a client's state changes
         self.cache = EvalCache()
         self.store = StateStore(state_dir)
@@ -388,12 +387,10 @@ class ProcessTransport:
                     },
                 )
         results: dict[int, FitResult] = {}
-        busy = [0.0] * self.workers
 
         def arrived(w: int, part: tuple[int, bytes, int, float, float]) -> None:
             cid, blob, n, loss, seconds = part  # decoded as it arrives: one blob at a time
             self.measured[cid] = seconds
-            busy[w] += seconds
             self.holder[cid] = w
             self.version[cid] += 1
             res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
@@ -406,7 +403,6 @@ class ProcessTransport:
         for flushed in self._call(calls, arrived).values():
             for cid in flushed:
                 self.holder.pop(cid, None)
-        self.busy = busy
         return [results[c] for c in messages]
 
     def evaluate(
