@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -265,12 +266,12 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
-    """Our round loop over ``grid``; writes and returns the ``results.json`` document."""
-    from fedmosaic.core.rounds import run_rounds
-    from fedmosaic.experiment import build_federation, results_document
+    """Our round loop over ``grid``; writes and returns the ``results.json`` document.
+
+    A run that fails leaves ``FAILED`` (the traceback) next to ``server.log`` in the results
+    folder, so whoever waits for ``results.json`` can stop waiting.
+    """
     from fedmosaic.flower.settings import FlowerOptions, experiment_config
-    from fedmosaic.flower.transport import GridTransport
-    from fedmosaic.report.results import write_results
 
     start = time.perf_counter()
     options = FlowerOptions.from_run_config(run_config)
@@ -281,7 +282,13 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
     )
     out.mkdir(parents=True, exist_ok=True)
     run_log = _RunLog(out / "server.log")
+    (out / "FAILED").unlink(missing_ok=True)
     try:
+        from fedmosaic.core.rounds import run_rounds
+        from fedmosaic.experiment import build_federation, results_document
+        from fedmosaic.flower.transport import GridTransport
+        from fedmosaic.report.results import write_results
+
         fed = build_federation(cfg, with_clients=False)
         plan = replace(fed.plan, min_replies=options.min_replies)
         transport = GridTransport(grid, fed.algo, fed.clients, eval_splits(fed.clients), options)
@@ -319,6 +326,10 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
         write_results(out, doc)
         log.info("results written to %s", out)
         return doc
+    except BaseException:
+        log.exception("the run failed")
+        (out / "FAILED").write_text(traceback.format_exc())
+        raise
     finally:
         run_log.close()
 

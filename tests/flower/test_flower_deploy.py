@@ -85,6 +85,8 @@ def test_tls_auth_faults_and_a_killed_node(deployment, tmp_path):
     deadline = time.monotonic() + 360
     while not (results / "results.json").exists():
         assert time.monotonic() < deadline, d.log("superlink")[-4000:]
+        failed = results / "FAILED"
+        assert not failed.exists(), failed.read_text()  # the ServerApp crashed: say why, now
         progress = results / "progress.jsonl"
         if not killed and progress.exists() and progress.read_text().strip():
             d.kill(f"node{KILLED_NODE}")  # gone after round 1, mid-run

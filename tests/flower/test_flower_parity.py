@@ -65,3 +65,16 @@ def test_parity_batchnorm_sampling_and_validation(tmp_path):
     assert_same_numbers(sim, flower)
     assert [r["participants"] for r in flower["rounds"]] != [[0, 1, 2, 3]] * 3
     assert "val_acc_weighted" in flower["rounds"][-1]
+
+
+def test_a_failed_run_leaves_failed_with_the_reason(tmp_path):
+    # Missing dataset files: the ServerApp fails before round 1 and says why in FAILED.
+    raw = tiny_raw(data={"dataset": "mnist", "root": str(tmp_path / "empty")})
+    (tmp_path / "empty").mkdir()
+    rc = {"experiment": json.dumps(raw), "results-dir": str(tmp_path / "results")}
+    grid = LocalGrid(client_app, [{"partition-id": 0, "num-partitions": 4}], rc)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the loader raises
+        run_server(grid, rc)
+    failed = (tmp_path / "results" / "FAILED").read_text()
+    assert "Traceback" in failed and "mnist" in failed.lower()
+    assert not (tmp_path / "results" / "results.json").exists()
