@@ -343,9 +343,10 @@ def run_experiment(
     fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
     threads = torch.get_num_threads()
     if cfg.sim.backend == "processes" and cfg.sim.threads == 0:
-        # The workers own the cores; the server's own steps (FedTGP's prototype training, FedGen's
-        # generator, KT-pFL's coefficients) are small ops that run faster on one thread than on
-        # two that contend, and one thread gives the numbers of the serial backend with one.
+        # The workers own the cores. The server's own steps (FedTGP's prototype training, FedGen's
+        # generator, KT-pFL's coefficients) are small ops: on one thread they give exactly the
+        # numbers of the serial backend run with sim.threads = 1, at about the same speed
+        # (FedTGP's 100 server epochs: 2.15 s vs 1.89 s on two threads).
         torch.set_num_threads(1)
     try:
         return _run(fed, cfg, start, progress, on_round, checkpoint_dir, checkpoint_every, resume)
