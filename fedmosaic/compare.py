@@ -39,14 +39,19 @@ import dataclasses
 import json
 import logging
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
 from fedmosaic.checkpoint import config_hash
-from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict
+from fedmosaic.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    from_dict,
+    read_toml,
+)
 
 log = logging.getLogger("fedmosaic")
 
@@ -126,12 +131,7 @@ def _apply(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
 def load_suite(path: str | Path) -> Suite:
     """Parse and check a suite file (unknown keys fail, naming them)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"suite file {str(p)!r} does not exist")
-    try:
-        raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"suite file {str(p)!r} is not valid TOML: {exc}") from exc
+    raw = read_toml(p, "suite file")
     known = {"suite", "base", "settings", "methods", "quick", "reference"}
     for key in raw:
         if key not in known:

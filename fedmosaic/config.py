@@ -216,16 +216,19 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     return cfg
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """A TOML file as a dict; a missing or malformed file is a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
+
+
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+    raw = read_toml(path) if path is not None else {}
     return from_dict(apply_overrides(raw, list(overrides or [])))
 
 

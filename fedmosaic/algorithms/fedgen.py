@@ -70,8 +70,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
-
-MAX_COUNT = 10**9  # a client claiming more examples than this is not a real client
+from fedmosaic.core.rounds import MAX_EXAMPLES
 
 if TYPE_CHECKING:
     from fedmosaic.config import ExperimentConfig
@@ -296,9 +295,9 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
                 f"client {client_id} counts is {counts.dtype}{tuple(counts.shape)}, "
                 f"expected torch.int64({c},)"
             )
-        if bool((counts < 0).any()) or int(counts.sum()) > MAX_COUNT:
+        if bool((counts < 0).any()) or int(counts.sum()) > MAX_EXAMPLES:
             raise PayloadError(
-                f"client {client_id} counts must be >= 0 and sum to at most {MAX_COUNT}"
+                f"client {client_id} counts must be >= 0 and sum to at most {MAX_EXAMPLES}"
             )
 
     def aggregate(

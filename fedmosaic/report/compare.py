@@ -211,15 +211,21 @@ def _plt() -> Any:
     return plt
 
 
-def plot_grid_curves(
-    cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path, target: float | None
-) -> None:
-    """Test accuracy per round of every method, mean over seeds (band: min-max), per setting."""
+def _setting_axes(cells: Sequence[Cell]) -> tuple[Any, list[str], Any, Any]:
+    """pyplot, the settings in suite order, and a figure with one axes per setting."""
     plt = _plt()
     settings = list(dict.fromkeys(c.setting.label for c in cells))
     fig, axes = plt.subplots(
         1, len(settings), figsize=(5.5 * len(settings), 4), dpi=110, squeeze=False
     )
+    return plt, settings, fig, axes
+
+
+def plot_grid_curves(
+    cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path, target: float | None
+) -> None:
+    """Test accuracy per round of every method, mean over seeds (band: min-max), per setting."""
+    plt, settings, fig, axes = _setting_axes(cells)
     for ax, setting in zip(axes[0], settings, strict=True):
         methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
         # Past ten methods the default colour cycle repeats: 20 colours, then dashed lines.
@@ -268,11 +274,7 @@ def plot_grid_curves(
 
 def plot_client_spread(cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path) -> None:
     """Per-client final test accuracies of every method (pooled over seeds), box + points."""
-    plt = _plt()
-    settings = list(dict.fromkeys(c.setting.label for c in cells))
-    fig, axes = plt.subplots(
-        1, len(settings), figsize=(5.5 * len(settings), 4), dpi=110, squeeze=False
-    )
+    plt, settings, fig, axes = _setting_axes(cells)
     for ax, setting in zip(axes[0], settings, strict=True):
         methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
         data = []

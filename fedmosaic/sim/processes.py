@@ -359,6 +359,18 @@ class ProcessTransport:
         rate = rates[len(rates) // 2]
         return [self.measured.get(c, self.fit_costs[c] * rate) for c in range(self.num_clients)]
 
+    @staticmethod
+    def _per_worker(
+        groups: list[list[int]], table: MessageTable, cmd: str, **args: Any
+    ) -> dict[int, tuple[str, dict[str, Any]]]:
+        """One ``cmd`` per worker with clients: the blobs they need and (client, blob) pairs."""
+        calls = {}
+        for w, g in enumerate(groups):
+            if g:
+                blobs, clients = table.part(g)
+                calls[w] = (cmd, {"blobs": blobs, "clients": clients, **args})
+        return calls
+
     # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         table = MessageTable(messages)
@@ -373,19 +385,7 @@ class ProcessTransport:
         # Moving a client costs a store round trip: rebalance only for a clear gain.
         groups = fresh if span(fresh) < 0.95 * span(stay) else stay
         self._release({cid: w for w, g in enumerate(groups) for cid in g})
-        calls = {}
-        for w, g in enumerate(groups):
-            if g:
-                blobs, clients = table.part(g)
-                calls[w] = (
-                    "fit",
-                    {
-                        "round": round_num,
-                        "blobs": blobs,
-                        "clients": clients,
-                        "offload": self.offload,
-                    },
-                )
+        calls = self._per_worker(groups, table, "fit", round=round_num, offload=self.offload)
         results: dict[int, FitResult] = {}
 
         def arrived(w: int, part: tuple[int, bytes, int, float, float]) -> None:
@@ -417,11 +417,8 @@ class ProcessTransport:
                 todo.append(cid)
             else:
                 out[cid] = hit
-        calls = {}
-        for w, g in enumerate(self._place(todo, self.eval_costs)):
-            if g:
-                blobs, clients = table.part(g)
-                calls[w] = ("eval", {"blobs": blobs, "clients": clients, "receive": receive})
+        groups = self._place(todo, self.eval_costs)
+        calls = self._per_worker(groups, table, "eval", receive=receive)
         for part in self._call(calls).values():
             for cid, counts in part:
                 out[cid] = counts
@@ -430,20 +427,10 @@ class ProcessTransport:
 
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None:
         table = MessageTable(messages)
-        calls = {}
         groups = self._place(list(messages), self.fit_costs)
-        for w, g in enumerate(groups):
-            if g:
-                blobs, clients = table.part(g)
-                calls[w] = (
-                    "finetune",
-                    {
-                        "blobs": blobs,
-                        "clients": clients,
-                        "phases": tuple(phases),
-                        "offload": self.offload,
-                    },
-                )
+        calls = self._per_worker(
+            groups, table, "finetune", phases=tuple(phases), offload=self.offload
+        )
         self._call(calls)  # with offload, each client goes back to the store right after
         for w, g in enumerate(groups):
             for cid in g:
