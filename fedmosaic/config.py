@@ -54,9 +54,13 @@ class ModelConfig:
 class TrainConfig:
     rounds: int = 100
     clients_per_round: int = 0  # 0 -> use participation
-    participation: float = 1.0  # fraction of clients sampled per round
+    # fraction of clients sampled per round: floor(participation x num_clients), at least 1
+    participation: float = 1.0
     local_epochs: int = 1
     batch_size: int = 10
+    # drop each epoch's ragged last batch (PFLlib/HtFLlib, FedClassAvg's code); false = every
+    # example every epoch (FedHeNN, FedGH's authors, FedBABU, layer expansion)
+    drop_last: bool = False
     lr: float = 0.01
     optimizer: str = "sgd"  # sgd | adam
     momentum: float = 0.0

@@ -20,7 +20,14 @@ from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.rounds import EvalResult, History, RoundPlan, per_client_acc, run_rounds
+from fedmosaic.core.rounds import (
+    EvalResult,
+    History,
+    RoundPlan,
+    clients_per_round,
+    per_client_acc,
+    run_rounds,
+)
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.data import FederatedData, build_federated_data
 from fedmosaic.models import build_client_model, family_members
@@ -119,7 +126,7 @@ def build_federation(cfg: ExperimentConfig, with_clients: bool = True) -> Federa
             models.append(m)
             extras.append(e)
     n = fed.num_clients
-    k = cfg.train.clients_per_round or max(1, round(cfg.train.participation * n))
+    k = cfg.train.clients_per_round or clients_per_round(n, cfg.train.participation)
     plan = RoundPlan(n, cfg.train.rounds, k, cfg.train.eval_every, cfg.train.finetune_epochs)
     return Federation(
         cfg, fed, algo, spec, clients, models, extras, TrainSettings.from_config(cfg.train), plan

@@ -59,6 +59,16 @@ class RoundPlan:
     min_replies: int = 1  # fewer valid replies: the round is skipped (state unchanged)
 
 
+def clients_per_round(num_clients: int, participation: float) -> int:
+    """Clients sampled per round for a participation fraction: ``floor(participation x N)``, at least 1.
+
+    The floor is PFLlib's ``int(num_clients * join_ratio)`` (10 x 0.35 -> 3, where Python's
+    banker's ``round`` would give 4). A product within 1e-9 of an integer counts as that integer,
+    so float noise cannot lose a client (0.29 x 100 = 28.999999999999996 -> 29).
+    """
+    return max(1, math.floor(participation * num_clients + 1e-9))
+
+
 def sample_clients(seed: int, round_num: int, num_clients: int, k: int) -> list[int]:
     """The round's participants: ``k`` distinct clients, sorted, from the round's own stream."""
     if k >= num_clients:

@@ -31,6 +31,7 @@ class TrainSettings:
     eval_batch_size: int = 1000
     device: str = "cpu"
     fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (see below)
+    drop_last: bool = False  # drop each epoch's ragged last batch (PFLlib/HtFLlib loaders)
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> TrainSettings:
@@ -43,6 +44,7 @@ class TrainSettings:
             betas=(float(t.betas[0]), float(t.betas[1])),
             eval_batch_size=t.eval_batch_size,
             device=t.device,
+            drop_last=t.drop_last,
         )
 
 
@@ -102,17 +104,26 @@ def unfreeze_all(model: nn.Module, extras: nn.Module) -> None:
         p.requires_grad_(True)
 
 
-def batch_order(n: int, batch_size: int, gen: torch.Generator) -> list[Tensor]:
-    """Shuffled minibatches of positions ``0..n-1``.
+def batch_order(
+    n: int, batch_size: int, gen: torch.Generator, drop_last: bool = False
+) -> list[Tensor]:
+    """Shuffled minibatches of positions ``0..n-1``: every example once per epoch.
 
-    Like PFLlib's ``drop_last=True`` the ragged tail is dropped, except when the client has fewer
-    than ``batch_size`` examples: then its data is one batch (dropping it would train nothing).
-    A final batch of one example is always dropped (BatchNorm cannot train on it).
+    ``drop_last`` (PFLlib/HtFLlib's loaders, FedClassAvg's code) drops the ragged tail, except when
+    the client has fewer than ``batch_size`` examples: then its data is one batch (dropping it
+    would train nothing). Either way a final batch of a single example is dropped: BatchNorm cannot
+    train on one example, and a one-example step is what the papers' loaders would not take either
+    (one example of a client per epoch at most).
     """
     perm = torch.randperm(n, generator=gen)
     if n < batch_size:
         return [perm] if n >= 2 else []
-    return list(perm[: (n // batch_size) * batch_size].split(batch_size))
+    if drop_last:
+        return list(perm[: (n // batch_size) * batch_size].split(batch_size))
+    batches = list(perm.split(batch_size))
+    if batches[-1].numel() == 1:
+        batches.pop()
+    return batches
 
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -240,7 +251,7 @@ def train_epochs(
         if fused is not None:
             fused.start()
         for _ in range(epochs):
-            for pos in batch_order(n, s.batch_size, gen):
+            for pos in batch_order(n, s.batch_size, gen, s.drop_last):
                 x, y = sample(pos)
                 if fused is not None and fused.active:
                     # A conflict shows on the first step (same loss code every step): only then

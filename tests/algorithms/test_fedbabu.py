@@ -75,11 +75,11 @@ def test_payloads_carry_the_body_only_with_hand_counted_flops():
     out = client_ops.fit(algo, model, fed.extras[0], msg, data, fed.transport.settings, 0, 2, 1)
     up = out.upload
     assert isinstance(up, BodyUpload) and set(up.state) == set(msg.state)
-    # 22 training examples, batch 8, drop_last: 16 examples in one epoch
+    # 22 training examples, batch 8, every example (train.drop_last = false): 22 in one epoch
     assert data.num_train == 22
-    assert up.train_flops == training_flops(model, (1, 3, 4), ("encoder",), 16)
+    assert up.train_flops == training_flops(model, (1, 3, 4), ("encoder",), 22)
     # per image: forward 12*8 + 8*4 + 4*3 = 140; backward 96 + (32 + 32) + 12 = 172
-    assert up.train_flops == (140 + 172) * 16
+    assert up.train_flops == (140 + 172) * 22
     algo.validate_upload(fed.state, up, 0)
     with pytest.raises(PayloadError):
         algo.validate_upload(fed.state, dataclasses.replace(up, train_flops=-1), 0)

@@ -1,0 +1,60 @@
+"""Per-epoch coverage (``train.drop_last``) and participation rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_raw
+
+from fedmosaic.config import from_dict
+from fedmosaic.core.rounds import clients_per_round
+from fedmosaic.core.training import TrainSettings, batch_order
+from fedmosaic.experiment import build_federation
+
+
+def _sizes(batches: list[torch.Tensor]) -> list[int]:
+    return [int(b.numel()) for b in batches]
+
+
+def test_every_example_is_used_by_default():
+    batches = batch_order(22, 8, torch.Generator().manual_seed(0))
+    assert _sizes(batches) == [8, 8, 6]
+    assert sorted(torch.cat(batches).tolist()) == list(range(22))
+
+
+def test_drop_last_drops_the_ragged_tail_like_pfllib():
+    batches = batch_order(22, 8, torch.Generator().manual_seed(0), drop_last=True)
+    assert _sizes(batches) == [8, 8]
+
+
+def test_both_modes_share_the_shuffle():
+    keep = batch_order(22, 8, torch.Generator().manual_seed(3))
+    drop = batch_order(22, 8, torch.Generator().manual_seed(3), drop_last=True)
+    assert all(torch.equal(a, b) for a, b in zip(drop, keep[:2]))
+
+
+def test_a_single_example_tail_is_dropped_and_small_clients_train_once():
+    assert _sizes(batch_order(17, 8, torch.Generator().manual_seed(0))) == [8, 8]
+    assert _sizes(batch_order(5, 8, torch.Generator().manual_seed(0), drop_last=True)) == [5]
+    assert batch_order(1, 8, torch.Generator().manual_seed(0)) == []
+
+
+def test_drop_last_reaches_the_training_settings():
+    cfg = from_dict(tiny_raw(train={"drop_last": True}))
+    assert TrainSettings.from_config(cfg.train).drop_last is True
+    assert TrainSettings.from_config(from_dict(tiny_raw()).train).drop_last is False
+
+
+@pytest.mark.parametrize(
+    ("n", "p", "k"),
+    [(10, 0.35, 3), (10, 0.25, 2), (100, 0.1, 10), (100, 0.29, 29), (20, 0.01, 1), (7, 1.0, 7)],
+)
+def test_participation_is_floored_as_pfllib(n: int, p: float, k: int):
+    assert clients_per_round(n, p) == k
+
+
+def test_the_experiment_uses_the_participation_rule():
+    cfg = from_dict(
+        tiny_raw(data={"num_clients": 10, "min_size": 5}, train={"participation": 0.35})
+    )
+    assert build_federation(cfg, with_clients=False).plan.clients_per_round == 3
