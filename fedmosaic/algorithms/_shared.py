@@ -83,19 +83,73 @@ class SharedState(Payload):
     state: dict[str, Tensor]
 
 
+BN_MODES = ("average", "local_stats", "local")
+_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def batchnorm_keys(module: nn.Module, with_affine: bool) -> frozenset[str]:
+    """State-dict names of ``module``'s BatchNorm statistics (and affine weights if asked)."""
+    keys: set[str] = set()
+    names = set(module.state_dict())
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            pre = f"{name}." if name else ""
+            for k in _BN_STATS + (("weight", "bias") if with_affine else ()):
+                if pre + k in names:
+                    keys.add(pre + k)
+    return frozenset(keys)
+
+
 @dataclass(frozen=True)
 class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     """Base for the average-a-part family: FedAvg, FedProx, FedPer, FedRep, LG-FedAvg, FedBABU.
 
     Subclasses set ``shared`` (a model part) and may override the client's loss or phases.
+
+    ``bn`` says what happens to the shared part's BatchNorm layers:
+    - ``average`` (default): parameters *and* running statistics are averaged like every other
+      tensor of the state dict (FedAvg on a state dict, as FedBABU's and FedClassAvg's code do);
+    - ``local_stats``: running statistics never leave the client; only parameters are averaged
+      (PFLlib/HtFLlib average ``model.parameters()`` only);
+    - ``local``: whole BatchNorm layers stay local, affine weights too (FedBN, Li et al., ICLR 2021).
     """
 
     Broadcast: ClassVar[type[Payload]] = SharedState
     Upload: ClassVar[type[Payload]] = SharedState
     shared: ClassVar[str] = "all"
 
+    bn: str = "average"  # average | local_stats (PFLlib) | local (FedBN); see the class docstring
+
+    def __post_init__(self) -> None:
+        if self.bn not in BN_MODES:
+            raise ValueError(f"bn = {self.bn!r}; choose one of {', '.join(BN_MODES)}")
+
+    def local_keys(self, module: nn.Module) -> frozenset[str]:
+        """Names in the shared part's state dict that stay on the client (per ``bn``)."""
+        if self.bn == "average":
+            return frozenset()
+        return batchnorm_keys(module, with_affine=self.bn == "local")
+
+    def shared_state(self, model: ClientModel) -> dict[str, Tensor]:
+        """Detached copy of what this method shares of ``model`` (the part minus local keys)."""
+        state = model.part_state(self.shared)
+        local = self.local_keys(model.part(self.shared))
+        return {k: v for k, v in state.items() if k not in local}
+
+    def load_shared(self, model: ClientModel, state: dict[str, Tensor]) -> None:
+        """Load a shared state into ``model``'s part, leaving its local keys untouched."""
+        if self.bn == "average":
+            model.load_part_state(self.shared, state)
+            return
+        module = model.part(self.shared)
+        own = {k: v for k, v in module.state_dict().items() if k not in self.local_keys(module)}
+        check_state_like(state, own, f"state for part {self.shared!r}")
+        with torch.no_grad():
+            for k, v in own.items():
+                v.copy_(state[k])
+
     def init_server(self, spec: FederationSpec) -> dict[str, Tensor]:
-        return spec.build_model(0).part_state(self.shared)
+        return self.shared_state(spec.build_model(0))
 
     def broadcast(self, state: dict[str, Tensor], client_id: int, round_num: int) -> SharedState:
         return SharedState(state)
@@ -111,9 +165,9 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         check_state_like(upload.state, state, f"client {client_id} {self.shared} state")
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
-        model.load_part_state(self.shared, msg.state)
+        self.load_shared(model, msg.state)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> SharedState:
-        return SharedState(model.part_state(self.shared))
+        return SharedState(self.shared_state(model))

@@ -107,6 +107,7 @@ class FedBABU(SharedWeights):
     finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_finetune(self.finetune_part, self.finetune_epochs)
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
@@ -147,7 +148,7 @@ class FedBABU(SharedWeights):
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> BodyUpload:
         flops = training_flops(model, extras.input_shape, BODY, extras.examples)
-        return BodyUpload(model.part_state("encoder"), flops)
+        return BodyUpload(self.shared_state(model), flops)
 
     def finetune_phases(self, epochs: int | None) -> tuple[Phase, ...]:
         return finetune_phase(

@@ -151,6 +151,7 @@ class FedClassAvg(SharedWeights):
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
         if self.prox not in PROX_FORMS:
             raise ValueError(f"prox = {self.prox!r}; choose one of {PROX_FORMS}")
