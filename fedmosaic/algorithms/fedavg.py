@@ -2,6 +2,10 @@
 
 Shared: every parameter and buffer of the (identical) client models. Nothing stays local, so
 it needs a homogeneous federation.
+
+BatchNorm (``bn``): running statistics are averaged with the parameters by default; ``bn =
+"local_stats"`` keeps them on each client (PFLlib/HtFLlib average parameters only), ``bn = "local"``
+keeps whole BatchNorm layers local (FedBN).
 """
 
 from __future__ import annotations

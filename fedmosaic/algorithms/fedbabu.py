@@ -14,6 +14,9 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
   head's learning rate to 0 (gradient computed, never applied): identical weights, less compute.
 - aggregation is weighted by training examples (the issue and PFLlib); the authors' script takes the
   plain mean over the round's clients (equal shards in its experiments).
+- the body's BatchNorm statistics are averaged with its parameters (state-dict FedAvg, as the
+  authors' code); ``bn = "local_stats"`` keeps them on each client (PFLlib/HtFLlib average
+  parameters only), ``bn = "local"`` keeps whole BatchNorm layers local (FedBN).
 - uploads also carry ``train_flops`` (a scalar: this round's training FLOPs, see ``_flops.py``).
 """
 

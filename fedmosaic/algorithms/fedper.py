@@ -7,10 +7,11 @@ cross-entropy every round. Averaging encoders needs identical encoders: homogene
 Differences from the reference code (PFLlib ``clientper``/``serverper``):
 
 - The encoder's buffers (BatchNorm running statistics) are averaged with its parameters, as in our
-  FedAvg; PFLlib averages ``model.base.parameters()`` only, leaving running statistics local.
+  FedAvg; PFLlib averages ``model.base.parameters()`` only, leaving running statistics local:
+  ``bn = "local_stats"`` does that (``bn = "local"``: whole BatchNorm layers local, FedBN).
 - Every client's head starts from its own seeded initialization (our per-client init streams);
   in PFLlib all clients start from copies of one model. The encoder is the server's from round 1.
-- No hyperparameters beyond ``[train]``: PFLlib's FedPer has none either.
+- No hyperparameters beyond ``[train]`` and ``bn``: PFLlib's FedPer has none.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Shared: the whole model (homogeneous federation). Client loss:
 ``CE + mu/2 * sum_p ||w_p - w_p^global||^2`` over parameters (not buffers); ``mu = 0`` is FedAvg.
+
+BatchNorm (``bn``): running statistics are averaged with the parameters by default; ``bn =
+"local_stats"`` keeps them on each client (PFLlib/HtFLlib average parameters only), ``bn = "local"``
+keeps whole BatchNorm layers local (FedBN).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Choices and differences from the reference code (PFLlib ``clientrep``/``serverre
   (lgcollins/FedRep) spends most of a round on the head (``head_eps = local_ep - local_rep_ep``,
   e.g. 10 - 1); set ``algorithm.head_epochs`` accordingly to follow the paper's schedule.
 - The encoder's buffers (BatchNorm running statistics) are averaged with its parameters, as in our
-  FedAvg; PFLlib averages ``model.base.parameters()`` only. Note that the head phase runs the
+  FedAvg; PFLlib averages ``model.base.parameters()`` only (``bn = "local_stats"``; ``bn = "local"``:
+  whole BatchNorm layers local, FedBN). Note that the head phase runs the
   encoder in train mode (as PFLlib does), so running statistics also move during the head phase.
 - One fresh optimizer per phase (PFLlib keeps two persistent SGD optimizers; identical for plain
   SGD, which is stateless; with momentum/Adam our state restarts every phase and round).

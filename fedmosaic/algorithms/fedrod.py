@@ -22,7 +22,10 @@ Choices and differences from the reference code (PFLlib ``clientrod``):
   the sum of both losses: the detaches keep the two gradients disjoint, so one SGD/Adam step equals
   PFLlib's two optimizers stepping on the same forward pass.
 - The linear personal head is the paper's FedRoD (linear); its hypernetwork variant is not built.
-- No hyperparameters beyond ``[train]``: PFLlib's FedRoD has none either.
+- BatchNorm (``bn``): running statistics are averaged with the parameters by default; ``bn =
+  "local_stats"`` keeps them on each client (PFLlib/HtFLlib average parameters only), ``bn =
+  "local"`` keeps whole BatchNorm layers local (FedBN).
+- No other hyperparameters beyond ``[train]``: PFLlib's FedRoD has none either.
 """
 
 from __future__ import annotations
