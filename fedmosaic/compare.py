@@ -68,6 +68,7 @@ SUITE_KEYS = {
     "budget",
     "quick_budget",
     "prototype_plot",
+    "paper_metric",
 }
 
 
@@ -99,6 +100,9 @@ class Suite:
     budget: str = ""
     quick_budget: str = ""
     prototype_plot: str = "tsne"  # tsne | pca | none: client/global prototypes of prototype methods
+    # the accuracy the suite's paper reports, the headline columns: weighted (test-size-weighted,
+    # HtFLlib/PFLlib) | unweighted (mean of per-client accuracies, FedGH/FedClassAvg)
+    paper_metric: str = "weighted"
     quick: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, dict[str, str]] = field(default_factory=dict)
     path: str = ""
@@ -162,6 +166,8 @@ def load_suite(path: str | Path) -> Suite:
     settings = [Setting(s, dict(setting_tables.get(s, {}))) for s in setting_labels]
     if meta.get("prototype_plot", "tsne") not in ("tsne", "pca", "none"):
         raise ConfigError(f"{p}: suite.prototype_plot must be tsne, pca or none")
+    if meta.get("paper_metric", "weighted") not in ("weighted", "unweighted"):
+        raise ConfigError(f"{p}: suite.paper_metric must be weighted or unweighted")
     seeds = meta.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds) or not seeds:
         raise ConfigError(f"{p}: suite.seeds must be a non-empty list of integers")
@@ -179,6 +185,7 @@ def load_suite(path: str | Path) -> Suite:
         budget=meta.get("budget", ""),
         quick_budget=meta.get("quick_budget", ""),
         prototype_plot=meta.get("prototype_plot", "tsne"),
+        paper_metric=meta.get("paper_metric", "weighted"),
         quick=dict(raw.get("quick", {})),
         reference={k: dict(v) for k, v in raw.get("reference", {}).items()},
         path=str(p),

@@ -166,10 +166,12 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
     summary["bytes_down_per_client_per_round"] = sum(
         r["bytes_down_per_client"] for r in history.rounds
     ) / len(history.rounds)
-    if any("train_flops" in r for r in history.rounds):
-        # The layer-expansion paper's Table 4 accounting: training FLOPs summed over clients
-        # and rounds (forward + backward of the trainable blocks).
-        summary["train_flops_total"] = sum(r.get("train_flops", 0) for r in history.rounds)
+    for key in ("paper_cost", "train_macs"):
+        if any(key in r for r in history.rounds):
+            # Training compute summed over clients and rounds: ``paper_cost`` is the layer-expansion
+            # paper's Table 4 measure (trainable parameters x examples, which it calls FLOPs),
+            # ``train_macs`` the forward + backward multiply-accumulates (``algorithms/_flops.py``).
+            summary[f"{key}_total"] = sum(r.get(key, 0) for r in history.rounds)
     if history.finetune_eval:
         from fedmosaic.core.rounds import summarize_eval
 

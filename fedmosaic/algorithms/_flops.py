@@ -2,9 +2,9 @@
 
 Two conventions, both per client and per round:
 
-- :func:`training_flops` (what clients report as ``train_flops``): forward + backward FLOPs of the
-  Conv/Linear layers, counted from the autograd graph the trainable set actually produces.
-  One multiply-accumulate counts as one FLOP (the fvcore/thop convention). Per image:
+- :func:`training_macs` (what clients report as ``train_macs``): forward + backward
+  multiply-accumulates of the Conv/Linear layers, counted from the autograd graph the trainable set
+  actually produces (fvcore/thop call one MAC a "FLOP"; we name it MACs). Per image:
   ``forward = sum_l m_l`` over every Conv/Linear layer ``l`` (``m_l`` = its MACs), and
   ``backward = sum_l m_l * ([weight of l trains] + [input of l requires grad])``: the weight
   gradient of each trained layer, plus the activation gradient of every layer whose input depends
@@ -13,9 +13,13 @@ Two conventions, both per client and per round:
   the common "backward = 2 x forward of trained layers" approximation overcounts by that layer's
   input gradient. Bias, activation, pooling, normalization and loss costs are not counted.
   Times the number of training examples processed (epochs x examples).
-- :func:`paper_cost`: the layer-expansion paper's Table 4 accounting (Jang & Choi, 2024,
-  Sec. 5.2): number of trainable parameters x training examples processed (its FedAvg row is
-  582,026 parameters x 500 examples x 10 clients x 300 rounds = 873.039 billion).
+- :func:`paper_cost` (what clients report as ``paper_cost``): the layer-expansion paper's Table 4
+  accounting, which the paper calls "FLOPs" (Jang & Choi, 2024, Sec. 5.2): number of trainable
+  parameters x training examples processed (its FedAvg row is 582,026 parameters x 500 examples
+  x 10 clients x 300 rounds = 873.039 billion). It ranks Vanilla (314.9 G) far below Anti
+  (838.9 G); the MAC count does not (Anti's early rounds backpropagate through frozen blocks
+  below the trained ones only as far as needed, Vanilla's forward runs the whole model), so the
+  two are reported side by side under their own names.
 """
 
 from __future__ import annotations
@@ -108,13 +112,13 @@ def layer_costs(
     return records
 
 
-def training_flops(
+def training_macs(
     model: nn.Module,
     input_shape: Sequence[int],
     trainable_prefixes: Sequence[str],
     num_examples: int,
 ) -> int:
-    """Forward + backward FLOPs (1 MAC = 1 FLOP) of training ``num_examples`` examples.
+    """Forward + backward multiply-accumulates of training ``num_examples`` examples.
 
     ``trainable_prefixes`` are ``Phase.trainable`` entries (``all``, ``encoder``, ``head`` or
     qualified prefixes like ``encoder.conv1``). No trainable parameter means no training step: 0.

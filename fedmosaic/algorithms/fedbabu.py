@@ -17,7 +17,8 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 - the body's BatchNorm statistics are averaged with its parameters (state-dict FedAvg, as the
   authors' code); ``bn = "local_stats"`` keeps them on each client (PFLlib/HtFLlib average
   parameters only), ``bn = "local"`` keeps whole BatchNorm layers local (FedBN).
-- uploads also carry ``train_flops`` (a scalar: this round's training FLOPs, see ``_flops.py``).
+- uploads also carry ``train_macs`` (this round's forward + backward MACs) and ``paper_cost``
+  (trainable parameters x examples, the layer-expansion paper's Table 4 measure), see ``_flops.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._flops import training_flops
+from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights, check_state_like
 from fedmosaic.core.algorithm import FederationSpec, Phase
 from fedmosaic.core.client import ClientData
@@ -47,7 +48,10 @@ class BodyUpload(Payload):
     """A client's body after local training, and what that training cost."""
 
     state: dict[str, Tensor]  # encoder state dict (parameters and buffers)
-    train_flops: int  # this round's forward + backward FLOPs (_flops.training_flops)
+    train_macs: int  # this round's forward + backward MACs (_flops.training_macs)
+    paper_cost: (
+        int  # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    )
 
 
 Broadcast = SharedState
@@ -56,7 +60,7 @@ ServerState = dict[str, Tensor]
 
 
 class RoundCounter(nn.Module):
-    """Client extras: training examples processed this round and the input shape (for FLOPs)."""
+    """Client extras: training examples processed this round and the input shape (for compute accounting)."""
 
     def __init__(self, input_shape: tuple[int, ...]) -> None:
         super().__init__()
@@ -115,12 +119,15 @@ class FedBABU(SharedWeights):
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
     def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:
-        return {"train_flops": float(upload.train_flops)}
+        return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
     def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
         check_state_like(upload.state, state, f"client {client_id} body state")
-        if upload.train_flops < 0:
-            raise PayloadError(f"client {client_id}: train_flops = {upload.train_flops} < 0")
+        if upload.train_macs < 0 or upload.paper_cost < 0:
+            raise PayloadError(
+                f"client {client_id}: negative compute "
+                f"(train_macs = {upload.train_macs}, paper_cost = {upload.paper_cost})"
+            )
 
     # ---- client half -------------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
@@ -150,8 +157,9 @@ class FedBABU(SharedWeights):
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> BodyUpload:
-        flops = training_flops(model, extras.input_shape, BODY, extras.examples)
-        return BodyUpload(self.shared_state(model), flops)
+        macs = training_macs(model, extras.input_shape, BODY, extras.examples)
+        cost = paper_cost(model, BODY, extras.examples)
+        return BodyUpload(self.shared_state(model), macs, cost)
 
     def finetune_phases(self, epochs: int | None) -> tuple[Phase, ...]:
         return finetune_phase(

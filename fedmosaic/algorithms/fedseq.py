@@ -19,9 +19,10 @@ spaced ``floor(k R / B)``; the paper's (0, 100, 200) of R = 300 trains 1 block i
 2 in 101-200, 3 in 201-300. After round R (final evaluation, fine-tuning) every block is unfrozen.
 The broadcast carries ``num_active`` (and ``order``) so clients know which blocks train and upload.
 
-Compute: uploads carry ``train_flops``, this round's forward + backward FLOPs (convention in
-``_flops.py``: exact autograd work of Conv/Linear layers, 1 MAC = 1 FLOP); ``paper_cost``
-reproduces the paper's Table 4 (trainable parameters x examples). There is no public reference
+Compute: uploads carry ``paper_cost``, this round's cost in the paper's Table 4 measure (trainable
+parameters x examples processed, which the paper calls FLOPs), and ``train_macs``, the forward +
+backward multiply-accumulates of Conv/Linear layers (``_flops.py``); the report shows both under
+their own names, the paper's as the compute column. There is no public reference
 code. Choices of ours:
 - freezing: phases train the encoder; the loss sets ``requires_grad=False`` on the frozen blocks
   before each forward (``phases()`` sees neither the model nor the broadcast, so ``Phase.trainable``
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._flops import paper_cost, training_flops
+from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import check_state_like, weighted_average
 from fedmosaic.algorithms.fedbabu import (
     BODY,
@@ -70,7 +71,7 @@ __all__ = [
     "num_unfrozen",
     "paper_cost",
     "trainable_prefixes",
-    "training_flops",
+    "training_macs",
 ]
 
 log = logging.getLogger("fedmosaic")
@@ -88,7 +89,10 @@ class ExpansionBroadcast(Payload):
 class ExpansionUpload(Payload):
     state: dict[str, Tensor]  # client body state of the unfrozen blocks only
     num_active: int  # the broadcast's num_active: which blocks these are
-    train_flops: int  # this round's forward + backward FLOPs (_flops.training_flops)
+    train_macs: int  # this round's forward + backward MACs (_flops.training_macs)
+    paper_cost: (
+        int  # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    )
 
 
 @dataclass
@@ -231,7 +235,7 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         return ExpansionBroadcast({k: state.body[k] for k in keys}, n, self.order)
 
     def upload_metrics(self, upload: ExpansionUpload) -> dict[str, float]:
-        return {"train_flops": float(upload.train_flops)}
+        return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
     def validate_upload(
         self, state: ExpansionState, upload: ExpansionUpload, client_id: int
@@ -244,8 +248,11 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         keys = _active_keys(state.block_keys, upload.num_active, self.order)
         template = {k: state.body[k] for k in keys}
         check_state_like(upload.state, template, f"client {client_id} unfrozen blocks")
-        if upload.train_flops < 0:
-            raise PayloadError(f"client {client_id}: train_flops = {upload.train_flops} < 0")
+        if upload.train_macs < 0 or upload.paper_cost < 0:
+            raise PayloadError(
+                f"client {client_id}: negative compute "
+                f"(train_macs = {upload.train_macs}, paper_cost = {upload.paper_cost})"
+            )
 
     def aggregate(
         self, state: ExpansionState, uploads: Sequence[Weighted[ExpansionUpload]], round_num: int
@@ -320,8 +327,11 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         keys = _active_keys(_block_keys(model, names), msg.num_active, self.order)
         own = model.encoder.state_dict()
         trainable = trainable_prefixes(names, msg.num_active, self.order)
-        flops = training_flops(model, extras.input_shape, trainable, extras.examples)
-        return ExpansionUpload({k: own[k].detach().clone() for k in keys}, msg.num_active, flops)
+        macs = training_macs(model, extras.input_shape, trainable, extras.examples)
+        cost = paper_cost(model, trainable, extras.examples)
+        return ExpansionUpload(
+            {k: own[k].detach().clone() for k in keys}, msg.num_active, macs, cost
+        )
 
     def finetune_phases(self, epochs: int | None) -> tuple[Phase, ...]:
         return finetune_phase(

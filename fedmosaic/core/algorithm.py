@@ -114,7 +114,7 @@ class Algorithm(ABC, Generic[S, B, U]):
 
     def upload_metrics(self, upload: U) -> dict[str, float]:
         """Per-client numbers an upload reports, summed over the round's valid uploads into the
-        round record (e.g. layer expansion's ``train_flops``); none by default."""
+        round record (e.g. layer expansion's ``train_macs``); none by default."""
         return {}
 
     # ---- client half ---------------------------------------------------------------------

@@ -3,14 +3,19 @@
 Every number is a mean ± std over seeds (population std, ddof=0, as PFLlib/HtFLlib report it)
 of one per-run statistic:
 
-- final: test accuracy at the last round (sample-weighted over all clients);
+Accuracy is the metric the suite's paper reports (``suite.paper_metric``): ``weighted`` =
+test-size-weighted over all clients (HtFLlib/PFLlib, FedTGP), ``unweighted`` = the plain mean of
+per-client accuracies (FedGH, FedClassAvg); the other metric's final accuracy stands beside it.
+
+- final: test accuracy at the last round;
+- final (other metric): the same in the metric the paper does not report;
 - after fine-tune: the same after the method's local fine-tuning (FedBABU, layer expansion);
 - best on val: test accuracy at the round with the best validation accuracy (needs a validation
   split; ``-`` without one);
 - best on test: the maximum test accuracy over rounds, *as the papers report it* (optimistic:
   it selects the round on the test set);
 - client std: the spread of per-client final accuracies (std over clients);
-- rounds to target: first round whose test accuracy reaches the suite's target, mean over the
+- rounds to target: first round whose test accuracy (paper metric) reaches the suite's target, mean over the
   seeds that reached it (``k/n`` of the seeds did);
 - KB up / down per client per round; MB to target: all clients' traffic (up + down) until then;
 - s/round: wall-clock seconds per round on this machine.
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 METRICS: tuple[tuple[str, str, str], ...] = (
     # key, column label, unit (pct | int | kb | mb | s)
     ("final", "final acc", "pct"),
+    ("final_other", "final acc", "pct"),  # the other metric; labels name both (``_columns``)
     ("after_finetune", "after fine-tune", "pct"),
     ("best_on_val", "best-on-val acc", "pct"),
     ("best_on_test", "best-on-test acc (as the papers report it)", "pct"),
@@ -43,24 +49,47 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("kb_down", "KB down /client/round", "kb"),
     ("mb_to_target", "MB to target (all clients)", "mb"),
     ("seconds_per_round", "s/round", "s"),
-    ("train_tflops", "train TFLOPs (all clients, all rounds)", "tflop"),
+    # Training compute over all clients and rounds, where the method reports it (layer expansion,
+    # FedBABU): the paper's Table 4 measure (trainable parameters x examples, in G, the paper's
+    # "FLOPs"), and forward + backward multiply-accumulates in T.
+    ("paper_cost_g", "Table 4 cost: trainable params x examples (G)", "g"),
+    ("train_tmacs", "train TMACs fwd+bwd", "tflop"),
 )
 
+METRIC_KEYS = {"weighted": "acc_weighted", "unweighted": "acc_mean"}
+METRIC_NAMES = {"weighted": "test-size-weighted", "unweighted": "unweighted mean over clients"}
 
-def run_metrics(doc: dict[str, Any], target: float | None) -> dict[str, float | None]:
-    """The per-run statistics of one results document (None where not defined)."""
+
+def _best(rounds: Sequence[dict[str, Any]], select: str, key: str) -> float | None:
+    """``key`` at the first round that maximizes ``select`` (None if no round has both)."""
+    have = [r for r in rounds if r.get(select) is not None and r.get(key) is not None]
+    return max(have, key=lambda r: r[select])[key] if have else None
+
+
+def run_metrics(
+    doc: dict[str, Any], target: float | None, metric: str = "weighted"
+) -> dict[str, float | None]:
+    """The per-run statistics of one results document (None where not defined).
+
+    ``metric``: the accuracy the paper reports (``weighted`` | ``unweighted``); best-on-test and
+    best-on-val select their round by that metric too.
+    """
     s = doc.get("summary", {})
+    key = METRIC_KEYS[metric]
+    other = METRIC_KEYS["unweighted" if metric == "weighted" else "weighted"]
+    evaluated = [r for r in doc.get("rounds", []) if r.get(key) is not None]
     out: dict[str, float | None] = {
-        "final": s.get("final", {}).get("acc_weighted"),
-        "after_finetune": s.get("after_finetune", {}).get("acc_weighted"),
-        "best_on_val": s.get("best_on_val", {}).get("acc_weighted"),
-        "best_on_test": s.get("best_on_test", {}).get("acc_weighted"),
+        "final": s.get("final", {}).get(key),
+        "final_other": s.get("final", {}).get(other),
+        "after_finetune": s.get("after_finetune", {}).get(key),
+        "best_on_val": _best(evaluated, f"val_{key}", key),
+        "best_on_test": _best(evaluated, key, key),
         "client_std": s.get("final", {}).get("acc_std"),
         "kb_up": _div(s.get("bytes_up_per_client_per_round"), 1024),
         "kb_down": _div(s.get("bytes_down_per_client_per_round"), 1024),
         "seconds_per_round": s.get("seconds_per_round"),
-        # Layer expansion's compute accounting (its Table 4), where the method reports it.
-        "train_tflops": _div(s.get("train_flops_total"), 1e12),
+        "paper_cost_g": _div(s.get("paper_cost_total"), 1e9),
+        "train_tmacs": _div(s.get("train_macs_total"), 1e12),
         "rounds_to_target": None,
         "mb_to_target": None,
     }
@@ -68,7 +97,7 @@ def run_metrics(doc: dict[str, Any], target: float | None) -> dict[str, float | 
         total = 0.0
         for r in doc.get("rounds", []):
             total += (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)
-            acc = r.get("acc_weighted")
+            acc = r.get(key)
             if acc is not None and acc >= target:
                 out["rounds_to_target"] = float(r["round"])
                 out["mb_to_target"] = total / 2**20
@@ -104,7 +133,11 @@ def summarize_grid(
             order.append((c.setting.label, c.method.label))
     for setting, method in order:
         mine = [c for c in cells if c.setting.label == setting and c.method.label == method]
-        per_run = [run_metrics(docs[c.key], suite.target_accuracy) for c in mine if c.key in docs]
+        per_run = [
+            run_metrics(docs[c.key], suite.target_accuracy, suite.paper_metric)
+            for c in mine
+            if c.key in docs
+        ]
         row: dict[str, Any] = {
             "setting": setting,
             "method": method,
@@ -131,6 +164,8 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
         text = f"{m:.2f}"
     elif unit == "tflop":
         text = f"{m:.3f}"
+    elif unit == "g":
+        text = f"{m:.1f}"
     else:
         text = f"{m:.2f}"
     if with_count and agg["n"] < agg["of"]:
@@ -140,12 +175,17 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
 
 def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, str, str]]:
     cols = []
+    other = "unweighted" if suite.paper_metric == "weighted" else "weighted"
     for key, label, unit in METRICS:
         if key in ("rounds_to_target", "mb_to_target") and suite.target_accuracy is None:
             continue
-        optional = ("after_finetune", "best_on_val", "train_tflops")
+        optional = ("after_finetune", "best_on_val", "paper_cost_g", "train_tmacs")
         if key in optional and all(r[key]["mean"] is None for r in rows):
             continue
+        if key == "final":
+            label = f"final acc ({METRIC_NAMES[suite.paper_metric]}, the paper's metric)"
+        elif key == "final_other":
+            label = f"final acc ({METRIC_NAMES[other]})"
         cols.append((key, label, unit))
     return cols
 
@@ -170,12 +210,14 @@ def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]]) -> str:
         lines.append("")
     if suite.target_accuracy is not None:
         lines.append(
-            f"Target accuracy: {100 * suite.target_accuracy:.1f}% (weighted test accuracy); "
+            f"Target accuracy: {100 * suite.target_accuracy:.1f}% "
+            f"({METRIC_NAMES[suite.paper_metric]} test accuracy); "
             "`(k/n)`: k of n seeds reached it."
         )
     lines.append(
-        "Accuracies in %, mean ± std over seeds; best-on-test selects the round on the test set, "
-        "as the papers report it."
+        f"Accuracies in %, mean ± std over seeds, {METRIC_NAMES[suite.paper_metric]} over clients "
+        "(the metric the suite's paper reports) unless a column names the other; best-on-test "
+        "selects the round on the test set, as the papers report it."
     )
     return "\n".join(lines) + "\n"
 
@@ -222,9 +264,14 @@ def _setting_axes(cells: Sequence[Cell]) -> tuple[Any, list[str], Any, Any]:
 
 
 def plot_grid_curves(
-    cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path, target: float | None
+    cells: Sequence[Cell],
+    docs: dict[str, dict[str, Any]],
+    path: Path,
+    target: float | None,
+    metric: str = "weighted",
 ) -> None:
-    """Test accuracy per round of every method, mean over seeds (band: min-max), per setting."""
+    """Test accuracy (``metric``) per round of every method, mean over seeds (band: min-max)."""
+    key = METRIC_KEYS[metric]
     plt, settings, fig, axes = _setting_axes(cells)
     for ax, setting in zip(axes[0], settings, strict=True):
         methods = list(dict.fromkeys(c.method.label for c in cells if c.setting.label == setting))
@@ -239,8 +286,8 @@ def plot_grid_curves(
             curves: dict[int, list[float]] = {}
             for doc in runs:
                 for r in doc.get("rounds", []):
-                    if r.get("acc_weighted") is not None:
-                        curves.setdefault(int(r["round"]), []).append(100 * r["acc_weighted"])
+                    if r.get(key) is not None:
+                        curves.setdefault(int(r["round"]), []).append(100 * r[key])
             if not curves:
                 continue
             xs = sorted(curves)
@@ -261,7 +308,7 @@ def plot_grid_curves(
             ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label="target")
         ax.set_title(setting, fontsize=10)
         ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylabel(f"test accuracy, {METRIC_NAMES[metric]} (%)")
         ax.grid(alpha=0.3)
         if len(methods) > 8:  # a long legend would hide the curves: put it beside the axes
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
@@ -388,7 +435,7 @@ def write_report(
     (out / "table.md").write_text(md)
     write_csv(out / "table.csv", rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    plot_grid_curves(cells, docs, out / "curves.png", suite.target_accuracy)
+    plot_grid_curves(cells, docs, out / "curves.png", suite.target_accuracy, suite.paper_metric)
     plot_client_spread(cells, docs, out / "clients.png")
     images = [
         ("Learning curves (mean over seeds; band: min-max)", "curves.png"),

@@ -9,7 +9,7 @@ import torch
 from _toyfed import make_toy
 
 from fedmosaic.algorithms import ALGORITHMS, build_algorithm
-from fedmosaic.algorithms._flops import training_flops
+from fedmosaic.algorithms._flops import training_macs
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedbabu import BodyUpload, FedBABU
 from fedmosaic.config import ConfigError
@@ -77,22 +77,24 @@ def test_payloads_carry_the_body_only_with_hand_counted_flops():
     assert isinstance(up, BodyUpload) and set(up.state) == set(msg.state)
     # 22 training examples, batch 8, every example (train.drop_last = false): 22 in one epoch
     assert data.num_train == 22
-    assert up.train_flops == training_flops(model, (1, 3, 4), ("encoder",), 22)
+    assert up.train_macs == training_macs(model, (1, 3, 4), ("encoder",), 22)
     # per image: forward 12*8 + 8*4 + 4*3 = 140; backward 96 + (32 + 32) + 12 = 172
-    assert up.train_flops == (140 + 172) * 22
+    assert up.train_macs == (140 + 172) * 22
     algo.validate_upload(fed.state, up, 0)
     with pytest.raises(PayloadError):
-        algo.validate_upload(fed.state, dataclasses.replace(up, train_flops=-1), 0)
+        algo.validate_upload(fed.state, dataclasses.replace(up, train_macs=-1), 0)
+    with pytest.raises(PayloadError):
+        algo.validate_upload(fed.state, dataclasses.replace(up, paper_cost=-1), 0)
     bad = dict(up.state, **{"1.bias": torch.zeros(3)})
     with pytest.raises(PayloadError):
-        algo.validate_upload(fed.state, BodyUpload(bad, 0), 0)
+        algo.validate_upload(fed.state, BodyUpload(bad, 0, 0), 0)
 
 
 def test_aggregation_is_sample_weighted_over_the_body():
     algo = FedBABU()
     state = {"w": torch.zeros(2)}
-    a = BodyUpload({"w": torch.tensor([1.0, 2.0])}, 0)
-    b = BodyUpload({"w": torch.tensor([3.0, 6.0])}, 0)
+    a = BodyUpload({"w": torch.tensor([1.0, 2.0])}, 0, 0)
+    b = BodyUpload({"w": torch.tensor([3.0, 6.0])}, 0, 0)
     new = algo.aggregate(state, [Weighted(0, 1.0, a), Weighted(1, 3.0, b)], 1)
     assert torch.equal(new["w"], torch.tensor([2.5, 5.0]))  # (1*1 + 3*3)/4, (1*2 + 3*6)/4
 

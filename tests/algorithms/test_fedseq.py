@@ -23,7 +23,7 @@ from fedmosaic.algorithms.fedseq import (
     num_unfrozen,
     paper_cost,
     trainable_prefixes,
-    training_flops,
+    training_macs,
 )
 from fedmosaic.config import ConfigError
 from fedmosaic.core import client as client_ops
@@ -187,8 +187,12 @@ def test_upload_carries_only_unfrozen_blocks_and_grows(algo):
             assert changed == trained, (t, k)  # frozen blocks and the head do not move
         sizes.append(len(encode(out.upload)))
         # 20 examples, batch 5, one epoch: 20 examples at the FLOPs of this stage
-        assert out.upload.train_flops == training_flops(
+        assert out.upload.train_macs == training_macs(
             model, SHAPE, trainable_prefixes(NAMES, t, algo.order), 20
+        )
+        # the paper's Table 4 measure: trainable parameters x examples
+        assert out.upload.paper_cost == paper_cost(
+            model, trainable_prefixes(NAMES, t, algo.order), 20
         )
         algo.validate_upload(state, out.upload, 0)
         state = algo.aggregate(state, [Weighted(0, 20.0, out.upload)], t)
@@ -203,12 +207,12 @@ def test_server_merge_averages_unfrozen_blocks_and_keeps_frozen_ones():
 
     def upload(w: float, b: float, num_active: int = 1) -> ExpansionUpload:
         s = {"conv1.weight": torch.full(w_shape, w), "conv1.bias": torch.full(b_shape, b)}
-        return ExpansionUpload(s, num_active, 100)
+        return ExpansionUpload(s, num_active, 100, 50)
 
     a, b = upload(1.0, 2.0), upload(5.0, -2.0)
     for u in (a, b):
         algo.validate_upload(state, u, 0)
-    stale = Weighted(2, 50.0, ExpansionUpload(dict(b.state), 2, 0))  # another stage: ignored
+    stale = Weighted(2, 50.0, ExpansionUpload(dict(b.state), 2, 0, 0))  # another stage: ignored
     new = algo.aggregate(state, [Weighted(0, 1.0, a), Weighted(1, 3.0, b), stale], round_num=1)
     # (1 * 1 + 3 * 5) / 4 = 4 ; (1 * 2 + 3 * -2) / 4 = -1
     assert torch.equal(new.body["conv1.weight"], torch.full(w_shape, 4.0))
@@ -225,16 +229,17 @@ def test_validate_upload_rejects_wrong_blocks_shapes_and_counts():
     algo = FedSeqAnti()
     state = algo.init_server(block_spec(rounds=3))
     good = {k: state.body[k].clone() for k in ("fc1.weight", "fc1.bias")}
-    algo.validate_upload(state, ExpansionUpload(good, 1, 0), 3)
+    algo.validate_upload(state, ExpansionUpload(good, 1, 0, 0), 3)
     with_frozen = dict(good, **{"conv1.bias": state.body["conv1.bias"]})
     bad_shape = dict(good, **{"fc1.bias": torch.zeros(5)})
     cases = [
-        ExpansionUpload(with_frozen, 1, 0),  # a frozen block in the upload
-        ExpansionUpload(good, 2, 0),  # claims two blocks, carries one
-        ExpansionUpload(bad_shape, 1, 0),
-        ExpansionUpload(good, 0, 0),
-        ExpansionUpload(good, 4, 0),
-        ExpansionUpload(good, 1, -1),
+        ExpansionUpload(with_frozen, 1, 0, 0),  # a frozen block in the upload
+        ExpansionUpload(good, 2, 0, 0),  # claims two blocks, carries one
+        ExpansionUpload(bad_shape, 1, 0, 0),
+        ExpansionUpload(good, 0, 0, 0),
+        ExpansionUpload(good, 4, 0, 0),
+        ExpansionUpload(good, 1, -1, 0),
+        ExpansionUpload(good, 1, 0, -1),
     ]
     for u in cases:
         with pytest.raises(PayloadError):
@@ -276,12 +281,12 @@ NAME_KEYS = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.we
         ((), 0),  # nothing trains: no step
     ],
 )
-def test_training_flops_hand_counted(trainable, per_image):
+def test_training_macs_hand_counted(trainable, per_image):
     model = block_model()
     model.train()
     model.encoder.conv2.weight.requires_grad_(False)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    assert training_flops(model, SHAPE, trainable, 7) == per_image * 7
+    assert training_macs(model, SHAPE, trainable, 7) == per_image * 7
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags  # restored
     assert model.training
 
@@ -316,7 +321,7 @@ def test_paper_table4_costs_reproduced():
     conv1, conv2, fc1, head = 460_800, 3_276_800, 524_288, 5_120
     forward = conv1 + conv2 + fc1 + head
     vanilla1 = forward + conv1 + conv2 + fc1 + head
-    assert training_flops(model, (1, 28, 28), ("encoder.conv1",), 1) == vanilla1
+    assert training_macs(model, (1, 28, 28), ("encoder.conv1",), 1) == vanilla1
 
 
 # ---- federations -----------------------------------------------------------------------------
@@ -397,9 +402,13 @@ def test_three_rounds_on_the_zoo_with_wire_check(name):
     # The paper's compute accounting reaches the round records and the summary: training FLOPs
     # summed over clients; Vanilla's growing stack costs more every round, Anti's first round
     # (only fc1 trains, no backward through the convs) is the cheapest of all.
-    flops = [r["train_flops"] for r in rounds]
+    flops = [r["train_macs"] for r in rounds]
     assert all(f > 0 for f in flops) and flops[0] < flops[1] < flops[2]
-    assert doc["summary"]["train_flops_total"] == sum(flops)
+    assert doc["summary"]["train_macs_total"] == sum(flops)
     babu = run_experiment(from_dict({**raw, "algorithm": {"name": "fedbabu"}}), progress=False)
-    full = [r["train_flops"] for r in babu["rounds"]]
+    full = [r["train_macs"] for r in babu["rounds"]]
     assert full[0] == full[1] == full[2] == flops[2]
+    # The paper's measure (trainable parameters x examples) sums the same way, under its own name.
+    cost = [r["paper_cost"] for r in rounds]
+    assert doc["summary"]["paper_cost_total"] == sum(cost)
+    assert [r["paper_cost"] for r in babu["rounds"]][0] == cost[2]

@@ -277,3 +277,65 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path):
     rgb = img[..., :3].reshape(-1, 3)
     # The rendered page holds the plots: many distinct colours, not a blank or text-only page.
     assert len(np.unique((rgb * 255).astype(np.uint8), axis=0)) > 200
+
+
+def test_run_metrics_report_the_papers_metric():
+    """FedGH/FedClassAvg report the unweighted mean over clients; HtFLlib the weighted one."""
+    doc = {
+        "summary": {"final": {"acc_weighted": 0.8, "acc_mean": 0.6, "acc_std": 0.1}},
+        "rounds": [
+            {
+                "round": 1,
+                "acc_weighted": 0.5,
+                "acc_mean": 0.7,
+                "val_acc_weighted": 0.9,
+                "val_acc_mean": 0.2,
+                "bytes_up": 0,
+                "bytes_down": 0,
+            },
+            {
+                "round": 2,
+                "acc_weighted": 0.8,
+                "acc_mean": 0.6,
+                "val_acc_weighted": 0.1,
+                "val_acc_mean": 0.8,
+                "bytes_up": 0,
+                "bytes_down": 0,
+            },
+        ],
+    }
+    w = run_metrics(doc, 0.65, "weighted")
+    u = run_metrics(doc, 0.65, "unweighted")
+    assert (w["final"], w["final_other"], u["final"], u["final_other"]) == (0.8, 0.6, 0.6, 0.8)
+    # best-on-test and best-on-val select their round by the reported metric
+    assert (w["best_on_test"], u["best_on_test"]) == (0.8, 0.7)
+    assert (w["best_on_val"], u["best_on_val"]) == (0.5, 0.6)
+    assert (w["rounds_to_target"], u["rounds_to_target"]) == (2, 1)
+
+
+def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
+    from fedmosaic.report.compare import _columns
+
+    with pytest.raises(ConfigError, match="paper_metric must be weighted or unweighted"):
+        load_suite(_suite(tmp_path, '[suite]\nmethods = ["local"]\npaper_metric = "micro"\n'))
+    suite = load_suite(
+        _suite(tmp_path, '[suite]\nmethods = ["local"]\npaper_metric = "unweighted"\n')
+    )
+    row = {k: aggregate([0.5]) for k in ("final", "final_other", "best_on_test")}
+    labels = {
+        k: label
+        for k, label, _ in _columns(
+            [
+                row
+                | {
+                    "after_finetune": aggregate([None]),
+                    "best_on_val": aggregate([None]),
+                    "paper_cost_g": aggregate([None]),
+                    "train_tmacs": aggregate([None]),
+                }
+            ],
+            suite,
+        )
+    }
+    assert "unweighted mean over clients, the paper's metric" in labels["final"]
+    assert "test-size-weighted" in labels["final_other"]
