@@ -23,11 +23,20 @@ _DIGEST = 16  # bytes of layout digest at the start of every file
 
 
 def state_tensors(model: nn.Module, extras: nn.Module) -> list[tuple[str, Tensor]]:
-    """The tensors that make up a client's state: parameters and all buffers, model then extras."""
+    """The tensors that make up a client's state: parameters and buffers, model then extras.
+
+    Non-persistent buffers (``register_buffer(..., persistent=False)``) are scratch, as in torch's
+    ``state_dict``: recomputed before use (FedHeNN-homo's per-round kernel, whose shape changes
+    from ``[0, 0]`` to ``[L, L]``), so they are neither stored nor part of the layout.
+    """
     out: list[tuple[str, Tensor]] = []
     for prefix, module in (("model.", model), ("extras.", extras)):
         out += [(prefix + n, p.data) for n, p in module.named_parameters()]
-        out += [(prefix + n, b) for n, b in module.named_buffers()]
+        for mod_name, mod in module.named_modules():
+            scratch = mod._non_persistent_buffers_set
+            for n, b in mod.named_buffers(recurse=False):
+                if n not in scratch:
+                    out.append((prefix + (f"{mod_name}.{n}" if mod_name else n), b))
     return out
 
 

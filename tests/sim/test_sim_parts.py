@@ -51,6 +51,20 @@ def test_store_round_trip_and_layout_check(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_store_skips_non_persistent_scratch_buffers(tmp_path):
+    """A scratch buffer whose shape changes between rounds (FedHeNN-homo's kernel) is not state."""
+    model = nn.Linear(2, 2)
+    extras = nn.Module()
+    extras.register_buffer("kernel", torch.ones(3, 3), persistent=False)
+    store = StateStore(tmp_path / "s")
+    store.save(0, model, extras)
+    fresh = nn.Module()
+    fresh.register_buffer("kernel", torch.zeros(0, 0), persistent=False)
+    assert store.load(0, nn.Linear(2, 2), fresh)  # used to fail: "stored state has another layout"
+    assert fresh.kernel.shape == (0, 0)
+    store.close()
+
+
 def test_message_table_encodes_shared_messages_once():
     from fedmosaic.algorithms._shared import SharedState
 
