@@ -101,15 +101,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     out = Path(args.out or f"runs/compare-{suite.name}")
     if args.list:
-        from fedmosaic.compare import cached
+        from fedmosaic.compare import cell_status
 
         for c in cells:
-            state = "done" if cached(out, c) else "to run"
-            print(f"{c.key}\t{c.cfg.train.rounds} rounds\t{state}")
+            print(f"{c.key}\t{c.cfg.train.rounds} rounds\t{cell_status(out, c)[0]}")
         return 0
     command = " ".join(
         ["fedmosaic compare", args.suite, "--out", str(out)]
         + (["--quick"] if args.quick else [])
+        + (["--force"] if args.force else [])
+        + (["--reuse-other-code"] if args.reuse_other_code else [])
         + [
             f"--{k} {v}"
             for k, v in (
@@ -129,6 +130,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         progress=not args.quiet,
         command=command,
+        force=args.force,
+        reuse_other_code=args.reuse_other_code,
     )
     print((out / "table.md").read_text())
     print(f"report written to {out}/index.html")
@@ -249,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--checkpoint-every", type=int, default=None, metavar="K", help="default: the suite's"
+    )
+    c.add_argument("--force", action="store_true", help="run every cell again, cached or not")
+    c.add_argument(
+        "--reuse-other-code",
+        action="store_true",
+        help="keep cells this config produced with other code (listed in the report)",
     )
     c.add_argument("--list", action="store_true", help="list the cells and whether they are done")
     c.add_argument("--quiet", action="store_true", help="no progress bars")

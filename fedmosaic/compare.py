@@ -29,7 +29,10 @@ A suite file is an experiment TOML (``[base]``) plus the grid around it::
 
 Each cell's config is ``base <- setting <- method <- seed <- [quick] <- --set``. Cells are stored in
 ``OUT/cells/<setting>/<method>/seed<k>/``; a cell whose ``results.json`` was produced by the same
-config (hash) is skipped; ``--resume`` continues interrupted cells from their checkpoints.
+config (hash) *and* the same code (``provenance.code()["source_hash"]``) is skipped; a cell of
+another code version is run again (``--reuse-other-code`` keeps it; the report then lists the code
+versions its cells come from), ``--force`` reruns every cell; ``--resume`` continues interrupted
+cells from their checkpoints.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedmosaic import provenance
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.config import (
@@ -235,18 +239,34 @@ def cell_dir(out: Path, cell: Cell) -> Path:
     return out / "cells" / cell.setting.label / cell.method.label / f"seed{cell.seed}"
 
 
-def cached(out: Path, cell: Cell) -> dict[str, Any] | None:
-    """The cell's results when they exist and were produced by exactly this config."""
+def doc_code(doc: dict[str, Any]) -> str | None:
+    """The source hash of the code that produced a results document (None: before provenance)."""
+    code = doc.get("provenance", {}).get("code", {})
+    return code.get("source_hash") if isinstance(code, dict) else None
+
+
+def cell_status(out: Path, cell: Cell) -> tuple[str, dict[str, Any] | None]:
+    """``("done" | "other code" | "to run", results)``: results of this config, by which code."""
     path = cell_dir(out, cell) / "results.json"
     if not path.is_file():
-        return None
+        return "to run", None
     try:
         doc = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    if config_hash(doc.get("config", {})) != cell.hash:
-        return None
-    return doc
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "to run", None
+    if not isinstance(doc, dict) or config_hash(doc.get("config", {})) != cell.hash:
+        return "to run", None
+    if doc_code(doc) != provenance.code()["source_hash"]:
+        return "other code", doc
+    return "done", doc
+
+
+def cached(out: Path, cell: Cell, reuse_other_code: bool = False) -> dict[str, Any] | None:
+    """The cell's results when this config produced them, with this code (or any code)."""
+    status, doc = cell_status(out, cell)
+    if status == "done" or (status == "other code" and reuse_other_code):
+        return doc
+    return None
 
 
 def is_prototype_method(name: str) -> bool:
@@ -328,8 +348,14 @@ def run_suite(
     checkpoint_every: int | None = None,
     progress: bool = True,
     command: str = "",
+    force: bool = False,
+    reuse_other_code: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run (or reuse) every cell, then write the report. Returns the docs per cell key."""
+    """Run (or reuse) every cell, then write the report. Returns the docs per cell key.
+
+    ``force``: run every cell again. ``reuse_other_code``: keep cells that the same config
+    produced with other code (by default they are run again: their numbers may be stale).
+    """
     from fedmosaic.report.compare import write_report
 
     out = Path(out)
@@ -338,10 +364,13 @@ def run_suite(
     docs: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     for i, cell in enumerate(cells, 1):
-        doc = cached(out, cell)
-        if doc is not None:
-            print(f"[{i}/{len(cells)}] {cell.key}: cached")
+        status, doc = ("to run", None) if force else cell_status(out, cell)
+        if status == "done" or (status == "other code" and reuse_other_code):
+            note = "" if status == "done" else " (from other code: --reuse-other-code)"
+            print(f"[{i}/{len(cells)}] {cell.key}: cached{note}")
         else:
+            if status == "other code":
+                print(f"[{i}/{len(cells)}] {cell.key}: cached by other code; running it again")
             c = cell.cfg
             print(
                 f"[{i}/{len(cells)}] {cell.key}: {c.data.dataset}, {c.data.num_clients} clients, "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import fedmosaic
+from fedmosaic import provenance
 from fedmosaic.algorithms import build_algorithm
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.core import seeding
@@ -190,6 +191,8 @@ def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
             "num_train": c.num_train,
             "num_val": c.num("val"),
             "num_test": c.num("test"),
+            "train_label_counts": c.class_counts("train").tolist(),
+            "test_label_counts": c.class_counts("test").tolist(),
         }
         if c.client_id in final:
             rec.update(_client_accs(final[c.client_id], ""))
@@ -349,6 +352,7 @@ def run_experiment(
     """
 
     start = time.perf_counter()
+    started = provenance.now()
     fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
     threads = torch.get_num_threads()
     if cfg.sim.backend == "processes" and cfg.sim.threads == 0:
@@ -358,7 +362,9 @@ def run_experiment(
         # (FedTGP's 100 server epochs: 2.15 s vs 1.89 s on two threads).
         torch.set_num_threads(1)
     try:
-        return _run(fed, cfg, start, progress, on_round, checkpoint_dir, checkpoint_every, resume)
+        return _run(
+            fed, cfg, start, started, progress, on_round, checkpoint_dir, checkpoint_every, resume
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -367,6 +373,7 @@ def _run(
     fed: Federation,
     cfg: ExperimentConfig,
     start: float,
+    started: str,
     progress: bool | None,
     on_round: Callable[[dict[str, Any]], None] | None,
     checkpoint_dir: str | Path | None,
@@ -404,12 +411,22 @@ def _run(
             bar.close()
         if hasattr(transport, "close"):
             transport.close()
-    return results_document(fed, history, time.perf_counter() - start)
+    workers = 1
+    if cfg.sim.backend == "processes":
+        workers = cfg.sim.workers or default_workers()
+    return results_document(fed, history, time.perf_counter() - start, started, workers)
 
 
-def results_document(fed: Federation, history: History, wall_seconds: float) -> dict[str, Any]:
+def results_document(
+    fed: Federation,
+    history: History,
+    wall_seconds: float,
+    started: str | None = None,
+    workers: int | None = None,
+) -> dict[str, Any]:
     """The ``results.json`` document of a finished run (any runtime)."""
     cfg = fed.cfg
+    ds = fed.fed.dataset
     return {
         "library": {"name": "fedmosaic", "version": fedmosaic.__version__},
         "environment": {"python": platform.python_version(), "torch": torch.__version__},
@@ -420,4 +437,5 @@ def results_document(fed: Federation, history: History, wall_seconds: float) -> 
         "per_client_final_acc": per_client_acc(history.final_eval),
         "summary": summarize(history, fed),
         "wall_seconds": wall_seconds,
+        "provenance": provenance.provenance(ds.sources, ds.images, ds.labels, started, workers),
     }

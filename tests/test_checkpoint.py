@@ -155,6 +155,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch)
 def _without_timing(doc: dict[str, Any]) -> dict[str, Any]:
     doc = json.loads(json.dumps(doc))
     doc.pop("wall_seconds", None)
+    doc.pop("provenance", None)  # start/finish times, the command
     doc["summary"].pop("seconds_per_round", None)
     for r in doc["rounds"]:
         for k in [k for k in r if k.startswith("seconds")]:

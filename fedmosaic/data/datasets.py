@@ -48,6 +48,7 @@ class ImageDataset:
     mean: tuple[float, ...]  # per-channel dataset mean, in [0, 1] units
     std: tuple[float, ...]  # per-channel dataset std, in [0, 1] units
     num_train: int  # how many leading rows came from the official train split
+    sources: tuple[str, ...] = ()  # the files it was read from (provenance); () if in-memory
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.ndim != 4:
@@ -187,6 +188,10 @@ def _locate(
     )
 
 
+def _sources(paths: Sequence[Path]) -> tuple[str, ...]:
+    return tuple(str(p.resolve()) for p in paths)
+
+
 def _stamp(paths: Sequence[Path]) -> tuple[tuple[str, int, int], ...]:
     """Cache key: resolved path, size and mtime (a rewritten file is read again)."""
     out = []
@@ -308,7 +313,7 @@ def _mnist_like(name: str, cfg: DataConfig, apt_hint: str = "") -> ImageDataset:
     images, labels, num_train = _load_idx_dataset(_stamp(paths), False)
     _check_labels(name, labels, 10, f"{paths[1]} / {paths[3]}")
     mean, std = STATS[name]
-    return ImageDataset(name, images, labels, 10, mean, std, num_train)
+    return ImageDataset(name, images, labels, 10, mean, std, num_train, _sources(paths))
 
 
 @DATASETS.register("fmnist")
@@ -355,7 +360,9 @@ def load_emnist(cfg: DataConfig, seed: int) -> ImageDataset:
     num_classes = EMNIST_CLASSES[split]
     _check_labels(f"emnist-{split}", labels, num_classes, f"{paths[1]} / {paths[3]}")
     mean, std = STATS[f"emnist-{split}"]
-    return ImageDataset(f"emnist-{split}", images, labels, num_classes, mean, std, num_train)
+    return ImageDataset(
+        f"emnist-{split}", images, labels, num_classes, mean, std, num_train, _sources(paths)
+    )
 
 
 # ----------------------------------------------------------------------------- CIFAR pickles
@@ -477,7 +484,7 @@ def _cifar(name: str, cfg: DataConfig) -> ImageDataset:
     images, labels, num_train = _load_cifar(_stamp(paths), label_key)
     _check_labels(name, labels, num_classes, paths[0].parent)
     mean, std = STATS[name]
-    return ImageDataset(name, images, labels, num_classes, mean, std, num_train)
+    return ImageDataset(name, images, labels, num_classes, mean, std, num_train, _sources(paths))
 
 
 @DATASETS.register("cifar10")
@@ -596,7 +603,10 @@ def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
     root = paths[0].parent
     images, labels, num_train, num_classes = _load_tiny(str(root.resolve()), _stamp(paths))
     mean, std = STATS["tinyimagenet"]
-    return ImageDataset("tinyimagenet", images, labels, num_classes, mean, std, num_train)
+    # Tiny-ImageNet is ~120k JPEGs: its provenance names the folder, not every file.
+    return ImageDataset(
+        "tinyimagenet", images, labels, num_classes, mean, std, num_train, (str(root.resolve()),)
+    )
 
 
 # ----------------------------------------------------------------------------- in-memory datasets

@@ -274,6 +274,9 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
     from fedmosaic.flower.settings import FlowerOptions, experiment_config
 
     start = time.perf_counter()
+    from fedmosaic.provenance import now
+
+    started = now()
     options = FlowerOptions.from_run_config(run_config)
     cfg = experiment_config(run_config)
     out = Path(
@@ -316,7 +319,8 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
             )
 
         history, _ = run_rounds(fed.algo, fed.spec, transport, plan, on_round)
-        doc = results_document(fed, history, time.perf_counter() - start)
+        nodes = len(set(transport.node_of.values())) or None  # workers: the SuperNodes
+        doc = results_document(fed, history, time.perf_counter() - start, started, nodes)
         doc["runtime"] = "flower"
         doc["flower"] = {
             "options": dict(vars(options)),

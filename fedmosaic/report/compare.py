@@ -417,6 +417,35 @@ def html_report(
     return "\n".join(parts)
 
 
+def code_versions(cells: Sequence[Cell], docs: dict[str, dict[str, Any]]) -> str:
+    """A line naming the code versions the cells come from when there is more than one, or when
+    they differ from the running code ("" otherwise)."""
+    from fedmosaic.provenance import code
+
+    groups: dict[str, list[str]] = {}
+    commits: dict[str, str] = {}
+    for c in cells:
+        doc = docs.get(c.key)
+        if doc is None:
+            continue
+        info = doc.get("provenance", {}).get("code", {})
+        h = str(info.get("source_hash") or "unknown (no provenance)")
+        groups.setdefault(h, []).append(c.key)
+        commit = info.get("git_commit")
+        if commit:
+            commits[h] = f", commit {commit[:10]}{'+changes' if info.get('git_dirty') else ''}"
+    current = code()["source_hash"]
+    if not groups or set(groups) == {current}:
+        return ""
+    parts = [
+        f"{h[:12]}{commits.get(h, '')}{' (this code)' if h == current else ''}: {len(keys)} cell(s)"
+        for h, keys in groups.items()
+    ]
+    return "Cells come from other code than this report's, or from several versions: " + "; ".join(
+        parts
+    )
+
+
 def write_report(
     suite: Suite,
     out: Path,
@@ -432,6 +461,9 @@ def write_report(
     if command:
         md += f"Command: `{command}`\n\n"
     md += markdown_table(suite, rows)
+    versions = code_versions(cells, docs)
+    if versions:
+        md += f"\n{versions}.\n"
     (out / "table.md").write_text(md)
     write_csv(out / "table.csv", rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
@@ -445,7 +477,10 @@ def write_report(
         rel = f"cells/{c.setting.label}/{c.method.label}/seed{c.seed}/prototypes.png"
         if c.seed == min(x.seed for x in cells) and (out / rel).exists():
             images.append((f"Prototypes: {c.method.label}, {c.setting.label}, seed {c.seed}", rel))
-    (out / "index.html").write_text(html_report(suite, rows, cells, images, command, out))
+    page = html_report(suite, rows, cells, images, command, out)
+    if versions:
+        page = page.replace("</body>", f"<p><strong>{html.escape(versions)}.</strong></p></body>")
+    (out / "index.html").write_text(page)
     return {
         "table_md": out / "table.md",
         "table_csv": out / "table.csv",

@@ -205,6 +205,7 @@ class _Stop(Exception):
 def _untimed(path: Path) -> dict:
     doc = json.loads(path.read_text())
     doc.pop("wall_seconds")
+    doc.pop("provenance")  # start/finish times, the command
     doc["summary"].pop("seconds_per_round")
     for r in doc["rounds"]:
         for k in [k for k in r if k.startswith("seconds")]:
