@@ -204,11 +204,30 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _logging_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=None,
+        help="default: info (one line per round when stderr is not a terminal); "
+        "warning with --quiet",
+    )
+    common.add_argument("--log-file", metavar="PATH", help="also write the log to this file")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmosaic", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    common = _logging_options()
 
-    r = sub.add_parser("run", help="run an experiment on the in-process simulator")
+    r = sub.add_parser(
+        "run", help="run an experiment on the in-process simulator", parents=[common]
+    )
     r.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
@@ -232,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser(
-        "compare", help="run a suite: methods x settings x seeds, one table and an HTML report"
+        "compare",
+        help="run a suite: methods x settings x seeds, one table and an HTML report",
+        parents=[common],
     )
     c.add_argument("suite", help="suite TOML (see benchmarks/suites/)")
     c.add_argument("--out", help="output folder (default runs/compare-<suite>)")
@@ -272,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--feature-dim", type=int, default=512)
     ls.set_defaults(func=cmd_list)
 
-    pa = sub.add_parser("partition", help="print per-client label histograms of a config's split")
+    pa = sub.add_parser(
+        "partition", help="print per-client label histograms of a config's split", parents=[common]
+    )
     pa.add_argument("config", nargs="?")
     pa.add_argument("--set", action="append", default=[])
     pa.add_argument("--split", default="train", choices=["train", "val", "test"])
@@ -300,9 +323,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def setup_logging(args: argparse.Namespace) -> None:
+    """The ``fedmosaic`` logger: level from ``--log-level`` (default info, warning with
+    ``--quiet``), to stderr and, with ``--log-file``, to that file as well."""
+    name = getattr(args, "log_level", None)
+    if name is None:
+        name = "warning" if getattr(args, "quiet", False) else "info"
+    level = getattr(logging, name.upper())
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_fedmosaic", False):
+            root.removeHandler(h)
+            h.close()
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if getattr(args, "log_file", None):
+        Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(args.log_file))
+    for h in handlers:
+        h.setFormatter(fmt)
+        h._fedmosaic = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+    root.setLevel(logging.WARNING)  # other libraries stay quiet
+    logging.getLogger("fedmosaic").setLevel(level)
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """First Ctrl-C: stop after the round in progress (checkpoint written); second: now."""
+    from fedmosaic.core.rounds import stop_requested
+
+    if stop_requested.is_set():
+        raise KeyboardInterrupt
+    stop_requested.set()
+    print(
+        "\nstopping after the round in progress (a checkpoint is written); Ctrl-C again to "
+        "stop now without one",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import signal
+    import threading
+
+    from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
+
     args = build_parser().parse_args(argv)
+    setup_logging(args)
+    stop_requested.clear()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         return int(args.func(args))
     except ConfigError as exc:
@@ -313,6 +385,22 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        hint = "rerun the same command with --resume to continue" if exc.saved else "no checkpoint"
+        print(
+            f"interrupted after round {exc.round_num}: checkpoint written; {hint}", file=sys.stderr
+        )
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted (nothing saved for the round in progress)", file=sys.stderr)
+        return 130
+    except Diverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_requested.clear()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -340,6 +340,15 @@ def run_cell(
     return doc
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 90:
+        return f"{seconds} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def run_suite(
     suite: Suite,
     out: str | Path,
@@ -363,6 +372,7 @@ def run_suite(
     every = suite.checkpoint_every if checkpoint_every is None else checkpoint_every
     docs: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
+    spent: list[float] = []  # seconds of each cell run so far: the ETA's mean
     for i, cell in enumerate(cells, 1):
         status, doc = ("to run", None) if force else cell_status(out, cell)
         if status == "done" or (status == "other code" and reuse_other_code):
@@ -380,9 +390,13 @@ def run_suite(
             t0 = time.perf_counter()
             doc = run_cell(out, cell, resume, every, progress, suite.prototype_plot)
             acc = doc.get("summary", {}).get("final", {}).get("acc_weighted")
+            spent.append(time.perf_counter() - t0)
+            left = sum(1 for c in cells[i:] if force or cell_status(out, c)[0] != "done")
+            eta = sum(spent) / len(spent) * left
+            acc_s = "-" if acc is None else f"{100 * acc:.2f}%"
             print(
-                f"    final acc {acc if acc is None else f'{100 * acc:.2f}%'}, "
-                f"{time.perf_counter() - t0:.0f} s",
+                f"    final acc {acc_s}, {spent[-1]:.0f} s"
+                + (f"; ETA {_duration(eta)} for {left} more cell(s)" if left else ""),
                 flush=True,
             )
         docs[cell.key] = doc

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +34,8 @@ from fedmosaic.core.rounds import (
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.data import FederatedData, build_federated_data
 from fedmosaic.models import build_client_model, family_members
+
+log = logging.getLogger("fedmosaic")
 
 
 @dataclass
@@ -382,11 +386,12 @@ def _run(
 ) -> dict[str, Any]:
     transport = make_transport(fed)
     ckpt = None
-    if checkpoint_every > 0 or resume:
+    if checkpoint_every > 0 or resume or checkpoint_dir is not None:
+        # With a folder but no interval the hook only writes when the run is interrupted.
         ckpt = make_checkpointer(fed, transport, checkpoint_dir, checkpoint_every, resume)
     show = cfg.sim.progress if progress is None else progress
     bar = None
-    if show:
+    if show and sys.stderr.isatty():  # a bar's carriage returns would fill a log file
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.train.rounds, desc=cfg.algorithm["name"], unit="round")
@@ -396,6 +401,8 @@ def _run(
             bar.update(1)
             if "acc_weighted" in rec:
                 bar.set_postfix(acc=f"{rec['acc_weighted']:.4f}", s=f"{rec['seconds']:.1f}")
+        elif show:
+            log.info("%s", round_line(cfg.algorithm["name"], rec, cfg.train.rounds))
         if on_round is not None:
             on_round(rec)
 
@@ -415,6 +422,18 @@ def _run(
     if cfg.sim.backend == "processes":
         workers = cfg.sim.workers or default_workers()
     return results_document(fed, history, time.perf_counter() - start, started, workers)
+
+
+def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
+    """One log line per round (when no progress bar is shown): accuracy, loss, time, bytes."""
+    acc = f"acc {100 * rec['acc_weighted']:.2f}%" if "acc_weighted" in rec else "acc -"
+    loss = rec.get("train_loss", math.nan)
+    return (
+        f"{name} round {rec['round']}/{rounds}: {acc}, loss {loss:.4f}, {rec['seconds']:.1f} s, "
+        f"up {rec['bytes_up_per_client'] / 1e3:.1f} KB/client, "
+        f"down {rec['bytes_down_per_client'] / 1e3:.1f} KB/client"
+        + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
+    )
 
 
 def results_document(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,24 @@ from fedmosaic.metrics import aggregate_accuracy
 
 log = logging.getLogger("fedmosaic")
 MAX_EXAMPLES = 10**9  # a reply claiming more examples than this is not a real client
+DIVERGED_ROUNDS = 2  # consecutive rounds with no finite training loss: the run stops
+
+# Set (e.g. by the CLI's Ctrl-C handler) to stop the round loop after the round in progress: the
+# loop saves a checkpoint (when it has a checkpoint hook) and raises ``Interrupted``.
+stop_requested = threading.Event()
+
+
+class Interrupted(Exception):
+    """The round loop stopped on request after ``round_num`` complete rounds."""
+
+    def __init__(self, round_num: int, saved: bool) -> None:
+        super().__init__(f"interrupted after round {round_num}")
+        self.round_num = round_num
+        self.saved = saved
+
+
+class Diverged(RuntimeError):
+    """Training produced no finite loss for ``DIVERGED_ROUNDS`` consecutive rounds."""
 
 
 @dataclass
@@ -130,6 +149,12 @@ class RoundCheckpoint(Protocol):
         self, round_num: int, state: Any, history: History, last_eval: list[EvalResult]
     ) -> None: ...
 
+    def save(
+        self, round_num: int, state: Any, history: History, last_eval: list[EvalResult]
+    ) -> None: ...
+
+    def due(self, round_num: int) -> bool: ...
+
 
 def run_rounds(
     algo: Algorithm,
@@ -143,6 +168,11 @@ def run_rounds(
 
     With ``checkpoint``, the loop first asks it for a saved point to continue from, and hands it
     the state after every round (it decides when to write).
+
+    After each round: when ``stop_requested`` is set, the state is saved (if there is a
+    checkpoint hook) and ``Interrupted`` is raised; when no participant produced a finite
+    training loss for ``DIVERGED_ROUNDS`` rounds in a row, ``Diverged`` is raised (a warning
+    names the first such round).
     """
     state = algo.init_server(spec)
     history = History()
@@ -153,6 +183,7 @@ def run_rounds(
         if restored is not None:
             done, state, history, last_eval = restored
             start = done + 1
+    diverged = 0
     for t in range(start, plan.rounds + 1):
         rec: dict[str, Any] = {"round": t}
         sampled = sample_clients(spec.seed, t, plan.num_clients, plan.clients_per_round)
@@ -197,6 +228,15 @@ def run_rounds(
         rec["bytes_down_per_client"] = rec["bytes_down"] / max(len(results), 1)
         losses = [r.loss for r in results if not math.isnan(r.loss)]
         rec["train_loss"] = float(np.mean(losses)) if losses else math.nan
+        # Clients that trained (a lost reply reports no examples): none with a finite loss.
+        trained = [r for r in results if r.num_examples > 0]
+        if trained and not any(math.isfinite(r.loss) for r in trained):
+            diverged += 1
+            log.warning(
+                "round %d: no client has a finite training loss (diverged; lower train.lr?)", t
+            )
+        else:
+            diverged = 0
         if t % plan.eval_every == 0 or t == plan.rounds:
             eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in range(plan.num_clients)}
             last_eval = transport.evaluate(t, eval_msgs)
@@ -212,6 +252,15 @@ def run_rounds(
             on_round(rec)
         if checkpoint is not None:
             checkpoint.after_round(t, state, history, last_eval)
+        if diverged >= DIVERGED_ROUNDS:
+            raise Diverged(
+                f"training diverged: no finite loss for {diverged} rounds in a row "
+                f"(rounds {t - diverged + 1}-{t}); lower train.lr or check the data"
+            )
+        if stop_requested.is_set() and t < plan.rounds:
+            if checkpoint is not None and not checkpoint.due(t):
+                checkpoint.save(t, state, history, last_eval)
+            raise Interrupted(t, checkpoint is not None)
     history.final_eval = last_eval
     ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs != 0 and ft_phases:

@@ -21,7 +21,7 @@ from torch import nn
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
-from fedmosaic.core.payload import Payload, decode, encode
+from fedmosaic.core.payload import Payload, PayloadError, decode, encode
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.sim.store import StateStore
 
@@ -110,7 +110,9 @@ class ClientHost:
             self._spare(cid, mods)
 
     # ---- operations ----------------------------------------------------------------------
-    def fit(self, round_num: int, cid: int, msg: Payload) -> tuple[bytes, int, float]:
+    def fit(self, round_num: int, cid: int, msg: Payload) -> tuple[bytes | str, int, float]:
+        """``(encoded upload, examples, mean loss)``; the upload is an error message (str) when
+        it cannot be encoded (non-finite values after a diverged step): the round drops it."""
         model, extras = self.take(cid)
         res = client_ops.fit(
             self.algo,
@@ -123,7 +125,11 @@ class ClientHost:
             round_num,
             self.local_epochs,
         )
-        return encode(res.upload), res.num_examples, res.stats.mean_loss
+        try:
+            blob: bytes | str = encode(res.upload)
+        except PayloadError as exc:
+            blob = str(exc)
+        return blob, res.num_examples, res.stats.mean_loss
 
     def evaluate(self, cid: int, msg: Payload, receive: bool) -> dict[str, dict[str, int]]:
         mods, borrowed = self._borrow(cid)

@@ -149,8 +149,13 @@ class _Worker:
         root = str(Path(fedmosaic.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
         fd = theirs.fileno()
+        # A process group of its own: a terminal's Ctrl-C reaches only the parent, which stops
+        # after the round (the workers die with it: PR_SET_PDEATHSIG in the worker).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fedmosaic.sim.worker", str(fd)], pass_fds=(fd,), env=env
+            [sys.executable, "-m", "fedmosaic.sim.worker", str(fd)],
+            pass_fds=(fd,),
+            env=env,
+            process_group=0,
         )
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -388,11 +393,14 @@ class ProcessTransport:
         calls = self._per_worker(groups, table, "fit", round=round_num, offload=self.offload)
         results: dict[int, FitResult] = {}
 
-        def arrived(w: int, part: tuple[int, bytes, int, float, float]) -> None:
+        def arrived(w: int, part: tuple[int, bytes | str, int, float, float]) -> None:
             cid, blob, n, loss, seconds = part  # decoded as it arrives: one blob at a time
             self.measured[cid] = seconds
             self.holder[cid] = w
             self.version[cid] += 1
+            if isinstance(blob, str):  # the client's upload could not be encoded
+                results[cid] = FitResult(cid, None, n, 0, table.sizes[cid], loss, error=blob)
+                return
             res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
             try:
                 res.upload = decode(self.algo.Upload, blob)

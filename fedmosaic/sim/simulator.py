@@ -29,7 +29,8 @@ def wire(payload: Payload, check: bool) -> tuple[Payload, int]:
         return payload, len(data)
     back = decode(type(payload), data)
     if not payload_equal(payload, back):
-        raise PayloadError(f"{type(payload).__qualname__} does not survive the wire round trip")
+        # An algorithm's bug, not a bad client: fail the run (RuntimeError, never dropped).
+        raise RuntimeError(f"{type(payload).__qualname__} does not survive the wire round trip")
     return back, len(data)
 
 
@@ -76,7 +77,12 @@ class SimTransport:
                 self.local_epochs,
             )
             self.version[cid] += 1
-            upload, up = wire(res.upload, self.check_wire)
+            try:
+                upload, up = wire(res.upload, self.check_wire)
+            except PayloadError as exc:  # e.g. non-finite values after a diverged step
+                loss = res.stats.mean_loss
+                out.append(FitResult(cid, None, res.num_examples, 0, down, loss, error=str(exc)))
+                continue
             out.append(FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss))
         return out
 
