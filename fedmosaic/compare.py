@@ -10,6 +10,9 @@ A suite file is an experiment TOML (``[base]``) plus the grid around it::
     settings = ["pathological", "practical"]    #   is the algorithm of that name, defaults
     target_accuracy = 0.9                       # for rounds / bytes to target
     checkpoint_every = 10
+    paper_metric = "weighted"                   # or "unweighted": the accuracy the paper reports
+    paper_rounds = 1000                         # the budget behind [reference]: a run of another
+    paper_budget = "full FMNIST, 3 trials"      #   number of rounds is marked in the report
 
     [base]                 # the shared experiment config (the schema of `fedmosaic run`)
     [base.data] ...
@@ -73,6 +76,8 @@ SUITE_KEYS = {
     "quick_budget",
     "prototype_plot",
     "paper_metric",
+    "paper_rounds",
+    "paper_budget",
 }
 
 
@@ -107,6 +112,10 @@ class Suite:
     # the accuracy the suite's paper reports, the headline columns: weighted (test-size-weighted,
     # HtFLlib/PFLlib) | unweighted (mean of per-client accuracies, FedGH/FedClassAvg)
     paper_metric: str = "weighted"
+    # the budget behind the [reference] numbers: rounds (compared with the cells' to flag a
+    # different budget) and a free-text description (data fraction, trials, ...)
+    paper_rounds: int | None = None
+    paper_budget: str = ""
     quick: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, dict[str, str]] = field(default_factory=dict)
     path: str = ""
@@ -172,6 +181,11 @@ def load_suite(path: str | Path) -> Suite:
         raise ConfigError(f"{p}: suite.prototype_plot must be tsne, pca or none")
     if meta.get("paper_metric", "weighted") not in ("weighted", "unweighted"):
         raise ConfigError(f"{p}: suite.paper_metric must be weighted or unweighted")
+    paper_rounds = meta.get("paper_rounds")
+    if paper_rounds is not None and (
+        isinstance(paper_rounds, bool) or not isinstance(paper_rounds, int) or paper_rounds < 1
+    ):
+        raise ConfigError(f"{p}: suite.paper_rounds must be a positive integer")
     seeds = meta.get("seeds", [0])
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds) or not seeds:
         raise ConfigError(f"{p}: suite.seeds must be a non-empty list of integers")
@@ -190,6 +204,8 @@ def load_suite(path: str | Path) -> Suite:
         quick_budget=meta.get("quick_budget", ""),
         prototype_plot=meta.get("prototype_plot", "tsne"),
         paper_metric=meta.get("paper_metric", "weighted"),
+        paper_rounds=paper_rounds,
+        paper_budget=str(meta.get("paper_budget", "")),
         quick=dict(raw.get("quick", {})),
         reference={k: dict(v) for k, v in raw.get("reference", {}).items()},
         path=str(p),

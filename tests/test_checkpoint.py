@@ -192,7 +192,7 @@ def test_sigkill_then_resume_gives_the_same_results(tmp_path: Path):
     got = json.loads((out / "results.json").read_text())
     assert _without_timing(got) == _without_timing(ref)
     assert not (out / ck.FILENAME).exists()  # a complete run removes its checkpoint
-    rows = (out / "progress.csv").read_text().strip().splitlines()
+    rows = (out / "rounds.csv").read_text().strip().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
 
 

@@ -98,7 +98,7 @@ def test_ctrl_c_on_a_process_backend_run_is_one_line_and_leaves_no_worker(tmp_pa
     cmd = [sys.executable, "-m", "fedmosaic.cli", "run", str(cfg), "--out", str(out)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    progress = out / "progress.csv"
+    progress = out / "rounds.csv"
     while time.monotonic() < deadline:
         if progress.exists() and len(progress.read_text().splitlines()) >= 3:
             break

@@ -31,6 +31,7 @@ class Local(Algorithm[None, Empty, Empty]):
     Broadcast: ClassVar[type[Payload]] = Empty
     Upload: ClassVar[type[Payload]] = Empty
     paper: ClassVar[str] = "baseline: local training only"
+    communicates: ClassVar[bool] = False
 
     def init_server(self, spec: FederationSpec) -> None:
         return None

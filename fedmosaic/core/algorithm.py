@@ -94,6 +94,9 @@ class Algorithm(ABC, Generic[S, B, U]):
     Upload: ClassVar[type[Payload]]
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = ""
+    # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
+    # framing of its empty payloads (a real deployment would send no message at all)
+    communicates: ClassVar[bool] = True
 
     # ---- configuration -------------------------------------------------------------------
     def check_config(self, cfg: ExperimentConfig) -> None:  # noqa: B027 - optional hook

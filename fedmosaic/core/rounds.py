@@ -222,8 +222,9 @@ def run_rounds(
         t2 = time.perf_counter()
         rec["participants"] = [u.client_id for u in uploads]
         rec["num_sampled"] = len(sampled)
-        rec["bytes_up"] = sum(r.bytes_up for r in results)
-        rec["bytes_down"] = sum(r.bytes_down for r in results)
+        talks = algo.communicates
+        rec["bytes_up"] = sum(r.bytes_up for r in results) if talks else 0
+        rec["bytes_down"] = sum(r.bytes_down for r in results) if talks else 0
         rec["bytes_up_per_client"] = rec["bytes_up"] / max(len(results), 1)
         rec["bytes_down_per_client"] = rec["bytes_down"] / max(len(results), 1)
         losses = [r.loss for r in results if not math.isnan(r.loss)]

@@ -1,7 +1,8 @@
 """The report of a comparison grid: one table (Markdown + CSV + HTML), curves, client spread.
 
-Every number is a mean ± std over seeds (population std, ddof=0, as PFLlib/HtFLlib report it)
-of one per-run statistic:
+Accuracies are shown as mean ± the half-width of the 95% Student-t confidence interval of the mean
+over seeds ("n/a" from one seed); ``table.csv`` also has the sample std (ddof=1) and n. Each is
+a statistic of one run:
 
 Accuracy is the metric the suite's paper reports (``suite.paper_metric``): ``weighted`` =
 test-size-weighted over all clients (HtFLlib/PFLlib, FedTGP), ``unweighted`` = the plain mean of
@@ -110,16 +111,20 @@ def _div(v: Any, d: float) -> float | None:
 
 
 def aggregate(values: Sequence[float | None]) -> dict[str, Any]:
-    """Mean and std (ddof=0) over the defined values, and how many were defined."""
+    """Mean, sample std (ddof=1), and the half-width of the 95% Student-t confidence interval of
+    the mean over the defined values (``ci95 = t_{0.975, n-1} * std / sqrt(n)``; None for one
+    value: no interval from one seed), and how many values were defined."""
     vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     if not vals:
-        return {"mean": None, "std": None, "n": 0, "of": len(values)}
-    return {
-        "mean": float(np.mean(vals)),
-        "std": float(np.std(vals)),
-        "n": len(vals),
-        "of": len(values),
-    }
+        return {"mean": None, "std": None, "ci95": None, "n": 0, "of": len(values)}
+    n = len(vals)
+    std = ci = None
+    if n > 1:
+        from scipy.stats import t
+
+        std = float(np.std(vals, ddof=1))
+        ci = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)
+    return {"mean": float(np.mean(vals)), "std": std, "ci95": ci, "n": n, "of": len(values)}
 
 
 def summarize_grid(
@@ -151,13 +156,14 @@ def summarize_grid(
 
 
 def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
+    """``mean ± ci95`` for accuracies (``± n/a`` from one seed), the mean for costs."""
     if agg["mean"] is None:
         return "-"
-    m, s = agg["mean"], agg["std"]
+    m, ci = agg["mean"], agg.get("ci95")
     if unit == "pct":
-        text = f"{100 * m:.2f} ± {100 * s:.2f}"
+        text = f"{100 * m:.2f} ± " + ("n/a" if ci is None else f"{100 * ci:.2f}")
     elif unit == "int":
-        text = f"{m:.1f} ± {s:.1f}" if agg["n"] > 1 else f"{m:.0f}"
+        text = f"{m:.1f} ± {ci:.1f}" if ci is not None else f"{m:.0f}"
     elif unit == "kb":
         text = f"{m:.1f}"
     elif unit == "mb":
@@ -190,24 +196,69 @@ def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, st
     return cols
 
 
-def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]]) -> str:
+def run_description(cells: Sequence[Cell]) -> str:
+    """What the cells actually ran (after settings, --quick and --set), not the suite's title."""
+    if not cells:
+        return ""
+
+    def values(get: Any) -> str:
+        seen = list(dict.fromkeys(str(get(c.cfg)) for c in cells))
+        return seen[0] if len(seen) == 1 else "/".join(seen)
+
+    return (
+        f"{values(lambda c: c.data.dataset)}, {values(lambda c: c.data.num_clients)} clients, "
+        f"{values(lambda c: c.data.partition)}, family {values(lambda c: c.model.family)}, "
+        f"{values(lambda c: c.train.rounds)} rounds, participation "
+        f"{values(lambda c: c.train.participation)}, subsample {values(lambda c: c.data.subsample)}"
+        f"; seeds {sorted({c.seed for c in cells})}"
+    )
+
+
+def budget_note(suite: Suite, cells: Sequence[Cell]) -> str:
+    """The paper's budget beside its numbers, and a marker when the cells ran another one."""
+    if not suite.reference:
+        return ""
+    rounds = sorted({c.cfg.train.rounds for c in cells})
+    parts = []
+    if suite.paper_rounds is not None:
+        parts.append(f"{suite.paper_rounds} rounds")
+    if suite.paper_budget:
+        parts.append(suite.paper_budget)
+    text = "Paper numbers: " + (", ".join(parts) if parts else "budget not stated in the suite")
+    if suite.paper_rounds is not None and rounds != [suite.paper_rounds]:
+        here = "/".join(map(str, rounds))
+        text += (
+            f". **Budget differs from the paper** ({here} rounds here against "
+            f"{suite.paper_rounds}): compare directions, not the numbers"
+        )
+    return text + "."
+
+
+def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]], cells: Sequence[Cell] = ()) -> str:
     cols = _columns(rows, suite)
     has_ref = any(r["reference"] for r in rows)
+    differs = suite.paper_rounds is not None and any(
+        c.cfg.train.rounds != suite.paper_rounds for c in cells
+    )
+    paper_col = "paper" + (f" ({suite.paper_rounds} rounds) †" if differs else "")
     lines = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
         mine = [r for r in rows if r["setting"] == setting]
         lines.append(f"### {setting}\n")
-        header = ["method", "seeds", *[c[1] for c in cols]] + (["paper"] if has_ref else [])
+        header = ["method", "seeds", *[c[1] for c in cols]] + ([paper_col] if has_ref else [])
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in mine:
-            cells = [r["method"], str(len(r["seeds"]))]
+            line = [r["method"], str(len(r["seeds"]))]
             for key, _, unit in cols:
-                cells.append(fmt(r[key], unit, with_count=key == "rounds_to_target"))
+                line.append(fmt(r[key], unit, with_count=key == "rounds_to_target"))
             if has_ref:
-                cells.append(r["reference"] or "-")
-            lines.append("| " + " | ".join(cells) + " |")
+                line.append(r["reference"] or "-")
+            lines.append("| " + " | ".join(line) + " |")
         lines.append("")
+    note = budget_note(suite, cells)
+    if note and has_ref:
+        lines.append(("† " if differs else "") + note + "\n")
     if suite.target_accuracy is not None:
         lines.append(
             f"Target accuracy: {100 * suite.target_accuracy:.1f}% "
@@ -215,7 +266,8 @@ def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]]) -> str:
             "`(k/n)`: k of n seeds reached it."
         )
     lines.append(
-        f"Accuracies in %, mean ± std over seeds, {METRIC_NAMES[suite.paper_metric]} over clients "
+        f"Accuracies in %, mean ± half-width of the 95% t-interval over seeds (n/a from one "
+        f"seed), {METRIC_NAMES[suite.paper_metric]} over clients "
         "(the metric the suite's paper reports) unless a column names the other; best-on-test "
         "selects the round on the test set, as the papers report it."
     )
@@ -227,7 +279,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         w = csv.writer(fh)
         header = ["setting", "method", "seeds"]
         for key, _, _ in METRICS:
-            header += [f"{key}_mean", f"{key}_std", f"{key}_n"]
+            header += [f"{key}_mean", f"{key}_std", f"{key}_ci95", f"{key}_n"]
         header.append("paper")
         w.writerow(header)
         for r in rows:
@@ -237,6 +289,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
                 line += [
                     "" if a["mean"] is None else a["mean"],
                     "" if a["std"] is None else a["std"],
+                    "" if a["ci95"] is None else a["ci95"],
                     a["n"],
                 ]
             line.append(r["reference"])
@@ -257,10 +310,39 @@ def _setting_axes(cells: Sequence[Cell]) -> tuple[Any, list[str], Any, Any]:
     """pyplot, the settings in suite order, and a figure with one axes per setting."""
     plt = _plt()
     settings = list(dict.fromkeys(c.setting.label for c in cells))
-    fig, axes = plt.subplots(
-        1, len(settings), figsize=(5.5 * len(settings), 4), dpi=110, squeeze=False
-    )
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
     return plt, settings, fig, axes
+
+
+# x axes of the accuracy curves: per round, against the cumulative communication (all clients,
+# up + down, MB) and against the cumulative wall-clock seconds of the run.
+X_AXES = {
+    "round": "round",
+    "mb": "communicated MB (all clients, up + down, cumulative)",
+    "seconds": "wall-clock seconds (cumulative)",
+}
+
+
+def save_figure(fig: Any, path: Path) -> list[Path]:
+    """``path`` as PNG (150 dpi) plus vector SVG and PDF beside it, for papers."""
+    paths = [path, path.with_suffix(".svg"), path.with_suffix(".pdf")]
+    for p in paths:
+        fig.savefig(p, bbox_inches="tight", dpi=150 if p.suffix == ".png" else None)
+    return paths
+
+
+def _xs(doc: dict[str, Any], x: str) -> dict[int, float]:
+    """Round -> x coordinate of that round's end."""
+    out, total = {}, 0.0
+    for r in doc.get("rounds", []):
+        if x == "round":
+            total = float(r["round"])
+        elif x == "mb":
+            total += ((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)) / 2**20
+        else:
+            total += r.get("seconds") or 0.0
+        out[int(r["round"])] = total
+    return out
 
 
 def plot_grid_curves(
@@ -269,8 +351,12 @@ def plot_grid_curves(
     path: Path,
     target: float | None,
     metric: str = "weighted",
+    x: str = "round",
 ) -> None:
-    """Test accuracy (``metric``) per round of every method, mean over seeds (band: min-max)."""
+    """Test accuracy (``metric``) of every method against ``x`` (``X_AXES``), mean over seeds
+    (band: min-max over seeds; against MB or seconds, at each seed's mean x of that round)."""
+    from matplotlib.ticker import MaxNLocator
+
     key = METRIC_KEYS[metric]
     plt, settings, fig, axes = _setting_axes(cells)
     for ax, setting in zip(axes[0], settings, strict=True):
@@ -284,14 +370,18 @@ def plot_grid_curves(
                 if c.setting.label == setting and c.method.label == method and c.key in docs
             ]
             curves: dict[int, list[float]] = {}
+            where: dict[int, list[float]] = {}
             for doc in runs:
+                coords = _xs(doc, x)
                 for r in doc.get("rounds", []):
                     if r.get(key) is not None:
                         curves.setdefault(int(r["round"]), []).append(100 * r[key])
+                        where.setdefault(int(r["round"]), []).append(coords[int(r["round"])])
             if not curves:
                 continue
-            xs = sorted(curves)
-            mean = [float(np.mean(curves[x])) for x in xs]
+            rs = sorted(curves)
+            xs = [float(np.mean(where[t])) for t in rs]
+            mean = [float(np.mean(curves[t])) for t in rs]
             (line,) = ax.plot(
                 xs,
                 mean,
@@ -301,13 +391,15 @@ def plot_grid_curves(
                 ls="-" if i < len(colors) else "--",
             )
             if len(runs) > 1:
-                lo = [min(curves[x]) for x in xs]
-                hi = [max(curves[x]) for x in xs]
+                lo = [min(curves[t]) for t in rs]
+                hi = [max(curves[t]) for t in rs]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
         if target is not None:
             ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label="target")
         ax.set_title(setting, fontsize=10)
-        ax.set_xlabel("round")
+        ax.set_xlabel(X_AXES[x])
+        if x == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no fractional rounds
         ax.set_ylabel(f"test accuracy, {METRIC_NAMES[metric]} (%)")
         ax.grid(alpha=0.3)
         if len(methods) > 8:  # a long legend would hide the curves: put it beside the axes
@@ -315,7 +407,58 @@ def plot_grid_curves(
         else:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def plot_labels_and_accuracy(
+    cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path
+) -> None:
+    """Per setting: each client's training label histogram (stacked bars, seed of the first
+    cell) beside each method's per-client final accuracy (points, same client order)."""
+    plt = _plt()
+    settings = list(dict.fromkeys(c.setting.label for c in cells))
+    fig, axes = plt.subplots(
+        len(settings), 2, figsize=(12, 3.6 * len(settings)), squeeze=False, sharex="row"
+    )
+    for row, setting in enumerate(settings):
+        mine = [c for c in cells if c.setting.label == setting and c.key in docs]
+        if not mine:
+            continue
+        seed = min(c.seed for c in mine)
+        first = next(c for c in mine if c.seed == seed)
+        clients = docs[first.key].get("clients", [])
+        counts = np.array([c.get("train_label_counts", []) for c in clients], dtype=float)
+        ax_h, ax_a = axes[row]
+        if counts.ndim == 2 and counts.size:
+            ids = np.arange(counts.shape[0])
+            cmap = plt.get_cmap("tab20" if counts.shape[1] > 10 else "tab10")
+            bottom = np.zeros(counts.shape[0])
+            for k in range(counts.shape[1]):
+                ax_h.bar(ids, counts[:, k], bottom=bottom, color=cmap(k % cmap.N), width=0.85)
+                bottom += counts[:, k]
+        ax_h.set_title(f"{setting}: training labels per client (seed {seed})", fontsize=10)
+        ax_h.set_xlabel("client")
+        ax_h.set_ylabel("examples (stacked by class)")
+        for method in dict.fromkeys(c.method.label for c in mine):
+            cell = next((c for c in mine if c.method.label == method and c.seed == seed), None)
+            if cell is None:
+                continue
+            accs = docs[cell.key].get("per_client_final_acc", {})
+            pts = sorted((int(k), 100 * float(v)) for k, v in accs.items())
+            if pts:
+                ax_a.plot(*zip(*pts, strict=True), marker="o", ms=3, lw=0.6, label=method)
+        ax_a.set_title(f"{setting}: final test accuracy per client (seed {seed})", fontsize=10)
+        ax_a.set_xlabel("client")
+        ax_a.set_ylabel("accuracy (%)")
+        ax_a.grid(alpha=0.3)
+        ax_a.legend(fontsize=7, ncol=2)
+        from matplotlib.ticker import MaxNLocator
+
+        for ax in (ax_h, ax_a):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -345,7 +488,7 @@ def plot_client_spread(cells: Sequence[Cell], docs: dict[str, dict[str, Any]], p
         ax.set_title(setting, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -380,15 +523,17 @@ def html_report(
     c0 = cells[0].cfg if cells else None
     if c0 is not None:
         parts.append(
-            f"<p>{esc(c0.data.dataset)}, {c0.data.num_clients} clients, family "
-            f"<code>{esc(c0.model.family)}</code>, {c0.train.rounds} rounds, batch "
-            f"{c0.train.batch_size}, lr {c0.train.lr}, {c0.train.local_epochs} local epoch(s), "
-            f"subsample {c0.data.subsample}; seeds {sorted({c.seed for c in cells})}.</p>"
+            f"<p>Ran: {esc(run_description(cells))}; batch {c0.train.batch_size}, lr "
+            f"{c0.train.lr}, {c0.train.local_epochs} local epoch(s).</p>"
         )
+    differs = suite.paper_rounds is not None and any(
+        c.cfg.train.rounds != suite.paper_rounds for c in cells
+    )
+    paper_col = "paper" + (f" ({suite.paper_rounds} rounds) †" if differs else "")
     for setting in dict.fromkeys(r["setting"] for r in rows):
         parts.append(f"<h2>{esc(setting)}</h2><table><tr><th>method</th><th>seeds</th>")
         parts += [f"<th>{esc(label)}</th>" for _, label, _ in cols]
-        parts.append("<th>paper</th></tr>" if has_ref else "</tr>")
+        parts.append(f"<th>{esc(paper_col)}</th></tr>" if has_ref else "</tr>")
         for r in rows:
             if r["setting"] != setting:
                 continue
@@ -399,8 +544,13 @@ def html_report(
             ]
             parts.append(f"<td>{esc(r['reference'] or '-')}</td></tr>" if has_ref else "</tr>")
         parts.append("</table>")
+    note = budget_note(suite, cells)
+    if note and has_ref:
+        note_html = esc(("† " if differs else "") + note).replace("**", "")
+        parts.append(f"<p class='budget'><strong>{note_html}</strong></p>")
     parts.append(
-        "<p>Accuracies in %, mean ± std over seeds. <em>best-on-test</em> picks the round on the "
+        "<p>Accuracies in %, mean ± half-width of the 95% Student-t interval over seeds (n/a from "
+        "one seed). <em>best-on-test</em> picks the round on the "
         "test set, as the papers report it; <em>best-on-val</em> picks it on a validation split.</p>"
     )
     for title, rel in images:
@@ -460,7 +610,8 @@ def write_report(
     md = f"# {suite.title}\n\n"
     if command:
         md += f"Command: `{command}`\n\n"
-    md += markdown_table(suite, rows)
+    md += f"Ran: {run_description(cells)}.\n\n"
+    md += markdown_table(suite, rows, cells)
     versions = code_versions(cells, docs)
     if versions:
         md += f"\n{versions}.\n"
@@ -468,10 +619,21 @@ def write_report(
     write_csv(out / "table.csv", rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     plot_grid_curves(cells, docs, out / "curves.png", suite.target_accuracy, suite.paper_metric)
+    metric = suite.paper_metric
+    target = suite.target_accuracy
+    plot_grid_curves(cells, docs, out / "curves_mb.png", target, metric, x="mb")
+    plot_grid_curves(cells, docs, out / "curves_seconds.png", target, metric, x="seconds")
     plot_client_spread(cells, docs, out / "clients.png")
+    plot_labels_and_accuracy(cells, docs, out / "labels.png")
     images = [
-        ("Learning curves (mean over seeds; band: min-max)", "curves.png"),
+        ("Learning curves (mean over seeds; band: min-max over seeds)", "curves.png"),
+        ("Accuracy against communicated MB (mean over seeds; band: min-max)", "curves_mb.png"),
+        (
+            "Accuracy against wall-clock seconds (mean over seeds; band: min-max)",
+            "curves_seconds.png",
+        ),
         ("Per-client final accuracy", "clients.png"),
+        ("Per-client label distribution beside per-client accuracy", "labels.png"),
     ]
     for c in cells:
         rel = f"cells/{c.setting.label}/{c.method.label}/seed{c.seed}/prototypes.png"
@@ -487,4 +649,7 @@ def write_report(
         "html": out / "index.html",
         "curves": out / "curves.png",
         "clients": out / "clients.png",
+        "curves_mb": out / "curves_mb.png",
+        "curves_seconds": out / "curves_seconds.png",
+        "labels": out / "labels.png",
     }

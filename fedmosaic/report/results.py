@@ -56,11 +56,13 @@ def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -
         {k for r in rounds for k in r if k.startswith("acc_head") or k.startswith("acc_proto")}
     )
     cols = [c for c in ROUND_COLUMNS if any(c in r for r in rounds)] + extra
-    with open(out / "rounds.csv", "w", newline="") as fh:
+    tmp = out / "rounds.csv.tmp"  # replaces the per-round file of the sink in one step
+    with open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(cols)
         for r in rounds:
             w.writerow([r.get(c, "") for c in cols])
+    os.replace(tmp, out / "rounds.csv")
     if plot:
         plot_curves({doc["config"]["algorithm"]["name"]: doc}, out / "curve.png")
     return out

@@ -1,8 +1,10 @@
 """Per-round logging sinks: a CSV file always, TensorBoard when it is installed.
 
-``progress.csv`` grows one row per round while the run goes (``rounds.csv`` is written at the end
-with every column). On resume, rows after the checkpoint's round are dropped first, so a killed
-and resumed run leaves the same file as an uninterrupted one (timing columns aside).
+``rounds.csv`` grows one row per round while the run goes (the fixed ``ROUND_COLUMNS``); at the end
+``write_results`` rewrites it with exactly the columns the run has (plus per-mode accuracies such
+as ``acc_head``). One file, readable at any time. On resume, rows after the checkpoint's round are
+dropped first, so a killed and resumed run leaves the same file as an uninterrupted one (timing
+columns aside).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from typing import Any
 from fedmosaic.report.results import ROUND_COLUMNS
 
 log = logging.getLogger("fedmosaic")
-PROGRESS_FILE = "progress.csv"
+PROGRESS_FILE = "rounds.csv"
 
 
 class CSVSink:
-    """Appends each round's record (the fixed ``ROUND_COLUMNS``) to ``progress.csv``."""
+    """Appends each round's record (the fixed ``ROUND_COLUMNS``) to ``rounds.csv``."""
 
     def __init__(self, out_dir: str | Path, keep_rounds: int = 0) -> None:
         self.path = Path(out_dir) / PROGRESS_FILE

@@ -14,7 +14,7 @@ from fedmosaic import compare
 from fedmosaic.cli import main
 from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError
-from fedmosaic.report.compare import aggregate, run_metrics
+from fedmosaic.report.compare import aggregate, fmt, run_metrics
 
 SUITES = Path(__file__).resolve().parents[2] / "benchmarks" / "suites"
 
@@ -126,7 +126,14 @@ def test_run_metrics_target_and_bytes():
     assert (m["kb_up"], m["kb_down"], m["best_on_val"]) == (2.0, 1.0, None)
     assert run_metrics(doc, 0.95)["rounds_to_target"] is None
     a = aggregate([3.0, None, 5.0])
-    assert (a["mean"], a["std"], a["n"], a["of"]) == (4.0, 1.0, 2, 3)
+    # sample std sqrt(2); 95% t-interval: t(0.975, 1) = 12.706 x sqrt(2) / sqrt(2)
+    assert (a["mean"], a["n"], a["of"]) == (4.0, 2, 3)
+    assert a["std"] == pytest.approx(2**0.5) and a["ci95"] == pytest.approx(12.7062047, rel=1e-6)
+    three = aggregate([0.5, 0.6, 0.7])  # std 0.1, t(0.975, 2) = 4.3027: 0.1 x 4.3027 / sqrt(3)
+    assert three["ci95"] == pytest.approx(0.1 * 4.30265273 / 3**0.5, rel=1e-6)
+    one = aggregate([0.5])
+    assert one["std"] is None and one["ci95"] is None
+    assert fmt(one, "pct") == "50.00 ± n/a" and fmt(three, "pct") == "60.00 ± 24.84"
 
 
 class _Refs(HTMLParser):
@@ -340,3 +347,27 @@ def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
     }
     assert "unweighted mean over clients, the paper's metric" in labels["final"]
     assert "test-size-weighted" in labels["final_other"]
+
+
+def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
+    text = TINY_SUITE.replace('title = "Tiny grid"', 'title = "Tiny grid"\npaper_rounds = 1000')
+    text = text.replace('methods = ["local", "proto"]', 'methods = ["local"]')
+    text = text.replace('proto = "12.34 ± 0.56"', 'local = "12.34 ± 0.56"')
+    suite = _suite(tmp_path, text)
+    out = tmp_path / "out"
+    args = ["compare", str(suite), "--out", str(out), "--quiet", "--seeds", "0"]
+    assert main([*args, "--set", "data.num_clients=4"]) == 0
+    for stem in ("curves", "curves_mb", "curves_seconds", "clients", "labels"):
+        for ext in ("png", "svg", "pdf"):
+            assert (out / f"{stem}.{ext}").stat().st_size > 0, f"{stem}.{ext}"
+    md = (out / "table.md").read_text()
+    # what ran (after --set), not the suite's text
+    assert "Ran: synthetic, 4 clients, dirichlet, family cnn1, 2 rounds" in md
+    assert "paper (1000 rounds) †" in md and "Budget differs from the paper" in md
+    assert "50.00 ± n/a" in md or "± n/a" in md  # one seed: no interval
+    page = (out / "index.html").read_text()
+    assert "curves_mb.png" in page and "labels.png" in page and "Budget differs" in page
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TINY_SUITE.replace('title = "Tiny grid"', 'title = "T"\npaper_rounds = -3'))
+    with pytest.raises(ConfigError, match="paper_rounds"):
+        load_suite(bad)
