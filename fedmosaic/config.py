@@ -83,12 +83,21 @@ class SimConfig:
 
 
 @dataclass
+class EvalConfig:
+    # clients that never train: a seeded random subset, evaluated after the last round as
+    # newcomers are served by each method (the final broadcast, then one local round of the
+    # method's own client procedure); 0 = every client trains
+    holdout_clients: int = 0
+
+
+@dataclass
 class ExperimentConfig:
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +109,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "train": TrainConfig,
     "sim": SimConfig,
+    "eval": EvalConfig,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -273,6 +283,11 @@ def validate(cfg: ExperimentConfig) -> None:
         )
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr} must be > 0")
+    if not 0 <= cfg.eval.holdout_clients < d.num_clients:
+        raise ConfigError(
+            f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "
+            f"[0, data.num_clients - 1 = {d.num_clients - 1}] (at least one client trains)"
+        )
     if t.device != "cpu" and not t.device.startswith("cuda"):
         raise ConfigError(f"train.device = {t.device!r}; use cpu, cuda or cuda:N")
     # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).

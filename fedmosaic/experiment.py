@@ -28,6 +28,7 @@ from fedmosaic.core.rounds import (
     History,
     RoundPlan,
     clients_per_round,
+    holdout_clients,
     per_client_acc,
     run_rounds,
 )
@@ -131,8 +132,19 @@ def build_federation(cfg: ExperimentConfig, with_clients: bool = True) -> Federa
             models.append(m)
             extras.append(e)
     n = fed.num_clients
-    k = cfg.train.clients_per_round or clients_per_round(n, cfg.train.participation)
-    plan = RoundPlan(n, cfg.train.rounds, k, cfg.train.eval_every, cfg.train.finetune_epochs)
+    holdout = holdout_clients(cfg.seed, n, cfg.eval.holdout_clients)
+    trainers = n - len(holdout)
+    k = min(cfg.train.clients_per_round, trainers) or clients_per_round(
+        trainers, cfg.train.participation
+    )
+    plan = RoundPlan(
+        n,
+        cfg.train.rounds,
+        k,
+        cfg.train.eval_every,
+        cfg.train.finetune_epochs,
+        holdout=holdout,
+    )
     return Federation(
         cfg, fed, algo, spec, clients, models, extras, TrainSettings.from_config(cfg.train), plan
     )
@@ -181,12 +193,24 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
         from fedmosaic.core.rounds import summarize_eval
 
         summary["after_finetune"] = summarize_eval(history.finetune_eval)
+    if history.holdout_before:
+        from fedmosaic.core.rounds import summarize_eval
+
+        summary["holdout"] = {
+            "note": "clients that never trained: on the final broadcast (before) and after one "
+            "local round of the method's own client procedure (after)",
+            "clients": sorted(r.client_id for r in history.holdout_before),
+            "before": summarize_eval(history.holdout_before),
+            "after": summarize_eval(history.holdout_after),
+        }
     return summary
 
 
 def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
     final = {r.client_id: r for r in history.final_eval}
     tuned = {r.client_id: r for r in history.finetune_eval}
+    held_before = {r.client_id: r for r in history.holdout_before}
+    held_after = {r.client_id: r for r in history.holdout_after}
     recs = []
     for c in fed.clients:
         rec: dict[str, Any] = {
@@ -202,6 +226,10 @@ def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
             rec.update(_client_accs(final[c.client_id], ""))
         if c.client_id in tuned:
             rec.update(_client_accs(tuned[c.client_id], "finetuned_"))
+        if c.client_id in held_before:
+            rec["holdout"] = True
+            rec.update(_client_accs(held_before[c.client_id], "newcomer_before_"))
+            rec.update(_client_accs(held_after[c.client_id], "newcomer_after_"))
         recs.append(rec)
     return recs
 

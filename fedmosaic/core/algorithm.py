@@ -155,11 +155,16 @@ class Algorithm(ABC, Generic[S, B, U]):
         return {"acc": model(x)}
 
     def finetune_phases(self, epochs: int | None) -> Sequence[Phase]:
-        """Local fine-tuning after the last round (FedBABU, layer expansion); none by default.
+        """Local fine-tuning after the last round.
 
-        ``epochs=None`` means the algorithm's own default (``[train] finetune_epochs = -1``).
+        ``epochs=None`` means the algorithm's own default (``[train] finetune_epochs = -1``):
+        none here; FedBABU and layer expansion override it (their papers fine-tune). ``epochs >
+        0`` asks any method for a before/after comparison: by default every trainable part of
+        the client (model and extras) for ``epochs`` epochs with the method's own local loss.
         """
-        return ()
+        if epochs is None or epochs <= 0:
+            return ()
+        return (Phase(("all",), epochs, name="finetune"),)
 
     # ---- descriptions --------------------------------------------------------------------
     @classmethod

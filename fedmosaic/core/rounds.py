@@ -76,6 +76,21 @@ class RoundPlan:
     eval_every: int = 1
     finetune_epochs: int = -1  # -1: the algorithm's default; 0: no fine-tuning
     min_replies: int = 1  # fewer valid replies: the round is skipped (state unchanged)
+    holdout: tuple[int, ...] = ()  # clients that never train (served as newcomers at the end)
+
+    @property
+    def pool(self) -> list[int]:
+        """The clients that train and are evaluated each round."""
+        held = set(self.holdout)
+        return [c for c in range(self.num_clients) if c not in held]
+
+
+def holdout_clients(seed: int, num_clients: int, k: int) -> tuple[int, ...]:
+    """``k`` clients that never train: a seeded subset, sorted (``()`` for ``k = 0``)."""
+    if k <= 0:
+        return ()
+    rng = seeding.numpy_rng(seed, 0, seeding.SERVER, "holdout")
+    return tuple(sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False)))
 
 
 def clients_per_round(num_clients: int, participation: float) -> int:
@@ -132,6 +147,9 @@ class History:
     final_eval: list[EvalResult] = field(default_factory=list)
     finetune_eval: list[EvalResult] = field(default_factory=list)
     participants: list[list[int]] = field(default_factory=list)
+    # held-out clients: on the final broadcast as they arrive, then after one local round
+    holdout_before: list[EvalResult] = field(default_factory=list)
+    holdout_after: list[EvalResult] = field(default_factory=list)
 
 
 class RoundCheckpoint(Protocol):
@@ -186,7 +204,9 @@ def run_rounds(
     diverged = 0
     for t in range(start, plan.rounds + 1):
         rec: dict[str, Any] = {"round": t}
-        sampled = sample_clients(spec.seed, t, plan.num_clients, plan.clients_per_round)
+        # Without held-out clients the pool is range(num_clients): the same draws as always.
+        pool = plan.pool
+        sampled = [pool[i] for i in sample_clients(spec.seed, t, len(pool), plan.clients_per_round)]
         t0 = time.perf_counter()
         messages = {c: algo.broadcast(state, c, t) for c in sampled}
         results = transport.fit(t, messages)
@@ -239,7 +259,7 @@ def run_rounds(
         else:
             diverged = 0
         if t % plan.eval_every == 0 or t == plan.rounds:
-            eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in range(plan.num_clients)}
+            eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in plan.pool}
             last_eval = transport.evaluate(t, eval_msgs)
             rec.update(summarize_eval(last_eval))
         t3 = time.perf_counter()
@@ -265,7 +285,16 @@ def run_rounds(
     history.final_eval = last_eval
     ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs != 0 and ft_phases:
-        msgs = {c: algo.broadcast(state, c, plan.rounds + 1) for c in range(plan.num_clients)}
+        msgs = {c: algo.broadcast(state, c, plan.rounds + 1) for c in plan.pool}
         transport.finetune(msgs, ft_phases)
         history.finetune_eval = transport.evaluate(plan.rounds + 1, msgs, receive=False)
+    if plan.holdout:
+        # Newcomers: their initial models receive the final broadcast (evaluated as they
+        # arrive), then run one round of the method's own client procedure (receive, its
+        # phases and loss; the upload is discarded) and are evaluated again.
+        t = plan.rounds + 1
+        msgs = {c: algo.broadcast(state, c, t) for c in plan.holdout}
+        history.holdout_before = transport.evaluate(t, msgs)
+        transport.fit(t, msgs)
+        history.holdout_after = transport.evaluate(t, msgs, receive=False)
     return history, state
