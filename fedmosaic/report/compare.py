@@ -42,6 +42,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("final", "final acc", "pct"),
     ("final_other", "final acc", "pct"),  # the other metric; labels name both (``_columns``)
     ("after_finetune", "after fine-tune", "pct"),
+    ("holdout_before", "newcomers on arrival", "pct"),  # eval.holdout_clients (README)
+    ("holdout_after", "newcomers after one local round", "pct"),
     ("best_on_val", "best-on-val acc", "pct"),
     ("best_on_test", "best-on-test acc (as the papers report it)", "pct"),
     ("client_std", "per-client std", "pct"),
@@ -83,6 +85,8 @@ def run_metrics(
         "final": s.get("final", {}).get(key),
         "final_other": s.get("final", {}).get(other),
         "after_finetune": s.get("after_finetune", {}).get(key),
+        "holdout_before": s.get("holdout", {}).get("before", {}).get(key),
+        "holdout_after": s.get("holdout", {}).get("after", {}).get(key),
         "best_on_val": _best(evaluated, f"val_{key}", key),
         "best_on_test": _best(evaluated, key, key),
         "client_std": s.get("final", {}).get("acc_std"),
@@ -185,7 +189,14 @@ def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, st
     for key, label, unit in METRICS:
         if key in ("rounds_to_target", "mb_to_target") and suite.target_accuracy is None:
             continue
-        optional = ("after_finetune", "best_on_val", "paper_cost_g", "train_tmacs")
+        optional = (
+            "after_finetune",
+            "holdout_before",
+            "holdout_after",
+            "best_on_val",
+            "paper_cost_g",
+            "train_tmacs",
+        )
         if key in optional and all(r[key]["mean"] is None for r in rows):
             continue
         if key == "final":

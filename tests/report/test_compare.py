@@ -343,6 +343,8 @@ def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
                 row
                 | {
                     "after_finetune": aggregate([None]),
+                    "holdout_before": aggregate([None]),
+                    "holdout_after": aggregate([None]),
                     "best_on_val": aggregate([None]),
                     "paper_cost_g": aggregate([None]),
                     "train_tmacs": aggregate([None]),
@@ -362,7 +364,7 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
     suite = _suite(tmp_path, text)
     out = tmp_path / "out"
     args = ["compare", str(suite), "--out", str(out), "--quiet", "--seeds", "0"]
-    assert main([*args, "--set", "data.num_clients=4"]) == 0
+    assert main([*args, "--set", "data.num_clients=4", "--set", "eval.holdout_clients=1"]) == 0
     for stem in ("curves", "curves_mb", "curves_seconds", "clients", "labels"):
         for ext in ("png", "svg", "pdf"):
             assert (out / f"{stem}.{ext}").stat().st_size > 0, f"{stem}.{ext}"
@@ -370,6 +372,7 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
     # what ran (after --set), not the suite's text
     assert "Ran: synthetic, 4 clients, dirichlet, family cnn1, 2 rounds" in md
     assert "paper (1000 rounds) †" in md and "Budget differs from the paper" in md
+    assert "newcomers on arrival" in md and "newcomers after one local round" in md
     assert "50.00 ± n/a" in md or "± n/a" in md  # one seed: no interval
     page = (out / "index.html").read_text()
     assert "curves_mb.png" in page and "labels.png" in page and "Budget differs" in page
