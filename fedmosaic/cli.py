@@ -31,20 +31,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     baselines = list(args.baseline or [])
     if args.config is None and args.baseline is None:
         baselines = [DEFAULT_BASELINE]  # the default job shows the method next to Local
+    if args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}")
     names = [cfg.algorithm["name"], *baselines]
-    docs: dict[str, dict[str, Any]] = {}
+    # Every run's config is checked before anything runs or is written (a bad --baseline fails
+    # now, not after the main run), and no other configuration's finished run is overwritten.
+    plans: list[tuple[str, ExperimentConfig, Path]] = []
     for name in names:
         overrides = list(args.set) if name == names[0] else [*args.set, f"algorithm.name={name}"]
         run_cfg = _load(args.config, overrides)
         if name != names[0]:
             # A baseline keeps only the method-independent settings.
             run_cfg.algorithm = {"name": name}
+            from fedmosaic.config import validate
+
+            validate(run_cfg)
+        target = out if len(names) == 1 else out / name
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is a file, not a folder")
+        _check_out(target, run_cfg, args.overwrite)
+        plans.append((name, run_cfg, target))
+    docs: dict[str, dict[str, Any]] = {}
+    for name, run_cfg, target in plans:
         print(
             f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
             f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
         )
-        target = out if len(names) == 1 else out / name
         doc = _run_one(run_cfg, target, args)
         write_results(target, doc)
         (target / CHECKPOINT_FILE).unlink(missing_ok=True)  # complete: results.json is the product
@@ -55,6 +68,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(format_table(list(docs.values())))
     print(f"\nreport written to {out}/")
     return 0
+
+
+def _check_out(target: Path, cfg: ExperimentConfig, overwrite: bool) -> None:
+    """Refuse to overwrite a finished run of another configuration in ``target``."""
+    import json
+
+    from fedmosaic.checkpoint import config_fingerprint
+
+    done = target / "results.json"
+    if overwrite or not done.is_file():
+        return
+    try:
+        theirs = json.loads(done.read_text()).get("config", {})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        theirs = None
+    if theirs is None or config_fingerprint(theirs) != config_fingerprint(cfg.to_dict()):
+        raise ConfigError(
+            f"{target} holds a finished run of another configuration: choose another --out, "
+            "or pass --overwrite to replace it"
+        )
 
 
 def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,18 +105,45 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
         )
     if ckpt.exists():
         keep = int(peek(ckpt)["round"])
+    existed = target.exists()
+    before = {p.name for p in target.iterdir()} if existed else set()
     sinks = Sinks(target, keep_rounds=keep)
+    started = [False]
+
+    def on_round(rec: dict[str, Any]) -> None:
+        started[0] = True
+        sinks(rec)
+
     try:
         return run_experiment(
             cfg,
             progress=not args.quiet,
-            on_round=sinks,
+            on_round=on_round,
             checkpoint_dir=target,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
         )
+    except BaseException:
+        if not started[0] and not keep:  # failed before any round: leave --out as it was
+            sinks.close()
+            _remove_new(target, existed, before)
+        raise
     finally:
         sinks.close()
+
+
+def _remove_new(target: Path, existed: bool, before: set[str]) -> None:
+    """Delete what a failed start created in ``target`` (the folder too if it is new)."""
+    import shutil
+
+    if not target.exists():
+        return
+    if not existed:
+        shutil.rmtree(target, ignore_errors=True)
+        return
+    for p in target.iterdir():
+        if p.name not in before:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -238,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run this algorithm on the same config and split (repeatable)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a finished run of another configuration in --out",
+    )
     r.add_argument(
         "--checkpoint-every",
         type=int,
@@ -396,6 +461,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Diverged as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a read-only or full disk, a path that is a file, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a library's own error type (safetensors, PIL, ...): one line
+        logging.getLogger("fedmosaic").debug("traceback", exc_info=True)
+        print(
+            f"error: {type(exc).__name__}: {exc} (--log-level debug shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
     finally:
         stop_requested.clear()

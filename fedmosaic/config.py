@@ -7,6 +7,7 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -170,11 +171,21 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
             raise ConfigError(
                 f"{name} = {value!r} has type {type(value).__name__}, expected {_type_name(tp)}"
             )
+        _check_finite(name, value)
         kwargs[key] = _coerce(value, tp)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[{where}]: {exc}") from exc
+
+
+def _check_finite(name: str, value: Any) -> None:
+    """NaN and infinity are never a setting (an ``lr = nan`` would train to NaN silently)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name} = {value} must be a finite number")
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(f"{name}[{i}]", v)
 
 
 def _type_name(tp: Any) -> str:
@@ -283,6 +294,32 @@ def validate(cfg: ExperimentConfig) -> None:
         )
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr} must be > 0")
+    sim = cfg.sim
+    at_least = {
+        "data.min_size": (d.min_size, 0),
+        "data.max_tries": (d.max_tries, 1),
+        "data.classes_per_client": (d.classes_per_client, 1),
+        "data.synthetic_size": (d.synthetic_size, 1),
+        "data.synthetic_classes": (d.synthetic_classes, 2),
+        "train.finetune_epochs": (t.finetune_epochs, -1),
+        "sim.threads": (sim.threads, 0),
+        "sim.workers": (sim.workers, 0),
+    }
+    for k, (v, low) in at_least.items():
+        if v < low:
+            raise ConfigError(f"{k} = {v} must be >= {low}")
+    if not 0 <= cfg.seed < 2**63:
+        raise ConfigError(f"seed = {cfg.seed} must be in [0, 2**63)")
+    if not 0.0 <= t.momentum < 1.0:
+        raise ConfigError(f"train.momentum = {t.momentum} must be in [0, 1)")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay = {t.weight_decay} must be >= 0")
+    if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+        raise ConfigError(f"train.betas = {t.betas} must be two numbers in [0, 1)")
+    if len(d.synthetic_shape) != 3 or min(d.synthetic_shape) < 1:
+        raise ConfigError(
+            f"data.synthetic_shape = {d.synthetic_shape} must be [C, H, W], each >= 1"
+        )
     if not 0 <= cfg.eval.holdout_clients < d.num_clients:
         raise ConfigError(
             f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "

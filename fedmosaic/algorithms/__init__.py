@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import Any
@@ -26,7 +27,16 @@ def build_algorithm(table: dict[str, Any]) -> Algorithm:
         raise ConfigError(
             f"algorithm.name = {name!r} is unknown; known: {', '.join(ALGORITHMS.names())}"
         )
-    return build_dataclass(ALGORITHMS.get(name), params, "algorithm")
+    algo = build_dataclass(ALGORITHMS.get(name), params, "algorithm")
+    # Numeric hyperparameters are weights, rates, counts and sizes: never negative (a class
+    # lists any that may be in ``signed_hyperparameters``). NaN/inf are refused by
+    # build_dataclass; method-specific ranges by each method's __post_init__.
+    signed = getattr(algo, "signed_hyperparameters", frozenset())
+    for key, value in ((f.name, getattr(algo, f.name)) for f in dataclasses.fields(algo)):
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if numeric and value < 0 and key not in signed:
+            raise ConfigError(f"algorithm.{key} = {value} must be >= 0 ({name})")
+    return algo
 
 
 __all__ = ["ALGORITHMS", "build_algorithm"]

@@ -1,0 +1,110 @@
+"""Bad input: a one-line error naming what is wrong, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import tiny_raw
+
+from fedmosaic.cli import main
+from fedmosaic.config import ConfigError, from_dict
+
+SMALL = {"synthetic_shape": [1, 16, 16]}
+
+
+def _with(section: str, key: str, value) -> dict:
+    raw = tiny_raw(data=SMALL)
+    if section == "":
+        raw[key] = value
+    else:
+        raw.setdefault(section, {})[key] = value
+    return raw
+
+
+# Each of these was silently accepted before (issue 12's list).
+BAD = [
+    ("train", "lr", math.nan, "train.lr"),
+    ("train", "lr", math.inf, "train.lr"),
+    ("train", "weight_decay", math.nan, "train.weight_decay"),
+    ("train", "weight_decay", -0.1, "train.weight_decay"),
+    ("train", "momentum", -1.0, "train.momentum"),
+    ("train", "betas", [0.9, math.nan], "train.betas"),
+    ("data", "alpha", math.nan, "data.alpha"),
+    ("data", "alpha", math.inf, "data.alpha"),
+    ("data", "min_size", -1, "data.min_size"),
+    ("data", "max_tries", 0, "data.max_tries"),
+    ("sim", "workers", -1, "sim.workers"),
+    ("sim", "threads", -1, "sim.threads"),
+    ("train", "finetune_epochs", -5, "train.finetune_epochs"),
+    ("", "seed", 2**70, "seed"),
+    ("", "seed", -3, "seed"),
+]
+
+
+@pytest.mark.parametrize(("section", "key", "value", "named"), BAD)
+def test_bad_config_values_are_refused_by_name(section, key, value, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        from_dict(_with(section, key, value))
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "named"),
+    [
+        ({"name": "fedprox", "mu": -1.0}, "algorithm.mu"),
+        ({"name": "fedtgp", "tau": math.nan}, "algorithm.tau"),
+        ({"name": "fedtgp", "lam": math.nan}, "algorithm.lam"),
+        ({"name": "fedtgp", "lam": -0.1}, "lam"),  # FedTGP's own check names it
+        ({"name": "fedproto", "lam": math.inf}, "algorithm.lam"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_by_name(algorithm, named):
+    raw = tiny_raw(data=SMALL, algorithm=algorithm)
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        from_dict(raw)
+
+
+def _toml(path: Path, **sections) -> Path:
+    raw = tiny_raw(data=SMALL, **sections)
+    lines = [f"seed = {raw['seed']}"]
+    for section in ("data", "model", "train", "sim", "algorithm"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_cli_refuses_before_writing_anything(tmp_path: Path, capsys):
+    cfg = _toml(tmp_path / "c.toml", algorithm={"name": "local"}, train={"rounds": 1})
+    out = tmp_path / "out"
+    cases = [
+        ["--checkpoint-every", "-1"],
+        ["--baseline", "nope"],  # failed only after the main run was written
+        ["--set", "data.dataset=nope"],  # fails while loading data, after the sinks existed
+    ]
+    for extra in cases:
+        capsys.readouterr()
+        assert main(["run", str(cfg), "--out", str(out), "--quiet", *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) >= 1 and err[0].startswith(("config error:", "error:")), err
+        assert not out.exists(), f"{extra}: {sorted(p.name for p in out.iterdir())}"
+
+
+def test_cli_keeps_another_configurations_finished_run(tmp_path: Path, capsys):
+    cfg = _toml(tmp_path / "c.toml", algorithm={"name": "local"}, train={"rounds": 1})
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    before = (out / "results.json").read_bytes()
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--set", "train.lr=0.2"]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == before
+    args = ["run", str(cfg), "--out", str(out), "--quiet", "--set", "train.lr=0.2", "--overwrite"]
+    assert main(args) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["train"]["lr"] == 0.2
+    # --out that is a file
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["run", str(cfg), "--out", str(f), "--quiet"]) == 2
+    assert f.read_text() == "x"
