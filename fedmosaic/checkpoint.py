@@ -335,13 +335,43 @@ def read_header(path: Path) -> dict[str, str]:
     return header
 
 
+def check_meta(meta: Any, path: str | Path, full: bool = False) -> dict[str, Any]:
+    """The metadata's shape: a dict with this format's version and an int round >= 0; ``full``
+    (a run's checkpoint): also an int client count >= 0, a config table and a history whose
+    rounds match the round. Else a CheckpointError saying what is wrong."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata (not a table)")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format version {meta.get('version')!r}, this fedmosaic reads {VERSION}"
+        )
+    for key in ("round", "num_clients") if full else ("round",):
+        v = meta.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointError(f"{path}: corrupt checkpoint metadata ({key} = {v!r})")
+    if not full:
+        return meta
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata (no config table)")
+    hist = meta.get("history")
+    if not isinstance(hist, dict) or not isinstance(hist.get("rounds"), list):
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata (no history)")
+    if len(hist["rounds"]) != meta["round"]:
+        raise CheckpointError(
+            f"{path}: corrupt checkpoint (round {meta['round']} but a history of "
+            f"{len(hist['rounds'])} rounds)"
+        )
+    return meta
+
+
 def peek(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's metadata (round, config, ...) without loading tensors or verifying."""
+    """The checkpoint's metadata (round, config, ...), shape-checked, without loading tensors."""
     header = read_header(Path(path))
     try:
-        return json.loads(header["meta"])
+        meta = json.loads(header["meta"])
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: corrupt checkpoint metadata ({exc})") from exc
+    return check_meta(meta, path)
 
 
 def read_checkpoint(path: str | Path) -> Loaded:
@@ -355,11 +385,14 @@ def read_checkpoint(path: str | Path) -> Loaded:
         raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from exc
     if _digest(header["meta"], tensors) != header.get("digest"):
         raise CheckpointError(f"{path}: corrupt checkpoint (digest mismatch)")
-    meta = json.loads(header["meta"])
-    if meta.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint format version {meta.get('version')!r}, this fedmosaic reads {VERSION}"
-        )
+    try:
+        meta = json.loads(header["meta"])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata ({exc})") from exc
+    check_meta(meta, path)
+    for key, t in tensors.items():  # a NaN weight would resume silently into a NaN run
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: tensor {key!r} has NaN or infinite values")
     return Loaded(meta, tensors)
 
 
@@ -403,35 +436,46 @@ class Checkpointer:
         if not self.path.exists():
             log.warning("no checkpoint at %s: starting from round 1", self.path)
             return None
-        loaded = read_checkpoint(self.path)
-        meta, tensors = loaded.meta, loaded.tensors
-        self._check_config(meta)
+        meta, tensors = self.verify()
         try:
             state = restore_tree(meta["server_state"], tensors, template)
-            clients = []
-            for cid in range(meta["num_clients"]):
-                model = {
-                    k[len(f"client/{cid}/model/") :]: v
-                    for k, v in tensors.items()
-                    if k.startswith(f"client/{cid}/model/")
-                }
-                extras = {
-                    k[len(f"client/{cid}/extras/") :]: v
-                    for k, v in tensors.items()
-                    if k.startswith(f"client/{cid}/extras/")
-                }
-                clients.append((model, extras))
+            # One pass over the tensors: ``client/<cid>/<model|extras>/<key>``.
+            clients: list[tuple[dict[str, Tensor], dict[str, Tensor]]] = [
+                ({}, {}) for _ in range(meta["num_clients"])
+            ]
+            for k, v in tensors.items():
+                if k.startswith("client/"):
+                    _, cid, part, key = k.split("/", 3)
+                    clients[int(cid)][0 if part == "model" else 1][key] = v
             self.set_clients(clients)
             history = history_from_json(meta["history"])
             last_eval = _from_evals(meta["last_eval"])
             restore_rng(meta["rng"], tensors)
         except CheckpointError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from exc
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
             raise CheckpointError(f"{self.path}: checkpoint does not fit this run: {exc}") from exc
         self.restored_round = int(meta["round"])
         log.info("resumed from %s after round %d", self.path, self.restored_round)
         return self.restored_round, state, history, last_eval
+
+    def verify(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Read and check the checkpoint against this run (digest, shape, config, round and
+        client count) without changing anything: callers check before they touch ``--out``."""
+        loaded = read_checkpoint(self.path)
+        meta = check_meta(loaded.meta, self.path, full=True)
+        self._check_config(meta)
+        if meta["round"] > self.last_round:
+            raise CheckpointError(
+                f"{self.path}: checkpoint after round {meta['round']}, but this run has "
+                f"{self.last_round} rounds"
+            )
+        want = self.config.get("data", {}).get("num_clients")
+        if want is not None and meta["num_clients"] != want:
+            raise CheckpointError(
+                f"{self.path}: checkpoint of {meta['num_clients']} clients, this run has {want}"
+            )
+        return meta, loaded.tensors
 
     def _check_config(self, meta: dict[str, Any]) -> None:
         mine = config_fingerprint(self.config)

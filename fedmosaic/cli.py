@@ -92,7 +92,7 @@ def _check_out(target: Path, cfg: ExperimentConfig, overwrite: bool) -> None:
 
 def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One run with the CSV/TensorBoard sinks and, when asked, checkpoints in ``target``."""
-    from fedmosaic.checkpoint import CheckpointError, peek
+    from fedmosaic.checkpoint import CheckpointError
     from fedmosaic.experiment import run_experiment
     from fedmosaic.report.sinks import Sinks
 
@@ -104,7 +104,12 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
             "or delete it to start over"
         )
     if ckpt.exists():
-        keep = int(peek(ckpt)["round"])
+        # Verified in full (digest, config, round, clients) before anything in --out changes:
+        # a refused resume leaves rounds.csv and the checkpoint as they were.
+        from fedmosaic.checkpoint import Checkpointer
+
+        checker = Checkpointer(ckpt, 0, cfg.to_dict(), lambda: [], lambda states: None, resume=True)
+        keep = int(checker.verify()[0]["round"])
     existed = target.exists()
     before = {p.name for p in target.iterdir()} if existed else set()
     sinks = Sinks(target, keep_rounds=keep)

@@ -108,3 +108,61 @@ def test_cli_keeps_another_configurations_finished_run(tmp_path: Path, capsys):
     f.write_text("x")
     assert main(["run", str(cfg), "--out", str(f), "--quiet"]) == 2
     assert f.read_text() == "x"
+
+
+def test_checkpoints_that_do_not_fit_are_refused_and_change_nothing(
+    tmp_path: Path, capsys, monkeypatch
+):
+    from fedmosaic import checkpoint as ck
+    from fedmosaic.core import rounds
+    from fedmosaic.report import sinks
+
+    cfg = _toml(tmp_path / "c.toml", algorithm={"name": "fedavg"}, train={"rounds": 3})
+    out = tmp_path / "out"
+    real = sinks.Sinks.__call__
+
+    def ctrl_c_after_round_2(self, rec):
+        real(self, rec)
+        if rec["round"] == 2:
+            rounds.stop_requested.set()  # what the first Ctrl-C does: a checkpoint is written
+
+    monkeypatch.setattr(sinks.Sinks, "__call__", ctrl_c_after_round_2)
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 130
+    monkeypatch.setattr(sinks.Sinks, "__call__", real)
+    path = out / ck.FILENAME
+    loaded = ck.read_checkpoint(path)
+    rows = (out / "rounds.csv").read_bytes()
+
+    def nan_weight(meta, tensors):
+        key = next(
+            k for k, v in tensors.items() if k.startswith("client/") and v.is_floating_point()
+        )
+        tensors[key] = tensors[key].clone().fill_(float("nan"))
+
+    cases = {
+        "round 999": lambda m, t: m.update(round=999),
+        "round not a number": lambda m, t: m.update(round="x"),
+        "history": lambda m, t: m["history"]["rounds"].pop(),
+        "clients": lambda m, t: m.update(num_clients=10**9),
+        "NaN": nan_weight,
+        "config": lambda m, t: m.update(config="nope"),
+    }
+    for what, change in cases.items():
+        meta, tensors = json.loads(json.dumps(loaded.meta)), dict(loaded.tensors)
+        change(meta, tensors)
+        _write_unverified(ck, path, meta, tensors)
+        capsys.readouterr()
+        assert main(["run", str(cfg), "--out", str(out), "--quiet", "--resume"]) == 2, what
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "checkpoint" in err[0], (what, err)
+        assert (out / "rounds.csv").read_bytes() == rows, what  # nothing changed
+        assert not (out / "results.json").exists()
+
+
+def _write_unverified(ck, path: Path, meta: dict, tensors: dict) -> None:
+    """A forged file: a valid digest over malformed content (what an attacker can write)."""
+    from safetensors.torch import save_file
+
+    meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
+    header = {"format": ck.FORMAT, "meta": meta_json, "digest": ck._digest(meta_json, tensors)}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=header)
