@@ -13,7 +13,6 @@ subfolder names), ``$FEDMOSAIC_DATA`` (same), system locations (Debian's
 from __future__ import annotations
 
 import functools
-import gzip
 import io
 import math
 import os
@@ -117,10 +116,15 @@ def cache_dir() -> Path:
 
 
 def search_dirs(name: str, cfg: DataConfig) -> list[Path]:
-    """Candidate folders for dataset ``name``, in search order."""
+    """Candidate folders for dataset ``name``, in search order.
+
+    An explicit ``data.root`` is the only place searched: a root that lacks a file is an error,
+    never a silent fall-back to another copy of the dataset.
+    """
     bases: list[Path] = []
     if cfg.root:
-        bases.append(Path(cfg.root).expanduser())
+        base = Path(cfg.root).expanduser()
+        return list(dict.fromkeys([base, *(base / sub for sub in SUBDIRS.get(name, []))]))
     env = os.environ.get("FEDMOSAIC_DATA")
     if env:
         bases.append(Path(env).expanduser())
@@ -211,13 +215,34 @@ def _read_bytes(path: Path) -> bytes:
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read file: {exc}") from exc
     if path.suffix == ".gz" or raw[:2] == b"\x1f\x8b":
-        try:
-            return gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise DatasetError(
-                f"{path}: corrupt gzip file ({exc}); delete it and re-fetch"
-            ) from exc
+        return _gunzip_bounded(path, raw)
     return raw
+
+
+MAX_DECOMPRESSED = 2**31  # no dataset file here decompresses to 2 GiB (EMNIST byclass: ~0.6 GB)
+
+
+def _gunzip_bounded(path: Path, raw: bytes, limit: int = MAX_DECOMPRESSED) -> bytes:
+    """gunzip in chunks, refusing output beyond ``limit`` bytes (a gzip bomb stops there,
+    before it is all in memory)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = bytearray()
+    data = raw
+    try:
+        while data:
+            out += d.decompress(data, 1 << 24)
+            if len(out) > limit:
+                raise DatasetError(
+                    f"{path}: decompresses to more than {limit} bytes; not a dataset file"
+                )
+            data = d.unconsumed_tail
+            if not data and d.eof and d.unused_data:  # a multi-member gzip: next member
+                data, d = d.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+        if not d.eof:
+            raise zlib.error("incomplete gzip stream")
+    except (zlib.error, EOFError) as exc:
+        raise DatasetError(f"{path}: corrupt gzip file ({exc}); delete it and re-fetch") from exc
+    return bytes(out)
 
 
 def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
@@ -391,7 +416,9 @@ def _safe_globals() -> dict[tuple[str, str], Any]:
     allowed[("numpy", "ndarray")] = np.ndarray
     allowed[("numpy", "dtype")] = np.dtype
     allowed[("_codecs", "encode")] = _latin1_encode
-    for t in (list, dict, tuple, set, frozenset, bytes, bytearray, str, int, float, bool):
+    # Not bytes/bytearray: ``bytearray(2**31)`` from a 39-byte file allocates 2 GB (the CIFAR
+    # pickles carry their bytes as opcodes, never through these constructors).
+    for t in (list, dict, tuple, set, frozenset, str, int, float, bool):
         allowed[("builtins", t.__name__)] = t
         allowed[("__builtin__", t.__name__)] = t  # Python 2 pickles (the CIFAR originals)
     return allowed
@@ -411,12 +438,43 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"refusing to load global {module}.{name}") from None
 
 
+MAX_PICKLE_DEPTH = 32  # CIFAR batches: a dict of arrays and flat lists (depth 2-3)
+MAX_PICKLE_OPS = 5_000_000  # CIFAR-100's train file: ~0.3 M opcodes
+
+
+def _check_pickle_shape(path: Path, raw: bytes) -> None:
+    """Refuse deeply nested or huge opcode streams before unpickling (a 200 KB file of nested
+    containers can exhaust the C stack when it is built or freed)."""
+    import pickletools
+
+    # Opcodes that wrap the top of the stack into a new container without a MARK.
+    wrap = {"TUPLE1", "TUPLE2", "TUPLE3"}
+    closes = {"LIST", "TUPLE", "DICT", "FROZENSET", "OBJ", "INST", "POP_MARK"}
+    depth = nest = ops = 0
+    try:
+        for op, _, _ in pickletools.genops(raw):
+            ops += 1
+            if op.name == "MARK":
+                depth += 1
+            elif op.name in closes or op.name in ("APPENDS", "SETITEMS", "ADDITEMS"):
+                depth = max(depth - 1, 0)
+            nest = nest + 1 if op.name in wrap else 0
+            if depth > MAX_PICKLE_DEPTH or nest > MAX_PICKLE_DEPTH or ops > MAX_PICKLE_OPS:
+                raise DatasetError(
+                    f"{path}: pickle nested deeper than {MAX_PICKLE_DEPTH} levels or longer than "
+                    f"{MAX_PICKLE_OPS} opcodes; not a dataset file"
+                )
+    except (ValueError, IndexError) as exc:
+        raise DatasetError(f"{path}: corrupt or unsupported pickle ({exc}); re-fetch it") from exc
+
+
 def load_pickle(path: Path) -> Any:
     """Unpickle a dataset file with the restricted unpickler; any failure names the file."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read file: {exc}") from exc
+    _check_pickle_shape(path, raw)
     try:
         # encoding="bytes": the original CIFAR files are Python 2 pickles with byte-string keys.
         return _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
@@ -438,7 +496,10 @@ def _cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
                 return d[k]
         raise DatasetError(f"{path}: no {key!r} entry (keys: {sorted(map(str, d))})")
 
-    data, labels = np.asarray(get("data")), np.asarray(get(label_key), dtype=np.int64)
+    try:
+        data, labels = np.asarray(get("data")), np.asarray(get(label_key), dtype=np.int64)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged, nested or non-numeric
+        raise DatasetError(f"{path}: 'data'/{label_key!r} are not arrays ({exc})") from exc
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DatasetError(
             f"{path}: 'data' must be uint8 [N, 3072], found {data.dtype} {list(data.shape)}"
@@ -555,8 +616,11 @@ def _tiny_listing(root: Path) -> tuple[list[str], list[Path], list[int], int]:
         if len(fields) < 2 or fields[1] not in cls:
             raise DatasetError(f"{ann}:{lineno}: expected '<file>\\t<wnid>...', got {line!r}")
         rows.append((fields[0], cls[fields[1]]))
+    images_dir = (root / "val" / "images").resolve()
     for fname, label in sorted(rows):
         p = root / "val" / "images" / fname
+        if not p.resolve().is_relative_to(images_dir):  # "../../etc/passwd" and the like
+            raise DatasetError(f"{ann}: {fname!r} points outside {images_dir}")
         if not p.is_file():
             raise DatasetError(f"{p}: listed in {ann} but missing")
         paths.append(p)

@@ -151,3 +151,62 @@ def test_tiny_corrupt_jpeg(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="cannot decode image") as err:
         load_dataset(DataConfig(dataset="tinyimagenet", root=str(tmp_path)), 0)
     assert str(bad) in str(err.value)
+
+
+# ---- hostile files (issue 12): bounded, refused by name, nothing read outside the root ----------
+
+
+def test_gzip_bomb_stops_at_the_limit(tmp_path: Path, monkeypatch) -> None:
+    from fedmosaic.data import datasets
+
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    bomb.write_bytes(gzip.compress(b"\0" * (8 << 20)))  # 8 MiB of zeros, ~8 KB compressed
+    monkeypatch.setattr(datasets, "MAX_DECOMPRESSED", 1 << 20)
+    with pytest.raises(DatasetError, match="decompresses to more than"):
+        datasets._gunzip_bounded(bomb, bomb.read_bytes(), datasets.MAX_DECOMPRESSED)
+    ok = tmp_path / "ok.gz"
+    ok.write_bytes(gzip.compress(b"abc") + gzip.compress(b"def"))  # two members
+    assert datasets._read_bytes(ok) == b"abcdef"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x02" + b"(" * 1000 + b"l" * 1000 + b".",  # nested lists (MARK ... LIST)
+        b"\x80\x02K\x01" + b"\x85" * 1000 + b".",  # nested 1-tuples
+        b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R.",  # bytearray(2**31)
+    ],
+    ids=["nested-lists", "nested-tuples", "bytearray-2GB"],
+)
+def test_hostile_pickles_are_refused_before_they_cost_anything(tmp_path: Path, payload) -> None:
+    from fedmosaic.data.datasets import load_pickle
+
+    f = tmp_path / "data_batch_1"
+    f.write_bytes(payload)
+    with pytest.raises(DatasetError, match=str(f)):
+        load_pickle(f)
+
+
+def test_an_explicit_root_missing_a_file_never_falls_back(tmp_path: Path, monkeypatch) -> None:
+    good = tmp_path / "system"
+    write_mnist(good)
+    monkeypatch.setenv("FEDMOSAIC_DATA", str(good))  # a complete copy elsewhere
+    partial = tmp_path / "mine"
+    write_mnist(partial)
+    next(partial.iterdir()).unlink()
+    with pytest.raises(DatasetError, match="not found"):
+        load_dataset(DataConfig(dataset="mnist", root=str(partial)), 0)
+
+
+def test_tiny_imagenet_annotations_cannot_point_outside_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "tiny-imagenet-200"
+    write_tiny(root, ["n01", "n02"])
+    ann = root / "val" / "val_annotations.txt"
+    lines = ann.read_text().splitlines()
+    first = lines[0].split("\t")
+    secret = tmp_path / "secret.JPEG"
+    secret.write_bytes((root / "val" / "images" / first[0]).read_bytes())
+    lines[0] = "\t".join(["../../../secret.JPEG", *first[1:]])
+    ann.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match="outside"):
+        load_dataset(DataConfig(dataset="tinyimagenet", root=str(root)), 0)
