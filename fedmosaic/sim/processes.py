@@ -247,9 +247,15 @@ class ProcessTransport:
         self.reuse = reuse
         self._clean = True
         images = fed.dataset.images.contiguous()
+        from fedmosaic.sim.store import remove_stale
+
+        remove_stale(_shm_dir(), "fedmosaic-")  # image files of SIGKILLed runs
         self._images_path = os.path.join(_shm_dir(), f"fedmosaic-{os.getpid()}-{uuid.uuid4().hex}")
         try:
-            images.numpy().tofile(self._images_path)
+            # Readable by this user only (the dataset may be private): 0600, created exclusively.
+            fd = os.open(self._images_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                images.numpy().tofile(fh)
             init = {
                 "cfg": cfg.to_dict(),
                 "images_path": self._images_path,

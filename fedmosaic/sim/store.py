@@ -56,12 +56,40 @@ def _bytes_view(t: Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean
+        return True
+    return True
+
+
+def remove_stale(folder: str | Path, prefix: str) -> list[Path]:
+    """Remove ``folder/<prefix><pid>-*`` entries of this user whose process no longer exists
+    (what a SIGKILLed run leaves behind: its client-state folder, its shared image file)."""
+    removed = []
+    for p in Path(folder).glob(f"{prefix}*"):
+        pid = p.name[len(prefix) :].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or p.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            removed.append(p)
+        except OSError:  # raced with another cleaner, or not ours after all
+            continue
+    return removed
+
+
 class StateStore:
     """Per-client state files in a private temporary folder (removed by :meth:`close`)."""
 
     def __init__(self, root: str | Path | None = None, create: bool = True) -> None:
         if root is None:
-            root = tempfile.mkdtemp(prefix="fedmosaic-states-")
+            remove_stale(tempfile.gettempdir(), "fedmosaic-states-")
+            # The owner's pid in the name: a SIGKILLed run's folder is removed by the next one.
+            root = tempfile.mkdtemp(prefix=f"fedmosaic-states-{os.getpid()}-")  # mode 0700
         self.root = Path(root)
         self.owner = create
         if create:

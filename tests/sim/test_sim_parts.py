@@ -92,3 +92,25 @@ def test_eval_cache_reuses_only_unchanged_clients(monkeypatch):
     strip = [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in history.rounds]
     strip2 = [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in history2.rounds]
     assert strip == strip2
+
+
+def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fedmosaic.sim.store import remove_stale
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    dead_pid = int(dead.stdout)
+    (tmp_path / f"fedmosaic-states-{dead_pid}-abc").mkdir()
+    (tmp_path / f"fedmosaic-states-{dead_pid}-abc" / "0.bin").write_bytes(b"x")
+    (tmp_path / f"fedmosaic-states-{os.getpid()}-live").mkdir()  # a running owner: kept
+    (tmp_path / "fedmosaic-states-notapid").mkdir()  # not ours by name: kept
+    removed = remove_stale(tmp_path, "fedmosaic-states-")
+    assert [p.name for p in removed] == [f"fedmosaic-states-{dead_pid}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"fedmosaic-states-{os.getpid()}-live", "fedmosaic-states-notapid"]
+    )
