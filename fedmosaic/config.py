@@ -42,6 +42,18 @@ class DataConfig:
     synthetic_size: int = 2000  # synthetic dataset: number of images
     synthetic_classes: int = 10
     synthetic_shape: list[int] = field(default_factory=lambda: [1, 28, 28])
+    # quantity skew (partition = quantity_dirichlet | quantity_power_law)
+    quantity_alpha: float = 1.0  # quantity_dirichlet: client sizes ~ Dir(quantity_alpha)
+    power_law_exponent: float = 1.0  # quantity_power_law: rank-k client's share ~ k^-exponent
+    quantity_labels: str = "iid"  # labels within the sizes: iid | dirichlet (uses alpha)
+    # feature shift: per-client (or per-domain) fixed transforms of the images; off by default
+    shift_rotation: float = 0.0  # angle ~ U[-r, r] degrees
+    shift_contrast: float = 1.0  # contrast factor log-uniform in [1/c, c] (1 = off)
+    shift_brightness: float = 0.0  # additive brightness ~ U[-b, b] in [0, 1] pixel units
+    shift_domains: int = 0  # 0 = a transform per client; k = k shared domains (client i -> i % k)
+    # dataset = "hf": a local Hugging Face / flwr-datasets style dataset in data.root
+    hf_image_column: str = ""  # "" = the first of image, img, pixel_values
+    hf_label_column: str = ""  # "" = the first of label, labels, fine_label, target
 
 
 @dataclass
@@ -114,7 +126,15 @@ SECTIONS: dict[str, type] = {
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.partition": ("iid", "dirichlet", "pathological", "skewed"),
+    "data.partition": (
+        "iid",
+        "dirichlet",
+        "pathological",
+        "skewed",
+        "quantity_dirichlet",
+        "quantity_power_law",
+    ),
+    "data.quantity_labels": ("iid", "dirichlet"),
     "data.split": ("pool_75_25", "8_1_1"),
     "data.normalize": ("half", "dataset"),
     "data.emnist_split": ("letters", "balanced"),
@@ -278,6 +298,20 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{k} = {v} must be >= 1")
     if d.partition == "dirichlet" and d.alpha <= 0:
         raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
+    if d.partition == "quantity_dirichlet" and d.quantity_alpha <= 0:
+        raise ConfigError(f"data.quantity_alpha = {d.quantity_alpha} must be > 0")
+    if d.partition.startswith("quantity_") and d.quantity_labels == "dirichlet" and d.alpha <= 0:
+        raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
+    if d.power_law_exponent < 0:
+        raise ConfigError(f"data.power_law_exponent = {d.power_law_exponent} must be >= 0")
+    if not 0.0 <= d.shift_rotation <= 180.0:
+        raise ConfigError(f"data.shift_rotation = {d.shift_rotation} must be in [0, 180] degrees")
+    if d.shift_contrast < 1.0:
+        raise ConfigError(f"data.shift_contrast = {d.shift_contrast} must be >= 1 (1 = off)")
+    if not 0.0 <= d.shift_brightness <= 1.0:
+        raise ConfigError(f"data.shift_brightness = {d.shift_brightness} must be in [0, 1]")
+    if d.shift_domains < 0:
+        raise ConfigError(f"data.shift_domains = {d.shift_domains} must be >= 0")
     if d.partition in ("pathological", "skewed") and d.classes_per_client < 1:
         raise ConfigError(f"data.classes_per_client = {d.classes_per_client} must be >= 1")
     if not 0.0 < d.subsample <= 1.0:

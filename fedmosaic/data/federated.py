@@ -7,11 +7,13 @@ normalizes only the rows asked for. Random streams (all derived from ``seed``):
   (at least one for every class present), so class balance is kept;
 - public split: ``default_rng([seed, 2])`` — a simple random ``public_size`` rows of the pool;
 - partition: ``default_rng(seed)`` — as the partitioner's ``rng``, over the remaining rows;
-- per-client train/val/test: ``default_rng([seed, 3])``.
+- per-client train/val/test: ``default_rng([seed, 3])``;
+- feature shift (``data.shift_*``): ``default_rng([seed, 4])``, see :mod:`fedmosaic.data.shift`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +25,7 @@ from torch import Tensor
 from fedmosaic.config import DataConfig
 from fedmosaic.data.datasets import DatasetError, ImageDataset, load_dataset
 from fedmosaic.data.partition import partition
+from fedmosaic.data.shift import apply_shift, draw_domains, shift_enabled
 
 if TYPE_CHECKING:
     from matplotlib.colors import Colormap
@@ -58,6 +61,8 @@ class FederatedData:
     public: Tensor  # int64 indices of the server-held split (may be empty)
     mean: Tensor  # float32 [C]: the normalization actually used
     std: Tensor  # float32 [C]
+    # per-client feature-shift transform (domain, rotation, contrast, brightness); [] when off
+    shifts: list[dict[str, float]] = field(default_factory=list)
     _per_device: dict[str, tuple[Tensor, Tensor, Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -168,9 +173,17 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         classes_per_client=cfg.classes_per_client,
         min_size=cfg.min_size,
         max_tries=cfg.max_tries,
+        quantity_alpha=cfg.quantity_alpha,
+        power_law_exponent=cfg.power_law_exponent,
+        quantity_labels=cfg.quantity_labels,
     )
     split_rng = np.random.default_rng([seed, 3])
     clients = [_client_split(rows[share], cfg, split_rng) for share in shares]
+    shifts: list[dict[str, float]] = []
+    if shift_enabled(cfg):
+        shifts = draw_domains(cfg, seed, len(clients))
+        shifted = apply_shift(ds.images, [cs.get("all") for cs in clients], shifts)
+        ds = dataclasses.replace(ds, images=shifted)
     if cfg.normalize == "half":
         mean, std = (0.5,) * ds.input_shape[0], (0.5,) * ds.input_shape[0]
     elif cfg.normalize == "dataset":
@@ -183,6 +196,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         public=torch.from_numpy(public),
         mean=torch.tensor(mean, dtype=torch.float32),
         std=torch.tensor(std, dtype=torch.float32),
+        shifts=shifts,
     )
 
 

@@ -1,13 +1,16 @@
-"""Label-based partitioners: pure functions from labels to per-client index arrays.
+"""Partitioners (label skew and quantity skew): pure functions from labels to per-client index arrays.
 
-Every partitioner has the signature ``(labels, num_clients, rng, *, num_classes, alpha,
-classes_per_client, min_size, max_tries) -> list[np.ndarray]`` and ignores the keywords it does
-not use. Returned arrays are sorted int64 positions into ``labels``; they are pairwise disjoint.
-All randomness comes from ``rng``, so the same generator state gives the same split.
+Every partitioner has the signature ``(labels, num_clients, rng, *, <settings>) ->
+list[np.ndarray]``; the label-skew ones take ``num_classes, alpha, classes_per_client, min_size,
+max_tries`` and ignore those they do not use, the quantity-skew ones also take ``quantity_alpha``,
+``power_law_exponent`` and ``quantity_labels``. :func:`partition` passes each partitioner only
+the settings its signature names. Returned arrays are sorted int64 positions into ``labels``; they
+are pairwise disjoint. All randomness comes from ``rng``, so the same generator state gives the same split.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -241,6 +244,150 @@ def skewed(
     return _finish(parts)
 
 
+# ----------------------------------------------------------------------------- quantity skew
+
+
+def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:
+    """``total`` split into integers proportional to ``weights`` (Hamilton's method: floors,
+    then one more to the largest remainders; ties go to the lower index). Sums to ``total``."""
+    share = weights / weights.sum() * total
+    sizes = np.floor(share).astype(np.int64)
+    short = total - int(sizes.sum())
+    if short > 0:
+        sizes[np.argsort(-(share - sizes), kind="stable")[:short]] += 1
+    return sizes
+
+
+def _fill_labels(
+    labels: np.ndarray,
+    sizes: np.ndarray,
+    c: int,
+    rng: np.random.Generator,
+    how: str,
+    alpha: float,
+) -> list[np.ndarray]:
+    """Rows for clients of the given ``sizes`` (summing to ``labels.size``).
+
+    ``how = "iid"``: a random permutation cut at the sizes. ``how = "dirichlet"``: each client
+    (in a random order) draws class proportions from Dir(alpha) and takes that many rows of each
+    class, redrawing its shortfall over the classes that still have rows (so sizes are exact and
+    clients served last get what is left, as flwr-datasets' InnerDirichletPartitioner).
+    """
+    n = labels.size
+    if how == "iid":
+        perm = rng.permutation(n)
+        return [np.sort(p).astype(np.int64) for p in np.split(perm, np.cumsum(sizes)[:-1])]
+    if how != "dirichlet":
+        raise PartitionError(f"data.quantity_labels = {how!r}; choose iid or dirichlet")
+    if alpha <= 0:
+        raise PartitionError(f"data.alpha = {alpha} must be > 0 (quantity_labels = dirichlet)")
+    pools = [rng.permutation(idx) for idx in _by_class(labels, c)]
+    left = np.array([p.size for p in pools], dtype=np.int64)  # rows not yet given, per class
+    taken = np.zeros(c, dtype=np.int64)  # how far each class's pool has been handed out
+    parts: list[list[np.ndarray]] = [[] for _ in sizes]
+    for i in rng.permutation(sizes.size):
+        want = rng.dirichlet(np.full(c, alpha))
+        want = np.where(np.isfinite(want), want, 0.0)
+        counts = np.zeros(c, dtype=np.int64)
+        need = int(sizes[i])
+        while need > 0:  # each pass takes >= 1 row: p is positive only where rows remain
+            avail = left - counts
+            p = want * (avail > 0)
+            if p.sum() <= 0:
+                p = (avail > 0).astype(np.float64)
+            draw = np.minimum(rng.multinomial(need, p / p.sum()), avail)
+            counts += draw
+            need -= int(draw.sum())
+        for cls in np.flatnonzero(counts):
+            parts[i].append(pools[cls][taken[cls] : taken[cls] + counts[cls]])
+        taken += counts
+        left -= counts
+    return _finish(parts)
+
+
+@PARTITIONERS.register("quantity_dirichlet")
+def quantity_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 10,
+    max_tries: int = 1000,
+    quantity_alpha: float = 1.0,
+    quantity_labels: str = "iid",
+) -> list[np.ndarray]:
+    """Quantity skew: client sizes ``q * N`` with ``q ~ Dir(quantity_alpha)`` (NIID-Bench's
+    "iid-diff-quantity", Li et al. 2022), redrawn until every client has ``>= min_size`` rows,
+    at most ``max_tries`` times. Sizes are rounded by largest remainder and cover every row.
+    Labels: IID within each client (``quantity_labels = "iid"``, the paper's setting) or
+    Dirichlet(``alpha``) label skew on top of these sizes (``"dirichlet"``).
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    n = labels.size
+    if quantity_alpha <= 0:
+        raise PartitionError(f"data.quantity_alpha = {quantity_alpha} must be > 0")
+    if n < num_clients * max(min_size, 1):
+        raise PartitionError(
+            f"quantity_dirichlet: {n} samples cannot give {num_clients} clients >= "
+            f"min_size = {max(min_size, 1)} each; use fewer clients or a smaller min_size"
+        )
+    smallest = 0
+    for _ in range(max(1, max_tries)):
+        q = rng.dirichlet(np.full(num_clients, quantity_alpha))
+        q = np.where(np.isfinite(q), q, 0.0)
+        if q.sum() <= 0:
+            continue
+        sizes = _largest_remainder(n, q)
+        smallest = int(sizes.min())
+        if smallest >= max(min_size, 1):
+            return _fill_labels(labels, sizes, c, rng, quantity_labels, alpha)
+    raise PartitionError(
+        f"quantity_dirichlet: no sizes with every client >= min_size = {min_size} after "
+        f"{max_tries} tries (last smallest client: {smallest}); use a larger quantity_alpha "
+        f"(now {quantity_alpha}), a smaller min_size, fewer clients (now {num_clients}) or "
+        "more max_tries"
+    )
+
+
+@PARTITIONERS.register("quantity_power_law")
+def quantity_power_law(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 10,
+    max_tries: int = 1000,
+    power_law_exponent: float = 1.0,
+    quantity_labels: str = "iid",
+) -> list[np.ndarray]:
+    """Quantity skew with power-law (Zipf) sizes: the client of rank k (a seeded random
+    permutation of 1..N) gets ``min_size`` rows plus a share ``k^-power_law_exponent / sum_j
+    j^-power_law_exponent`` of the rest (largest remainder rounding; every row is used). So the
+    largest client holds about ``N^exponent`` times the smallest one's share; exponent 0 gives
+    equal sizes. Labels as in :func:`quantity_dirichlet` (``quantity_labels``).
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    n = labels.size
+    if power_law_exponent < 0:
+        raise PartitionError(f"data.power_law_exponent = {power_law_exponent} must be >= 0")
+    floor = max(min_size, 1)
+    if n < num_clients * floor:
+        raise PartitionError(
+            f"quantity_power_law: {n} samples cannot give {num_clients} clients >= "
+            f"min_size = {floor} each; use fewer clients or a smaller min_size"
+        )
+    ranks = rng.permutation(num_clients) + 1  # client i has rank ranks[i]
+    weights = ranks.astype(np.float64) ** -float(power_law_exponent)
+    sizes = floor + _largest_remainder(n - num_clients * floor, weights)
+    return _fill_labels(labels, sizes, c, rng, quantity_labels, alpha)
+
+
 def partition(
     name: str,
     labels: np.ndarray,
@@ -253,4 +400,9 @@ def partition(
         raise PartitionError(
             f"data.partition = {name!r} is unknown; known: {', '.join(PARTITIONERS.names())}"
         )
-    return PARTITIONERS.get(name)(labels, num_clients, rng, **kwargs)
+    fn = PARTITIONERS.get(name)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # Each partitioner names the settings it uses; the others are not its business.
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(labels, num_clients, rng, **kwargs)

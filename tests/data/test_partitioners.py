@@ -13,7 +13,7 @@ from fedmosaic.data import PartitionError, dirichlet, partition, pathological, s
 # 10 classes, slightly unbalanced (95..104 samples), in a shuffled order.
 LABELS = np.random.default_rng(0).permutation(np.repeat(np.arange(10), np.arange(95, 105)))
 KW = dict(num_classes=10, alpha=0.5, classes_per_client=2, min_size=10, max_tries=1000)
-COVERING = ["iid", "dirichlet", "pathological"]
+COVERING = ["iid", "dirichlet", "pathological", "quantity_dirichlet", "quantity_power_law"]
 
 
 def run(
@@ -23,7 +23,14 @@ def run(
 
 
 def test_registry() -> None:
-    assert PARTITIONERS.names() == ["dirichlet", "iid", "pathological", "skewed"]
+    assert PARTITIONERS.names() == [
+        "dirichlet",
+        "iid",
+        "pathological",
+        "quantity_dirichlet",
+        "quantity_power_law",
+        "skewed",
+    ]
 
 
 @pytest.mark.parametrize("name", PARTITIONERS.names())
