@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,19 +38,27 @@ class FlowerOptions:
 
     @classmethod
     def from_run_config(cls, rc: Mapping[str, Any]) -> FlowerOptions:
-        def num(key: str) -> float:
+        def num(key: str, top: float = 1e9) -> float:
+            # Finite and bounded: a NaN timeout never expires, 1e300 replies never arrive.
             value = rc.get(key, RUN_CONFIG[key][0])
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"run config {key} = {value!r} must be a number >= 0")
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or not 0 <= value <= top:
+                raise ConfigError(f"run config {key} = {value!r} must be a number in [0, {top:g}]")
             return float(value)
+
+        def count(key: str, low: int = 0) -> int:
+            value = num(key, 1e6)
+            if value != int(value) or value < low:
+                raise ConfigError(f"run config {key} = {value!r} must be an integer >= {low}")
+            return int(value)
 
         return cls(
             round_timeout=num("round-timeout"),
             eval_timeout=num("eval-timeout"),
-            min_replies=int(num("min-replies")),
-            min_nodes=int(num("min-nodes")),
+            min_replies=count("min-replies", 1),
+            min_nodes=count("min-nodes"),
             connect_timeout=num("connect-timeout"),
-            max_reply_bytes=int(num("max-reply-mb") * (1 << 20)),
+            max_reply_bytes=int(num("max-reply-mb", 1e6) * (1 << 20)),
             results_dir=str(rc.get("results-dir", "")),
         )
 
@@ -70,7 +79,11 @@ def experiment_raw(rc: Mapping[str, Any]) -> dict[str, Any]:
     overrides = rc.get("overrides", "")
     if not isinstance(overrides, str):
         raise ConfigError("run config 'overrides' must be a string")
-    return apply_overrides(raw, shlex.split(overrides))
+    try:
+        items = shlex.split(overrides)
+    except ValueError as exc:  # an unbalanced quote
+        raise ConfigError(f"run config 'overrides' = {overrides!r}: {exc}") from exc
+    return apply_overrides(raw, items)
 
 
 def experiment_config(rc: Mapping[str, Any]) -> ExperimentConfig:

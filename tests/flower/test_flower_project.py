@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_raw
 
 from fedmosaic.cli import main
-from fedmosaic.config import from_dict
+from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.flower.settings import FlowerOptions, experiment_config
 
 CONFIG = """seed = 3
@@ -91,3 +91,30 @@ def test_unknown_run_config_key_is_an_error(tmp_path, capsys):
     args = ["flower", "app", str(cfg_path), "--out", str(tmp_path / "a"), "--insecure"]
     assert main([*args, "--run-config", "round-timeot=3"]) == 2
     assert "round-timeot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("round-timeout", float("nan")),  # a NaN deadline never expires
+        ("round-timeout", float("inf")),
+        ("max-reply-mb", float("nan")),
+        ("max-reply-mb", float("inf")),
+        ("min-replies", float("inf")),
+        ("min-replies", 1e300),  # accepted before: nothing was ever aggregated
+        ("min-replies", 0),
+        ("min-replies", 1.5),
+        ("eval-timeout", -1),
+        ("min-nodes", True),
+    ],
+)
+def test_bad_run_config_numbers_are_config_errors(key, value):
+    with pytest.raises(ConfigError, match=key):
+        FlowerOptions.from_run_config({key: value})
+
+
+def test_unbalanced_override_quote_is_a_config_error():
+    from fedmosaic.flower.settings import experiment_raw
+
+    with pytest.raises(ConfigError, match="overrides"):
+        experiment_raw({"experiment": "{}", "overrides": 'train.rounds="3'})
