@@ -298,7 +298,7 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{k} = {v} must be >= 1")
     if d.partition == "dirichlet" and d.alpha <= 0:
         raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
-    if d.partition == "quantity_dirichlet" and d.quantity_alpha <= 0:
+    if d.quantity_alpha <= 0:
         raise ConfigError(f"data.quantity_alpha = {d.quantity_alpha} must be > 0")
     if d.partition.startswith("quantity_") and d.quantity_labels == "dirichlet" and d.alpha <= 0:
         raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
