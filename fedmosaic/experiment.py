@@ -23,6 +23,7 @@ from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.rounds import (
     EvalResult,
     History,
@@ -56,6 +57,10 @@ class Federation:
 
 def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], ClientModel]:
     members = family_members(cfg.model.family)
+    # The method may fix the projection (Algorithm.model_projection; FedHeNN keeps natural widths).
+    name = cfg.algorithm.get("name")
+    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
+    projection = fixed or cfg.model.projection
 
     def build(client_id: int) -> ClientModel:
         # Each client's initial weights come from its own stream: same seed, same model.
@@ -65,7 +70,7 @@ def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], 
             fed.input_shape,
             fed.num_classes,
             cfg.model.feature_dim,
-            projection=cfg.model.projection,
+            projection=projection,
         ).to(cfg.train.device)
 
     return build

@@ -37,7 +37,8 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -171,16 +172,40 @@ def rad_inputs(
     return cache[round_num]
 
 
+@contextmanager
+def inference_mode(model: nn.Module) -> Iterator[None]:
+    """Every submodule in eval mode, each one's own flag restored after.
+
+    The RAD representation ``Phi(X; W)`` is the network's inference map: BatchNorm normalizes with
+    (and leaves untouched) its running statistics, dropout is off. Autograd is unaffected.
+    """
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, was in flags:
+            m.training = was  # not m.train(was): that would recurse over children
+
+
+def rad_kernel(model: ClientModel, inputs: Tensor, kind: str, sigma: float) -> Tensor:
+    """``K = kernel(Phi(X; W), Phi(X; W))`` on ``inputs [L, C, H, W]`` in eval mode -> ``[L, L]``.
+
+    With gradient (the client's ``K_i``); the same map as the uploaded kernel, and the RAD pass
+    leaves BatchNorm's running statistics as training on local data alone leaves them.
+    """
+    with inference_mode(model):
+        return kernel_matrix(model.features(inputs), kind, sigma)
+
+
 @torch.no_grad()
 def representation_kernel(
     model: ClientModel, inputs: Tensor, kind: str, sigma: float, batch: int = FEATURE_BATCH
 ) -> Tensor:
-    """Kernel of the model's features on ``inputs`` in eval mode, without gradient -> ``[L, L]``."""
-    was = model.training
-    model.eval()
-    feats = torch.cat([model.features(inputs[i : i + batch]) for i in range(0, len(inputs), batch)])
-    model.train(was)
-    return kernel_matrix(feats, kind, sigma).float()
+    """:func:`rad_kernel` without gradient, forwarded ``batch`` rows at a time -> ``[L, L]``."""
+    with inference_mode(model):
+        feats = [model.features(inputs[i : i + batch]) for i in range(0, len(inputs), batch)]
+    return kernel_matrix(torch.cat(feats), kind, sigma).float()
 
 
 def check_public(cfg: ExperimentConfig, name: str) -> None:
@@ -220,6 +245,7 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     Broadcast: ClassVar[type[Payload]] = HeNNBroadcast
     Upload: ClassVar[type[Payload]] = HeNNUpload
     supports_heterogeneous: ClassVar[bool] = True
+    model_projection: ClassVar[str | None] = "none"  # each client aligns its own Phi (width d_i)
     paper: ClassVar[str] = (
         "Makhija et al., Architecture Agnostic Federated Learning for Neural Networks, ICML 2022"
     )
@@ -305,8 +331,7 @@ def cka_distance(
     if 0 < rad_batch < rad.shape[0]:
         idx = torch.randperm(rad.shape[0])[:rad_batch].to(rad.device)
         rad, target = rad[idx], target[idx][:, idx]
-    k = kernel_matrix(model.features(rad), kind, sigma)  # [L, L]
-    return 1.0 - cka(k, target)
+    return 1.0 - cka(rad_kernel(model, rad, kind, sigma), target)
 
 
 def check_hyperparameters(kernel: str, schedule: str, sigma: float, eta0: float, rad: int) -> None:

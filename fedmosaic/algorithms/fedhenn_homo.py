@@ -88,6 +88,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     Broadcast: ClassVar[type[Payload]] = HomoBroadcast
     Upload: ClassVar[type[Payload]] = SharedState
     supports_heterogeneous: ClassVar[bool] = False
+    model_projection: ClassVar[str | None] = "none"  # the paper's model, no added layer
     paper: ClassVar[str] = (
         "Makhija et al., Architecture Agnostic Federated Learning for Neural Networks, ICML 2022 "
         "(homogeneous variant)"

@@ -97,6 +97,10 @@ class Algorithm(ABC, Generic[S, B, U]):
     # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
     # framing of its empty payloads (a real deployment would send no message at all)
     communicates: ClassVar[bool] = True
+    # How every client model of this method reaches its width (``models.build``): None follows
+    # ``model.projection``; "none" keeps each encoder's natural width (FedHeNN: CKA compares
+    # L x L kernels, so each client aligns its own penultimate representation, no added layer)
+    model_projection: ClassVar[str | None] = None
 
     # ---- configuration -------------------------------------------------------------------
     def check_config(self, cfg: ExperimentConfig) -> None:  # noqa: B027 - optional hook

@@ -11,6 +11,10 @@ PARTS = ("all", "encoder", "head")
 class ClientModel(nn.Module):
     """encoder(x) -> [B, feature_dim] -> head -> [B, num_classes].
 
+    ``feature_dim`` is this model's own width: the common ``model.feature_dim``, or, for a method
+    that keeps each encoder's natural width (``Algorithm.model_projection`` -> ``"none"``, e.g.
+    FedHeNN), a per-client value. Code that needs a common width must not assume it then.
+
     Parts are addressed by name: ``all``, ``encoder``, ``head``. The encoder's top-level children
     (``encoder.named_children()``) are its blocks in forward order (used by layer expansion).
     """

@@ -13,6 +13,10 @@ named ``proj`` maps it there:
 
 - ``"linear"`` (default): a learnable ``Linear(natural_dim, feature_dim)``, no activation.
 - ``"pool"``: HtFLlib's parameter-free ``AdaptiveAvgPool1d(feature_dim)``.
+- ``"none"``: no projection: the model keeps its encoder's own width (``ClientModel.feature_dim`` =
+  the natural dimension, so it differs across a family's members). Only for methods that never
+  compare features across clients coordinate by coordinate (FedHeNN's L x L kernels): an
+  algorithm picks it through ``Algorithm.model_projection``; ``model.projection`` cannot.
 
 Why linear by default: the pool is a fixed, arbitrary channel map. It averages adjacent channels
 (ResNet50's 2048 -> 512 in fixed groups of 4, MobileNetV2's 1280 -> 512 in overlapping windows of
@@ -33,7 +37,7 @@ from torch import nn
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ENCODERS
 
-PROJECTIONS = ("linear", "pool")
+PROJECTIONS = ("linear", "pool", "none")
 _MLP = re.compile(r"mlp(\d+(?:-\d+)*)")
 
 
@@ -83,6 +87,13 @@ def build_encoder(
     projection: str = "linear",
 ) -> nn.Module:
     """The registered encoder for ``input_shape = (C, H, W)``, projected to ``feature_dim``."""
+    return _encoder(arch, input_shape, feature_dim, projection)[0]
+
+
+def _encoder(
+    arch: str, input_shape: tuple[int, int, int], feature_dim: int, projection: str
+) -> tuple[nn.Module, int]:
+    """``(encoder, output width)``: ``feature_dim``, or the natural width for ``"none"``."""
     if projection not in PROJECTIONS:
         raise ValueError(f"unknown projection {projection!r}; known: {', '.join(PROJECTIONS)}")
     channels, height, width = input_shape
@@ -91,6 +102,8 @@ def build_encoder(
     encoder, natural_dim = ENCODERS.get(arch)(channels, height)
     if not isinstance(encoder, nn.Sequential):  # its forward must run the blocks, proj included
         raise TypeError(f"encoder {arch!r} must be an nn.Sequential of blocks")
+    if projection == "none":
+        return encoder, natural_dim
     if natural_dim != feature_dim:
         proj = (
             nn.Linear(natural_dim, feature_dim)
@@ -98,7 +111,7 @@ def build_encoder(
             else nn.AdaptiveAvgPool1d(feature_dim)
         )
         encoder.add_module("proj", proj)
-    return encoder
+    return encoder, feature_dim
 
 
 def build_client_model(
@@ -111,9 +124,8 @@ def build_client_model(
     """Build the ClientModel for a family member string (see module doc for the format).
 
     Parameters are drawn from torch's global RNG: seed it first for reproducible models.
+    With ``projection = "none"`` the model's ``feature_dim`` is its encoder's natural width.
     """
     arch, head = split_member(member)
-    encoder = build_encoder(arch, input_shape, feature_dim, projection)
-    return ClientModel(
-        encoder, build_head(head, feature_dim, num_classes), feature_dim, num_classes, arch=member
-    )
+    encoder, dim = _encoder(arch, input_shape, feature_dim, projection)
+    return ClientModel(encoder, build_head(head, dim, num_classes), dim, num_classes, arch=member)

@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _bnclient import BN_MEMBERS, bn_buffers, bn_data, bn_model, shifted_rad
 from _publicfed import SHAPE, C, run_fed, tiny_data, tiny_model
 from conftest import tiny_raw
+from torch import nn
 
 from fedmosaic.algorithms.fedhenn import (
     FedHeNN,
@@ -14,10 +16,12 @@ from fedmosaic.algorithms.fedhenn import (
     HeNNUpload,
     center,
     cka,
+    cka_distance,
     eta_at,
     hsic,
     kernel_matrix,
     rbf_kernel,
+    representation_kernel,
     sample_rad,
 )
 from fedmosaic.config import ConfigError, ExperimentConfig, from_dict
@@ -233,6 +237,61 @@ def test_validate_upload_rejects_wrong_kernel_shape():
             algo.validate_upload(state, HeNNUpload(bad), 2)
 
 
+# ---- BatchNorm: the RAD pass is the inference map and leaves the statistics alone -------------
+def _bn_msg(eta: float) -> HeNNBroadcast:
+    rad = shifted_rad()
+    a = torch.randn(len(rad), 5, generator=torch.Generator().manual_seed(2))
+    return HeNNBroadcast(rad, a @ a.T, rad, eta, 2)  # K_bar: some other representation's kernel
+
+
+def _bn_fit(model, msg: HeNNBroadcast, lr: float) -> client_ops.FitOutput:
+    settings = TrainSettings(batch_size=4, lr=lr)  # 8 examples: two steps
+    return client_ops.fit(
+        FedHeNN(rad_size=6), model, nn.Module(), msg, bn_data(), settings, 0, 2, 1
+    )
+
+
+@pytest.mark.parametrize(("family", "member"), BN_MEMBERS)
+def test_alignment_pass_leaves_batchnorm_statistics_as_local_training_does(family, member):
+    # lr = 0: the weights never move, so the only difference between the runs is the RAD pass
+    # (inputs shifted by +3, another distribution than the training data).
+    aligned, alone = bn_model(family, member), bn_model(family, member)
+    _bn_fit(aligned, _bn_msg(eta=1.0), lr=0.0)
+    _bn_fit(alone, _bn_msg(eta=0.0), lr=0.0)  # eta = 0: CE only, no RAD forward at all
+    got, want, init = bn_buffers(aligned), bn_buffers(alone), bn_buffers(bn_model(family, member))
+    assert len(want) > 20 and got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert any(not torch.equal(init[k], want[k]) for k in want if k.endswith("running_mean"))
+    # With real steps: one count per training batch (the RAD pass adds none) ...
+    trained, ce_only = bn_model(family, member), bn_model(family, member)
+    _bn_fit(trained, _bn_msg(eta=1.0), lr=0.05)
+    _bn_fit(ce_only, _bn_msg(eta=0.0), lr=0.05)
+    counts = [int(v) for k, v in bn_buffers(trained).items() if k.endswith("num_batches_tracked")]
+    assert counts and set(counts) == {2}
+    # ... and the CKA gradient still reaches the weights through the client's representation.
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), ce_only.parameters()))
+
+
+@pytest.mark.parametrize(("family", "member"), BN_MEMBERS)
+def test_training_kernel_and_uploaded_kernel_are_the_same_map(family, member):
+    model = bn_model(family, member)
+    out = _bn_fit(model, _bn_msg(eta=1.0), lr=0.05)  # running statistics now off their init
+    rad = shifted_rad()
+    assert torch.allclose(out.upload.kernel, representation_kernel(model, rad, "linear", 1.0))
+    model.train()
+    model.head.eval()  # a module's own mode must survive the RAD pass
+    # K_i (with gradient, as in the loss) against the upload on the same weights: CKA = 1.
+    dist = cka_distance(model, rad, out.upload.kernel, "linear", 1.0)
+    assert float(dist.detach()) == pytest.approx(0.0, abs=1e-5)
+    assert model.encoder.training and all(m.training for m in model.encoder.modules())
+    assert not model.head.training
+    # Gradient flows through the client's RAD representation.
+    other = cka_distance(model, rad, _bn_msg(1.0).kernel, "linear", 1.0)
+    other.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoder.parameters())
+
+
 # ---- end to end -------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs",
@@ -258,3 +317,25 @@ def test_two_rounds_with_config_and_wire_check():
     doc = run_experiment(from_dict(raw), progress=False)
     assert [r["round"] for r in doc["rounds"]] == [1, 2]
     assert all(r["rejected"] == [] for r in doc["rounds"])
+
+
+def test_clients_of_different_widths_align_their_own_representations():
+    # fedhenn5 at 1x28x28: widths 864, 120, 120, 84, 84, no projection layer (Sec. 4.1's CNNs).
+    raw = tiny_raw(model={"family": "fedhenn5"}, algorithm={"name": "fedhenn", "rad_size": 20})
+    raw["data"]["num_clients"] = 5
+    from fedmosaic.experiment import build_federation, run_experiment
+
+    fed = build_federation(from_dict(raw))
+    assert [m.feature_dim for m in fed.models] == [864, 120, 120, 84, 84]
+    serial = run_experiment(from_dict({**raw, "sim": {**raw["sim"], "threads": 1}}), progress=False)
+    assert [r["round"] for r in serial["rounds"]] == [1, 2]
+    assert all(r["rejected"] == [] and math.isfinite(r["train_loss"]) for r in serial["rounds"])
+    # Worker processes build the same per-client widths: bitwise the serial numbers.
+    procs = run_experiment(
+        from_dict({**raw, "sim": {**raw["sim"], "backend": "processes", "workers": 2}}),
+        progress=False,
+    )
+    keys = ("train_loss", "acc_weighted", "acc_mean")
+    assert [[r[k] for k in keys] for r in procs["rounds"]] == [
+        [r[k] for k in keys] for r in serial["rounds"]
+    ]

@@ -5,14 +5,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _bnclient import BN_MEMBERS, bn_buffers, bn_data, bn_model, shifted_rad
 from _publicfed import SHAPE, C, run_fed, tiny_data, tiny_model
 from conftest import tiny_raw
 
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedavg import FedAvg
-from fedmosaic.algorithms.fedhenn import cka, kernel_matrix
-from fedmosaic.algorithms.fedhenn_homo import FedHeNNHomo
+from fedmosaic.algorithms.fedhenn import cka, cka_distance, kernel_matrix
+from fedmosaic.algorithms.fedhenn_homo import FedHeNNHomo, HomoBroadcast
 from fedmosaic.config import ConfigError, ExperimentConfig, from_dict
+from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import FederationSpec
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.training import TrainSettings
@@ -71,6 +73,38 @@ def test_global_kernel_is_the_received_models_and_starts_aligned():
     want = ce + 1.0 * (1 - cka(k_i, extras.k_global))
     assert torch.allclose(algo.loss(model, extras, x, y, msg), want, atol=1e-5)
     assert float((want - ce).detach()) > 0
+
+
+@pytest.mark.parametrize(("family", "member"), BN_MEMBERS)
+def test_batchnorm_statistics_untouched_and_one_mode_for_both_kernels(family, member):
+    algo = FedHeNNHomo(rad_size=6)
+    received = bn_model(family, member, seed=3).part_state("all")  # W(t-1), its statistics too
+
+    def fit(eta: float, lr: float):
+        model = bn_model(family, member)
+        extras = algo.init_client(model, None, bn_data())  # type: ignore[arg-type]
+        msg = HomoBroadcast(received, shifted_rad(), eta, 2)
+        settings = TrainSettings(batch_size=4, lr=lr)  # 8 examples: two steps
+        client_ops.fit(algo, model, extras, msg, bn_data(), settings, 0, 2, 1)
+        return model
+
+    # lr = 0: weights fixed, the RAD pass (inputs shifted by +3) is the only difference.
+    got, want = bn_buffers(fit(1.0, 0.0)), bn_buffers(fit(0.0, 0.0))
+    assert len(want) > 20 and got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    counts = [int(v) for k, v in bn_buffers(fit(1.0, 0.05)).items() if "num_batches" in k]
+    assert counts and set(counts) == {2}  # one per training batch
+    # At the received weights K_i (the loss's, with gradient) is K_global (eval, before training).
+    model = bn_model(family, member)
+    extras = algo.init_client(model, None, bn_data())  # type: ignore[arg-type]
+    msg = HomoBroadcast(received, shifted_rad(), 1.0, 2)
+    algo.receive(model, extras, msg)
+    algo.before_fit(model, extras, bn_data(), msg, TrainSettings(), torch.Generator())
+    model.train()
+    dist = cka_distance(model, msg.rad, extras.k_global, "linear", 1.0)
+    assert float(dist.detach()) == pytest.approx(0.0, abs=1e-5)
+    assert all(m.training for m in model.modules())
 
 
 def test_payloads_validation_and_config():
