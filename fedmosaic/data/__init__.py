@@ -1,6 +1,7 @@
 """Datasets, partitioners and per-client splits. Importing this package registers every dataset
 loader in ``DATASETS`` and every partitioner in ``PARTITIONERS``."""
 
+from fedmosaic.data import hf  # noqa: F401  (registers dataset "hf")
 from fedmosaic.data.datasets import (
     STATS,
     DatasetError,

@@ -753,3 +753,6 @@ def clear_cache() -> None:
     """Forget every decoded dataset held by this process."""
     for fn in (_load_idx_dataset, _load_cifar, _load_tiny, _synthetic):
         fn.cache_clear()
+    from fedmosaic.data import hf  # the local Hugging Face adapter keeps its own decode cache
+
+    hf.clear_cache()

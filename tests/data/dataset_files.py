@@ -125,3 +125,86 @@ def write_tiny(root: Path, wnids: list[str], per_class: int = 2, val: int = 3) -
         lines.append(f"val_{j}.JPEG\t{w}\t0\t0\t63\t63")
     (root / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     return colour
+
+
+# ----------------------------------------------------------------------------- Hugging Face layouts
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """A lossless PNG of a uint8 [H, W] (grayscale) or [H, W, 3] (RGB) image."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_hf_imagefolder(folder: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """HF ``imagefolder`` / torchvision ``ImageFolder``: <split>/<class name>/<i>.png, where
+    class k is named ``class_<k>`` (sorted names give back k for k < 10)."""
+    for split, (images, labels) in splits.items():
+        for i, (x, y) in enumerate(zip(images, labels)):
+            d = folder / split / f"class_{int(y)}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{i:05d}.png").write_bytes(png_bytes(x))
+
+
+def hf_table(images: np.ndarray, labels: np.ndarray, names: list[str]):  # -> pyarrow.Table
+    """A table as ``datasets`` writes it: an Image struct column ``{bytes, path}`` and an int64
+    ClassLabel column, with the ``huggingface`` features metadata on the schema."""
+    import json
+
+    import pyarrow as pa
+
+    image = pa.array(
+        [{"bytes": png_bytes(x), "path": None} for x in images],
+        type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
+    features = {
+        "image": {"_type": "Image"},
+        "label": {"names": names, "_type": "ClassLabel"},
+    }
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    table = pa.table({"image": image, "label": pa.array(labels.astype(np.int64))})
+    return table.replace_schema_metadata(meta)
+
+
+def write_hf_parquet(folder: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """The Hub's layout: data/<split>-00000-of-00001.parquet."""
+    import pyarrow.parquet as pq
+
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    for split, (x, y) in splits.items():
+        pq.write_table(
+            hf_table(x, y, [f"c{k}" for k in range(10)]),
+            folder / "data" / f"{split}-00000-of-00001.parquet",
+        )
+
+
+def write_hf_save_to_disk(folder: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """``DatasetDict.save_to_disk``: dataset_dict.json, and per split an Arrow *stream* file
+    named in state.json beside dataset_info.json."""
+    import json
+
+    import pyarrow as pa
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    for split, (x, y) in splits.items():
+        d = folder / split
+        d.mkdir()
+        table = hf_table(x, y, [f"c{k}" for k in range(10)])
+        with pa.OSFile(str(d / "data-00000-of-00001.arrow"), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+        state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": split}
+        (d / "state.json").write_text(json.dumps(state))
+        info = {
+            "features": {
+                "image": {"_type": "Image"},
+                "label": {"names": [f"c{k}" for k in range(10)], "_type": "ClassLabel"},
+            }
+        }
+        (d / "dataset_info.json").write_text(json.dumps(info))

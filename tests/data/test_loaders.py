@@ -27,6 +27,7 @@ ALL_DATASETS = [
     "digits",
     "emnist",
     "fmnist",
+    "hf",
     "mnist",
     "synthetic",
     "tinyimagenet",
