@@ -50,7 +50,7 @@ FILENAME = "checkpoint.safetensors"
 # Test hook: after saving the checkpoint of this round the process SIGKILLs itself (resume tests).
 KILL_ENV = "FEDMOSAIC_KILL_AFTER_CHECKPOINT"
 # Config keys that do not change a run's numbers (a resumed run may differ in them).
-NEUTRAL_KEYS = ("sim.progress",)
+NEUTRAL_KEYS = ("sim.progress", "sim.wandb")
 
 
 class CheckpointError(ValueError):

@@ -112,7 +112,7 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
         keep = int(checker.verify()[0]["round"])
     existed = target.exists()
     before = {p.name for p in target.iterdir()} if existed else set()
-    sinks = Sinks(target, keep_rounds=keep)
+    sinks = Sinks(target, keep_rounds=keep, config=cfg.to_dict())
     started = [False]
 
     def on_round(rec: dict[str, Any]) -> None:
@@ -228,10 +228,12 @@ def cmd_list(args: argparse.Namespace) -> int:
             for name, members in FAMILIES.items():
                 print(f"{name}: {', '.join(members)}")
     elif what == "datasets":
+        import fedmosaic.data  # noqa: F401 - fills the registry
         from fedmosaic.core.registry import DATASETS
 
         print("\n".join(DATASETS.names()))
     elif what == "partitioners":
+        import fedmosaic.data  # noqa: F401 - fills the registry
         from fedmosaic.core.registry import PARTITIONERS
 
         print("\n".join(PARTITIONERS.names()))
@@ -286,7 +288,10 @@ def _logging_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import fedmosaic
+
     p = argparse.ArgumentParser(prog="fedmosaic", description=__doc__)
+    p.add_argument("--version", action="version", version=f"fedmosaic {fedmosaic.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     common = _logging_options()
 
@@ -467,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `fedmosaic list ... | head`: the reader left; nothing to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:  # a read-only or full disk, a path that is a file, ...
         print(f"error: {exc}", file=sys.stderr)
         return 2

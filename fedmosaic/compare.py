@@ -325,7 +325,7 @@ def run_cell(
         else:  # the suite (or --set) changed since: that checkpoint is another cell's
             log.warning("%s: the checkpoint is of another configuration; starting over", cell.key)
             ckpt.unlink()
-    sinks = Sinks(d, keep_rounds=keep)
+    sinks = Sinks(d, keep_rounds=keep, config=cell.cfg.to_dict())
     every = checkpoint_every if checkpoint_every > 0 else cell.cfg.train.rounds
     try:
         doc = run_experiment(

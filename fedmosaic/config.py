@@ -74,6 +74,10 @@ class TrainConfig:
     # drop each epoch's ragged last batch (PFLlib/HtFLlib, FedClassAvg's code); false = every
     # example every epoch (FedHeNN, FedGH's authors, FedBABU, layer expansion)
     drop_last: bool = False
+    # plain SGD: update Linear weights inside their backward (faster, same maths; ``.grad`` of
+    # those weights is then never filled). false for losses that need it: gradient penalties,
+    # torch.autograd.grad(..., create_graph=True), gradient hooks
+    fused_sgd: bool = True
     lr: float = 0.01
     optimizer: str = "sgd"  # sgd | adam
     momentum: float = 0.0
@@ -93,6 +97,9 @@ class SimConfig:
     threads: int = 0  # torch intra-op threads in the main process; 0 = leave torch's default
     backend: str = "serial"  # serial (one process) | processes (worker processes, one thread each)
     workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
+    # Weights & Biases project to log to ("" = off); needs the wandb extra; offline unless
+    # WANDB_MODE says otherwise
+    wandb: str = ""
 
 
 @dataclass
@@ -277,6 +284,13 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     return from_dict(apply_overrides(raw, list(overrides or [])))
 
 
+def _wandb_installed() -> bool:
+    import importlib.util
+    import sys
+
+    return "wandb" in sys.modules or importlib.util.find_spec("wandb") is not None
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
     for dotted, choices in CHOICES.items():
@@ -358,6 +372,10 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "
             f"[0, data.num_clients - 1 = {d.num_clients - 1}] (at least one client trains)"
+        )
+    if sim.wandb and not _wandb_installed():
+        raise ConfigError(
+            f"sim.wandb = {sim.wandb!r} needs the wandb package: pip install 'fedmosaic[wandb]'"
         )
     if t.device != "cpu" and not t.device.startswith("cuda"):
         raise ConfigError(f"train.device = {t.device!r}; use cpu, cuda or cuda:N")

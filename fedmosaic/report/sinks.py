@@ -1,10 +1,17 @@
-"""Per-round logging sinks: a CSV file always, TensorBoard when it is installed.
+"""Per-round logging sinks: a CSV file always, TensorBoard when it is installed, Weights & Biases
+when ``sim.wandb`` names a project (the optional ``wandb`` extra; offline unless ``WANDB_MODE``
+says otherwise).
 
 ``rounds.csv`` grows one row per round while the run goes (the fixed ``ROUND_COLUMNS``); at the end
 ``write_results`` rewrites it with exactly the columns the run has (plus per-mode accuracies such
 as ``acc_head``). One file, readable at any time. On resume, rows after the checkpoint's round are
 dropped first, so a killed and resumed run leaves the same file as an uninterrupted one (timing
 columns aside).
+
+TensorBoard also gets the run's hyperparameters (the config flattened to dotted keys) in its
+HPARAMS tab, written when the run ends, with the last round's accuracies and loss as the metrics
+(``hparams/<name>``). W&B gets the same flattened config as the run's ``config``, and each
+round's numbers as one ``log`` call at ``step = round``; its files go under ``<out>/wandb``.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
+from fedmosaic.config import ConfigError
 from fedmosaic.report.results import ROUND_COLUMNS
 
 log = logging.getLogger("fedmosaic")
@@ -53,19 +63,54 @@ def _cell(v: Any) -> Any:
     return v
 
 
-class TensorBoardSink:
-    """Scalars per round under ``tb/`` (accuracy, loss, bytes, seconds)."""
+HParam = bool | int | float | str
 
-    def __init__(self, out_dir: str | Path, writer_cls: Any) -> None:
+
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, HParam]:
+    """``{"data": {"alpha": 0.1}}`` -> ``{"data.alpha": 0.1}``; lists become their text (e.g.
+    ``"[1, 28, 28]"``) and None ``"none"``, since TensorBoard and W&B take scalars."""
+    out: dict[str, HParam] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_config(value, f"{name}."))
+        elif value is None:
+            out[name] = "none"
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(list(value) if isinstance(value, tuple) else value)
+    return out
+
+
+def _numbers(rec: dict[str, Any]) -> dict[str, int | float]:
+    """The record's finite numbers except the round (lists, strings and NaN are left out)."""
+    out: dict[str, int | float] = {}
+    for key, value in rec.items():
+        if key == "round" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            continue
+        out[key] = value
+    return out
+
+
+class TensorBoardSink:
+    """Scalars per round under ``tb/`` (accuracy, loss, bytes, seconds); the flattened config
+    as hyperparameters when the run ends (``hparams``: None for none)."""
+
+    def __init__(
+        self, out_dir: str | Path, writer_cls: Any, hparams: dict[str, HParam] | None = None
+    ) -> None:
         self.writer = writer_cls(log_dir=str(Path(out_dir) / "tb"))
+        self.hparams = hparams
+        self.last: dict[str, int | float] = {}
 
     def __call__(self, rec: dict[str, Any]) -> None:
         t = int(rec["round"])
-        for key, value in rec.items():
-            if key == "round" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if isinstance(value, float) and not math.isfinite(value):
-                continue
+        numbers = _numbers(rec)
+        self.last = numbers
+        for key, value in numbers.items():
             group = (
                 "acc"
                 if "acc" in key
@@ -79,7 +124,48 @@ class TensorBoardSink:
         self.writer.flush()
 
     def close(self) -> None:
+        if self.hparams:
+            metrics = {
+                f"hparams/{k}": float(v)
+                for k, v in self.last.items()
+                if "acc" in k or k == "train_loss"
+            }
+            # run_name ".": the same tb/ folder, so TensorBoard shows one run with its hparams
+            self.writer.add_hparams(self.hparams, metrics, run_name=".")
         self.writer.close()
+
+
+def wandb_module() -> Any | None:
+    """The ``wandb`` package when installed (``pip install 'fedmosaic[wandb]'``), else None."""
+    if "wandb" in sys.modules:
+        return sys.modules["wandb"]
+    try:
+        import wandb
+    except ImportError:
+        return None
+    return wandb
+
+
+class WandbSink:
+    """Each round's numbers to a W&B run (``step = round``), offline unless ``WANDB_MODE`` is set;
+    the run's files go to ``<out_dir>/wandb`` (``wandb sync`` uploads an offline run later)."""
+
+    def __init__(
+        self, out_dir: str | Path, module: Any, project: str, config: dict[str, HParam]
+    ) -> None:
+        self.run = module.init(
+            project=project,
+            name=Path(out_dir).resolve().name,
+            dir=str(Path(out_dir)),
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+        )
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        self.run.log(_numbers(rec), step=int(rec["round"]))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def tensorboard_writer() -> Any | None:
@@ -95,11 +181,30 @@ def tensorboard_writer() -> Any | None:
 class Sinks:
     """All sinks of one run as a single ``on_round`` callback."""
 
-    def __init__(self, out_dir: str | Path, keep_rounds: int = 0, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        keep_rounds: int = 0,
+        tensorboard: bool = True,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """``config``: the run's config as a dict (``ExperimentConfig.to_dict()``): its
+        flattened keys become TensorBoard hparams and the W&B config; ``sim.wandb`` (a project
+        name) turns W&B on."""
         self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds)]
+        flat = flatten_config(config) if config else None
         writer = tensorboard_writer() if tensorboard else None
         if writer is not None:
-            self.sinks.append(TensorBoardSink(out_dir, writer))
+            self.sinks.append(TensorBoardSink(out_dir, writer, flat))
+        project = str((config or {}).get("sim", {}).get("wandb", "") or "")
+        if project:
+            module = wandb_module()
+            if module is None:
+                raise ConfigError(
+                    f"sim.wandb = {project!r} needs the wandb package: "
+                    "pip install 'fedmosaic[wandb]' (or set sim.wandb = \"\")"
+                )
+            self.sinks.append(WandbSink(out_dir, module, project, flat or {}))
 
     def __call__(self, rec: dict[str, Any]) -> None:
         for sink in self.sinks:
