@@ -113,6 +113,10 @@ class EvalConfig:
 @dataclass
 class ExperimentConfig:
     seed: int = 0
+    # modules (``mypkg.methods``) or files (``my_method.py``) imported before anything is looked
+    # up: their ALGORITHMS/ENCODERS/FAMILIES/DATASETS/PARTITIONERS registrations are then
+    # known here, in every simulator worker and in Flower apps (which rebuild from this config)
+    plugins: list[str] = field(default_factory=list)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -243,9 +247,45 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+_PLUGINS: dict[str, Any] = {}
+
+
+def load_plugins(names: list[str]) -> None:
+    """Import each plugin once per process (a module name, or a path to a ``.py`` file)."""
+    import hashlib
+    import importlib
+    import importlib.util
+    import sys
+
+    for name in names:
+        if name in _PLUGINS:
+            continue
+        try:
+            if name.endswith(".py"):
+                path = Path(name).expanduser().resolve()
+                if not path.is_file():
+                    raise ConfigError(f"plugins: {name!r} does not exist")
+                tag = hashlib.sha1(str(path).encode()).hexdigest()[:8]
+                mod_name = f"fedmosaic_plugin_{path.stem}_{tag}"
+                spec = importlib.util.spec_from_file_location(mod_name, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(name)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the plugin's own error: name the plugin
+            raise ConfigError(
+                f"plugins: cannot import {name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        _PLUGINS[name] = module
+
+
 def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     raw = dict(raw)
-    top_known = {"seed", *SECTIONS, "algorithm"}
+    top_known = {"seed", "plugins", *SECTIONS, "algorithm"}
     for key in raw:
         if key not in top_known:
             raise ConfigError(
@@ -254,6 +294,10 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     seed = raw.get("seed", 0)
     if not _type_ok(seed, int):
         raise ConfigError(f"seed = {seed!r} must be an int")
+    plugins = raw.get("plugins", [])
+    if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
+        raise ConfigError(f"plugins = {plugins!r} must be a list of module names or .py paths")
+    load_plugins(plugins)  # before the algorithm/model names are looked up
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         value = raw.get(name, {})
@@ -263,7 +307,7 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     algo = raw.get("algorithm", {"name": "lg_fedavg"})
     if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
         raise ConfigError("[algorithm] must be a table with a string key 'name'")
-    cfg = ExperimentConfig(seed=seed, algorithm=dict(algo), **sections)
+    cfg = ExperimentConfig(seed=seed, plugins=list(plugins), algorithm=dict(algo), **sections)
     validate(cfg)
     return cfg
 

@@ -44,6 +44,7 @@ class TrainSettings:
             betas=(float(t.betas[0]), float(t.betas[1])),
             eval_batch_size=t.eval_batch_size,
             device=t.device,
+            fused_sgd=t.fused_sgd,
             drop_last=t.drop_last,
         )
 

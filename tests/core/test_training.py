@@ -58,3 +58,39 @@ def test_the_experiment_uses_the_participation_rule():
         tiny_raw(data={"num_clients": 10, "min_size": 5}, train={"participation": 0.35})
     )
     assert build_federation(cfg, with_clients=False).plan.clients_per_round == 3
+
+
+def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
+    """A gradient penalty (torch.autograd.grad with create_graph=True) needs real ``.grad``s."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from fedmosaic.algorithms._shared import SharedState
+    from fedmosaic.algorithms.fedavg import FedAvg
+    from fedmosaic.config import from_dict
+    from fedmosaic.core import client as client_ops
+    from fedmosaic.core.client import ClientData
+    from fedmosaic.core.model import ClientModel
+    from fedmosaic.core.training import TrainSettings
+
+    class GradientPenalty(FedAvg):
+        def loss(self, model, extras, x, y, msg):
+            x = x.requires_grad_(True)
+            ce = F.cross_entropy(model(x), y)
+            (gx,) = torch.autograd.grad(ce, x, create_graph=True)
+            return ce + 0.1 * gx.pow(2).sum()
+
+    class Source:
+        def batch(self, idx, device="cpu"):
+            return torch.randn(len(idx), 1, 1, 4, generator=torch.Generator().manual_seed(0))
+
+    data = ClientData(0, Source(), torch.tensor([0, 1, 2, 0]), {"train": torch.arange(4)}, 3)
+    model = ClientModel(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), nn.Linear(3, 3), 3, 3)
+    msg = SharedState({k: v.clone() for k, v in model.state_dict().items()})
+    before = model.head.weight.detach().clone()
+    settings = TrainSettings(batch_size=4, lr=0.1, fused_sgd=False)
+    client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, settings, 0, 1, 1)
+    assert not torch.equal(model.head.weight, before)  # it trained
+    # The config key reaches the settings.
+    cfg = from_dict({"train": {"fused_sgd": False}, "data": {"dataset": "synthetic"}})
+    assert TrainSettings.from_config(cfg.train).fused_sgd is False
