@@ -417,9 +417,15 @@ class Checkpointer:
         set_clients: LoadClientStates,
         resume: bool = False,
         last_round: int | None = None,
+        keep_final: bool = False,
+        extend: bool = False,
     ) -> None:
         self.path = Path(path)
         self.every = int(every)
+        # keep_final: also save after the last round (the trained models are kept);
+        # extend: the checkpoint may come from a run with fewer rounds (train.rounds may differ)
+        self.keep_final = keep_final
+        self.extend = extend
         self.config = config
         self.get_clients = get_clients
         self.set_clients = set_clients
@@ -480,6 +486,9 @@ class Checkpointer:
     def _check_config(self, meta: dict[str, Any]) -> None:
         mine = config_fingerprint(self.config)
         theirs = config_fingerprint(meta.get("config", {}))
+        if self.extend:  # extending a finished run: only the number of rounds may differ
+            for cfg in (mine, theirs):
+                cfg.get("train", {}).pop("rounds", None)
         if mine == theirs:
             return
         diffs = []
@@ -497,6 +506,8 @@ class Checkpointer:
 
     # -- save --
     def due(self, round_num: int) -> bool:
+        if round_num == self.last_round and self.keep_final:
+            return True
         if self.every <= 0:
             return False
         return round_num % self.every == 0 or round_num == self.last_round

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 import time
 from importlib import resources
@@ -14,6 +16,7 @@ from fedmosaic.config import ConfigError, ExperimentConfig, load
 
 DEFAULT_BASELINE = "local"
 CHECKPOINT_FILE = "checkpoint.safetensors"  # fedmosaic.checkpoint.FILENAME (kept import-light)
+FINAL_FILE = "final.safetensors"  # --save-models: the checkpoint after the last round
 
 
 def default_config_path() -> Path:
@@ -50,7 +53,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         target = out if len(names) == 1 else out / name
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} is a file, not a folder")
-        _check_out(target, run_cfg, args.overwrite)
+        if args.extend:
+            if not (target / FINAL_FILE).is_file():
+                raise ConfigError(
+                    f"--extend: {target / FINAL_FILE} does not exist (run with --save-models first)"
+                )
+        else:
+            _check_out(target, run_cfg, args.overwrite)
         plans.append((name, run_cfg, target))
     docs: dict[str, dict[str, Any]] = {}
     for name, run_cfg, target in plans:
@@ -60,7 +69,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         doc = _run_one(run_cfg, target, args)
         write_results(target, doc)
-        (target / CHECKPOINT_FILE).unlink(missing_ok=True)  # complete: results.json is the product
+        ckpt = target / CHECKPOINT_FILE
+        if (args.save_models or args.extend) and ckpt.exists():  # kept: inspection, --extend
+            os.replace(ckpt, target / FINAL_FILE)
+        ckpt.unlink(missing_ok=True)  # complete: results.json is the product
         docs[name] = doc
     if len(docs) > 1:
         plot_curves(docs, out / "curves.png")
@@ -98,7 +110,12 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
 
     ckpt = target / CHECKPOINT_FILE
     keep = 0
-    if ckpt.exists() and not args.resume:
+    resume = args.resume or args.extend
+    if args.extend and not ckpt.exists():
+        # Continue from a copy: the finished run's final state stays as it was until the
+        # extended run completes (an interrupted extension resumes from its own checkpoint).
+        shutil.copyfile(target / FINAL_FILE, ckpt)
+    if ckpt.exists() and not resume:
         raise CheckpointError(
             f"{ckpt} exists (an interrupted run): pass --resume to continue it, "
             "or delete it to start over"
@@ -108,7 +125,9 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
         # a refused resume leaves rounds.csv and the checkpoint as they were.
         from fedmosaic.checkpoint import Checkpointer
 
-        checker = Checkpointer(ckpt, 0, cfg.to_dict(), lambda: [], lambda states: None, resume=True)
+        checker = Checkpointer(
+            ckpt, 0, cfg.to_dict(), lambda: [], lambda s: None, resume=True, extend=args.extend
+        )
         keep = int(checker.verify()[0]["round"])
     existed = target.exists()
     before = {p.name for p in target.iterdir()} if existed else set()
@@ -126,7 +145,9 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
             on_round=on_round,
             checkpoint_dir=target,
             checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
+            resume=resume,
+            keep_final=args.save_models or args.extend,  # an extended run keeps its final state
+            extend=args.extend,
         )
     except BaseException:
         if not started[0] and not keep:  # failed before any round: leave --out as it was
@@ -308,6 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run this algorithm on the same config and split (repeatable)",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--save-models",
+        action="store_true",
+        help="keep the trained server state and client models as OUT/final.safetensors",
+    )
+    r.add_argument(
+        "--extend",
+        action="store_true",
+        help="continue a finished --save-models run in --out to more rounds "
+        "(--set train.rounds=N; nothing else may change)",
+    )
     r.add_argument(
         "--overwrite",
         action="store_true",

@@ -333,6 +333,8 @@ def make_checkpointer(
     checkpoint_dir: str | Path | None,
     every: int,
     resume: bool,
+    keep_final: bool = False,
+    extend: bool = False,
 ) -> Any:
     """The round loop's checkpoint hook, with access to every client's persistent state."""
     from fedmosaic.checkpoint import FILENAME, Checkpointer
@@ -370,6 +372,8 @@ def make_checkpointer(
         set_clients,
         resume=resume,
         last_round=fed.plan.rounds,
+        keep_final=keep_final,
+        extend=extend,
     )
 
 
@@ -380,12 +384,16 @@ def run_experiment(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
+    keep_final: bool = False,
+    extend: bool = False,
 ) -> dict[str, Any]:
     """Run one experiment on the simulator and return the ``results.json`` document.
 
     ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
     after the last one; ``resume`` continues from that file when it exists (see
-    ``fedmosaic.checkpoint``).
+    ``fedmosaic.checkpoint``). ``keep_final`` also writes it after the last round (the trained
+    server state and client models); ``extend`` lets ``resume`` continue a finished run whose
+    config differs only in ``train.rounds`` (more rounds now).
     """
 
     start = time.perf_counter()
@@ -400,7 +408,17 @@ def run_experiment(
         torch.set_num_threads(1)
     try:
         return _run(
-            fed, cfg, start, started, progress, on_round, checkpoint_dir, checkpoint_every, resume
+            fed,
+            cfg,
+            start,
+            started,
+            progress,
+            on_round,
+            checkpoint_dir,
+            checkpoint_every,
+            resume,
+            keep_final,
+            extend,
         )
     finally:
         torch.set_num_threads(threads)
@@ -416,12 +434,16 @@ def _run(
     checkpoint_dir: str | Path | None,
     checkpoint_every: int,
     resume: bool,
+    keep_final: bool = False,
+    extend: bool = False,
 ) -> dict[str, Any]:
     transport = make_transport(fed)
     ckpt = None
     if checkpoint_every > 0 or resume or checkpoint_dir is not None:
         # With a folder but no interval the hook only writes when the run is interrupted.
-        ckpt = make_checkpointer(fed, transport, checkpoint_dir, checkpoint_every, resume)
+        ckpt = make_checkpointer(
+            fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
+        )
     show = cfg.sim.progress if progress is None else progress
     bar = None
     if show and sys.stderr.isatty():  # a bar's carriage returns would fill a log file

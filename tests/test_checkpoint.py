@@ -238,3 +238,33 @@ def test_interrupted_and_resumed_run_is_identical(tmp_path: Path, monkeypatch, n
     monkeypatch.setattr(Checkpointer, "after_round", original)
     got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
     assert _without_timing(got) == _without_timing(ref)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedtgp"])
+def test_saved_models_extend_a_finished_run_as_if_it_had_run_longer(tmp_path: Path, algorithm):
+    cfg = _write_tiny_toml(tmp_path / "tiny.toml", algorithm, rounds=2)
+    straight = tmp_path / "straight"
+    assert (
+        main(["run", str(cfg), "--out", str(straight), "--quiet", "--set", "train.rounds=4"]) == 0
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
+    final = out / "final.safetensors"
+    assert ck.peek(final)["round"] == 2 and not (out / ck.FILENAME).exists()
+    loaded = ck.read_checkpoint(final)
+    assert any(k.startswith("client/0/model/") for k in loaded.tensors)  # the trained models
+    # Anything but the number of rounds changed: refused, nothing touched.
+    before = (out / "results.json").read_bytes()
+    bad = ["--extend", "--set", "train.rounds=4", "--set", "train.lr=0.2"]
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", *bad]) == 2
+    assert (out / "results.json").read_bytes() == before
+    ok = ["--extend", "--set", "train.rounds=4"]
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", *ok]) == 0
+    got = json.loads((out / "results.json").read_text())
+    ref = json.loads((straight / "results.json").read_text())
+    assert [r["round"] for r in got["rounds"]] == [1, 2, 3, 4]
+    assert _without_timing(got)["rounds"] == _without_timing(ref)["rounds"]
+    assert got["per_client_final_acc"] == ref["per_client_final_acc"]
+    rows = (out / "rounds.csv").read_text().strip().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+    assert ck.peek(final)["round"] == 4  # the kept state follows the extended run
