@@ -248,6 +248,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         else:
             for name, members in FAMILIES.items():
                 print(f"{name}: {', '.join(members)}")
+    elif what == "suites":
+        from fedmosaic.compare import bundled_suites
+
+        print("\n".join(bundled_suites()))
     elif what == "datasets":
         import fedmosaic.data  # noqa: F401 - fills the registry
         from fedmosaic.core.registry import DATASETS
@@ -362,7 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a suite: methods x settings x seeds, one table and an HTML report",
         parents=[common],
     )
-    c.add_argument("suite", help="suite TOML (see benchmarks/suites/)")
+    c.add_argument(
+        "suite", help="suite TOML, or the name of a bundled suite (fedmosaic list suites)"
+    )
     c.add_argument("--out", help="output folder (default runs/compare-<suite>)")
     c.add_argument(
         "--set",
@@ -393,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list registered algorithms, models, families, ...")
     ls.add_argument(
-        "what", choices=["algorithms", "models", "families", "datasets", "partitioners"]
+        "what", choices=["algorithms", "models", "families", "datasets", "partitioners", "suites"]
     )
     ls.add_argument("--input-shape", default="1x28x28", help="CxHxW for models (default 1x28x28)")
     ls.add_argument("--num-classes", type=int, default=10)

@@ -145,9 +145,19 @@ def _apply(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
         node[parts[-1]] = copy.deepcopy(value)
 
 
+BUNDLED = Path(__file__).resolve().parent / "suites"  # installed with the package
+
+
+def bundled_suites() -> list[str]:
+    """The names of the suites shipped with fedmosaic (``fedmosaic compare NAME``)."""
+    return sorted(p.stem for p in BUNDLED.glob("*.toml"))
+
+
 def load_suite(path: str | Path) -> Suite:
-    """Parse and check a suite file (unknown keys fail, naming them)."""
+    """Parse and check a suite file, or a bundled suite by name (unknown keys fail, naming them)."""
     p = Path(path)
+    if not p.exists() and p.suffix == "" and (BUNDLED / f"{p.name}.toml").is_file():
+        p = BUNDLED / f"{p.name}.toml"
     raw = read_toml(p, "suite file")
     known = {"suite", "base", "settings", "methods", "quick", "reference"}
     for key in raw:

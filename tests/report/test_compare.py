@@ -379,3 +379,17 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
     bad.write_text(TINY_SUITE.replace('title = "Tiny grid"', 'title = "T"\npaper_rounds = -3'))
     with pytest.raises(ConfigError, match="paper_rounds"):
         load_suite(bad)
+
+
+def test_suites_ship_with_the_package_and_load_by_name():
+    import tomllib
+
+    from fedmosaic.compare import BUNDLED, bundled_suites
+
+    assert BUNDLED.parent.name == "fedmosaic"  # inside the package: installed with it
+    assert {"fedtgp_table10", "fedgh_table3", "layer_expansion"} <= set(bundled_suites())
+    assert load_suite("fedtgp_table10").name == "fedtgp_table10"
+    pyproject = tomllib.loads((SUITES.parents[1] / "pyproject.toml").read_text())
+    assert "suites/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["fedmosaic"]
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_suite("no_such_suite")
