@@ -4,20 +4,31 @@ Yi, Wang, Liu, Shi, Yu. FedGH: Heterogeneous Federated Learning with Generalized
 ACM Multimedia 2023 (arXiv:2303.13137).
 
 Shared: the head ``Linear(feature_dim, C)``, which lives on the server and is broadcast to every
-client; clients upload their exact per-class mean representations (LARs, Eq. 3) over their
-training data, computed in eval mode after local training. Local: each client's encoder (any
-architecture). The server trains the head with CE on the uploaded (class mean, label) pairs
-(Eq. 4), clients replace their head with it and train the whole model with CE (Eq. 5-6).
+client; clients upload their exact per-class mean representations (LARs, Eq. 3) of the classes they
+hold, with those classes' labels, computed in eval mode after local training. Local: each client's
+encoder (any architecture) and its own trained head. The server trains the head with CE on the
+uploaded (LAR, label) pairs (Eq. 4); a client replaces its head with the received one (Eq. 5) and
+trains the whole model with CE (Eq. 6).
+
+Evaluation (the paper: "the accuracy of each client's local model"): ``acc`` is the client's local
+model after its last local training, i.e. its encoder + the head it trained locally from the
+received global header (Algorithm 1). ``acc_global`` is the client's encoder + the server's latest
+global header (what this library reported as ``acc`` before). A client that has not trained yet
+holds the received global header (Eq. 5), so both modes agree for it.
+
+Server step (``server_step``, with ``server_batch_size = 0``): ``"pair"`` (default, Eq. 4 and the
+authors' code) takes one SGD step per uploaded (client, class) pair: the participating clients in a
+random order drawn from the round's seeded server stream, each client's pairs in increasing class
+order. ``"client"`` takes one step per client on the mean CE over its LARs (this library's earlier
+default: |C_k| times smaller steps), clients in the same seeded order.
 
 Where we differ from the reference code (HtFLlib ``servergh.py``/``clientgh.py``):
 - the authors' code is known to never step the header (its optimizer is built but the header is
   not updated); we train it every round, as the paper says (the HtFLlib port also steps it).
-- server minibatches: the paper's Algorithm 1 takes one gradient step per participating client on
-  that client's LARs (``server_batch_size = 0``, the default; clients visited in a seeded random
-  order each server epoch). HtFLlib pools every (LAR, label) pair and shuffles them into minibatches
-  of the client batch size (10): ``server_batch_size = 10``.
-- the payload is dense: ``protos [C, d]`` and ``counts [C]`` (int64; 0 marks an absent class, whose
-  row is zero and is not trained on) instead of a dict of the client's classes.
+- HtFLlib pools every (LAR, label) pair and shuffles them into minibatches of the client batch size
+  (10): ``server_batch_size = 10`` (then ``server_step`` is not used).
+- the upload is ``protos [k, d]`` + ``classes [k]`` (k = |C_k|, sorted int64 class ids) instead of
+  a dict keyed by class; no class counts leave the client.
 - LARs are exact means over the whole training split; HtFLlib iterates its shuffled training
   loader with ``drop_last=True`` and so leaves the ragged tail out.
 - the global header starts from client 0's initial head (as HtFLlib); clients' own initial heads
@@ -34,6 +45,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
 from fedmosaic.core import seeding
@@ -45,14 +57,18 @@ from fedmosaic.core.registry import ALGORITHMS
 
 if TYPE_CHECKING:
     from fedmosaic.config import ExperimentConfig
+    from fedmosaic.core.training import TrainSettings
+
+
+SERVER_STEPS = ("pair", "client")
 
 
 @dataclass(frozen=True)
 class ClassMeans(Payload):
-    """A client's local averaged representations (LARs) per class, dense over all classes."""
+    """A client's local averaged representations (LARs) of the classes it holds, with labels."""
 
-    protos: Tensor  # [C, d] float32; zero rows for absent classes
-    counts: Tensor  # [C] int64; training examples per class (0 = absent)
+    protos: Tensor  # [k, d] float32, k = |C_k|; row i is the LAR of class classes[i]
+    classes: Tensor  # [k] int64, strictly increasing class ids
 
 
 @dataclass
@@ -81,21 +97,34 @@ def check_linear_head(head: nn.Module, feature_dim: int, num_classes: int, where
         )
 
 
+class FedGHClient(nn.Module):
+    """Client extras: whether the client has trained (its head is then its own trained one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("trained", torch.zeros((), dtype=torch.bool))
+
+
 def server_step_batches(
-    sizes: Sequence[int], batch_size: int, gen: torch.Generator
+    sizes: Sequence[int], batch_size: int, gen: torch.Generator, step: str = "pair"
 ) -> list[Tensor]:
     """Index batches into the pooled pairs for one server epoch.
 
-    ``sizes[k]`` = number of pairs of upload ``k`` (pooled in upload order). ``batch_size = 0``:
-    one batch per upload, uploads in a random order (paper's Algorithm 1). Otherwise all pairs
-    shuffled into minibatches of ``batch_size``, the last one possibly smaller (HtFLlib).
+    ``sizes[k]`` = number of pairs of upload ``k`` (pooled in upload order, each upload's pairs in
+    increasing class order). ``batch_size = 0``: uploads in a random order drawn from ``gen``;
+    ``step = "pair"``: one single-pair batch per pair (Eq. 4), an upload's pairs in order;
+    ``step = "client"``: one batch per upload. ``batch_size > 0``: all pairs shuffled into
+    minibatches of ``batch_size``, the last one possibly smaller (HtFLlib).
     """
     total = int(sum(sizes))
-    if batch_size <= 0:
-        starts = torch.tensor([0, *sizes]).cumsum(0)
-        order = torch.randperm(len(sizes), generator=gen).tolist()
-        return [torch.arange(int(starts[k]), int(starts[k + 1])) for k in order if sizes[k] > 0]
-    return list(torch.randperm(total, generator=gen).split(batch_size))
+    if batch_size > 0:
+        return list(torch.randperm(total, generator=gen).split(batch_size))
+    starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    order = torch.randperm(len(sizes), generator=gen).tolist()
+    rows = [torch.arange(starts[k], starts[k + 1]) for k in order if sizes[k] > 0]
+    if step == "client":
+        return rows
+    return [p for r in rows for p in r.split(1)]
 
 
 def train_global_head(
@@ -128,7 +157,10 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)
     server_epochs: int = 1  # passes over the round's (class mean, label) pairs (reference: 1)
-    server_batch_size: int = 0  # 0: one step per client's LARs (paper); N: pooled batches of N
+    server_step: str = "pair"  # pair: one step per (client, class) (Eq. 4) | client: per client
+    server_batch_size: int = (
+        0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
+    )
 
     Broadcast: ClassVar[type[Payload]] = SharedState
     Upload: ClassVar[type[Payload]] = ClassMeans
@@ -141,6 +173,8 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
         if self.eta_g <= 0 or self.server_epochs < 0 or self.server_batch_size < 0:
             raise ValueError("eta_g must be > 0, server_epochs >= 0 and server_batch_size >= 0")
+        if self.server_step not in SERVER_STEPS:
+            raise ValueError(f"server_step = {self.server_step!r}; choose one of {SERVER_STEPS}")
 
     def check_config(self, cfg: ExperimentConfig) -> None:
         from fedmosaic.config import ConfigError
@@ -167,37 +201,38 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     def validate_upload(self, state: FedGHState, upload: ClassMeans, client_id: int) -> None:
         c, d = state.head.out_features, state.head.in_features
-        p, n = upload.protos, upload.counts
-        if p.dtype != torch.float32 or tuple(p.shape) != (c, d):
+        p, cls = upload.protos, upload.classes
+        if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
             raise PayloadError(
                 f"client {client_id}: protos is {p.dtype}{tuple(p.shape)}, expected "
-                f"torch.float32{(c, d)}"
+                f"torch.float32 (k <= {c}, {d})"
             )
-        if n.dtype != torch.int64 or tuple(n.shape) != (c,):
+        if cls.dtype != torch.int64 or tuple(cls.shape) != (p.shape[0],):
             raise PayloadError(
-                f"client {client_id}: counts is {n.dtype}{tuple(n.shape)}, expected "
-                f"torch.int64{(c,)}"
+                f"client {client_id}: classes is {cls.dtype}{tuple(cls.shape)}, expected "
+                f"torch.int64{(p.shape[0],)} (one class id per protos row)"
             )
-        if bool((n < 0).any()):
-            raise PayloadError(f"client {client_id}: counts has negative entries")
+        if cls.numel() and (
+            int(cls.min()) < 0 or int(cls.max()) >= c or bool((cls.diff() <= 0).any())
+        ):
+            raise PayloadError(
+                f"client {client_id}: classes must be strictly increasing ids in [0, {c})"
+            )
         if not bool(torch.isfinite(p).all()):
             raise PayloadError(f"client {client_id}: protos has NaN or Inf values")
 
     def aggregate(
         self, state: FedGHState, uploads: Sequence[Weighted[ClassMeans]], round_num: int
     ) -> FedGHState:
-        # Pool the (class mean, label) pairs of present classes, in upload order.
-        protos, labels, sizes = [], [], []
-        for u in uploads:
-            present = torch.nonzero(u.payload.counts > 0).flatten()  # [k] classes it holds
-            protos.append(u.payload.protos[present].float())  # [k, d]
-            labels.append(present)
-            sizes.append(int(present.numel()))
+        # Pool the (LAR, label) pairs, in upload order; each upload's classes are sorted.
+        protos = [u.payload.protos.float() for u in uploads]  # [k, d] each
+        labels = [u.payload.classes for u in uploads]  # [k] each
+        sizes = [int(cls.numel()) for cls in labels]
         head = copy.deepcopy(state.head)  # the previous state stays untouched
         if sum(sizes) > 0 and self.server_epochs > 0:
             gen = seeding.torch_generator(state.seed, round_num, seeding.SERVER, "fedgh")
             epochs = [
-                server_step_batches(sizes, self.server_batch_size, gen)
+                server_step_batches(sizes, self.server_batch_size, gen, self.server_step)
                 for _ in range(self.server_epochs)
             ]
             train_global_head(head, torch.cat(protos), torch.cat(labels), epochs, self.eta_g)
@@ -209,14 +244,43 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         check_linear_head(
             model.head, spec.feature_dim, spec.num_classes, f"client {data.client_id}"
         )
-        return nn.Module()
+        return FedGHClient()
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
-        model.load_part_state("head", msg.state)  # the global head replaces the local one
+        # A trained client keeps its locally trained head (its local model, evaluated as ``acc``);
+        # one that has not trained yet holds the received global header (Eq. 5).
+        if not _trained(extras):
+            model.load_part_state("head", msg.state)
+
+    def before_fit(
+        self,
+        model: ClientModel,
+        extras: nn.Module,
+        data: ClientData,
+        msg: SharedState,
+        settings: TrainSettings,
+        gen: torch.Generator,
+    ) -> None:
+        model.load_part_state("head", msg.state)  # Eq. 5: the global header replaces the local one
+        if isinstance(extras, FedGHClient):
+            extras.trained.fill_(True)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> ClassMeans:
         # Exact LARs over the whole training split, in eval mode, after local training.
         protos, counts = class_means(model, data, model.num_classes)  # [C, d], [C]
-        return ClassMeans(protos.float(), counts.long())
+        has = counts > 0  # the counts stay on the client
+        classes = has.nonzero().flatten()  # [k] int64, increasing
+        return ClassMeans(protos[has].float().contiguous(), classes)
+
+    def predict(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, msg: SharedState
+    ) -> dict[str, Tensor]:
+        f = model.features(x)  # [B, d]
+        # acc: the local model (encoder + locally trained head); acc_global: the global header.
+        return {"acc": model.head(f), "acc_global": functional_call(model.head, msg.state, (f,))}
+
+
+def _trained(extras: nn.Module) -> bool:
+    return isinstance(extras, FedGHClient) and bool(extras.trained)
