@@ -227,6 +227,8 @@ def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
             "train_label_counts": c.class_counts("train").tolist(),
             "test_label_counts": c.class_counts("test").tolist(),
         }
+        if fed.fed.shifts:  # feature shift: this client's transform (data.shift_*)
+            rec["feature_shift"] = fed.fed.shifts[c.client_id]
         if c.client_id in final:
             rec.update(_client_accs(final[c.client_id], ""))
         if c.client_id in tuned:

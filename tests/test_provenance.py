@@ -146,3 +146,16 @@ def test_code_reports_git_state(dirty: bool, monkeypatch):
         assert info["git_commit"] == "abc123" and info["git_dirty"] is dirty
     finally:
         provenance.code.cache_clear()
+
+
+def test_each_clients_feature_shift_is_recorded():
+    raw = tiny_raw(
+        data={"shift_rotation": 90, "shift_domains": 2},
+        algorithm={"name": "local"},
+        train={"rounds": 1},
+    )
+    doc = run_experiment(from_dict(raw), progress=False)
+    shifts = [c["feature_shift"] for c in doc["clients"]]
+    assert len(shifts) == 4 and shifts[0] == shifts[2] and shifts[1] == shifts[3]
+    plain = run_experiment(from_dict(tiny_raw(algorithm={"name": "local"})), progress=False)
+    assert "feature_shift" not in plain["clients"][0]
