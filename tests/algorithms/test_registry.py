@@ -148,6 +148,8 @@ EVALUATES = {
     "fedproto": "nearest_prototype",  # FedProto Alg. 1 inference: nearest global prototype
     "fedtgp": "nearest_prototype",  # FedTGP: as FedProto
     "fedrod": "generic_plus_personal",  # FedRoD: the generic head's logits + the personal head's
+    # FedGH: the default is right: its receive keeps a trained client's own header (the paper's
+    # "local model"); the global header is the second mode, acc_global (tests/.../test_fedgh.py)
 }
 
 
