@@ -19,6 +19,18 @@ after training). This is the reference code's order: after round t it draws a ne
 trained clients' kernels on it, and aligns round t+1 on that RAD. Round 1 has no ``K_bar``: CE only;
 from round 2 on the downlink carries two RADs.
 
+Which representation: ``Phi_i`` is "all but the last layer" of the client's own network (Sec. 3.3),
+of width ``d_i`` ("d_i can vary with i"): models are built with no projection to a common
+``model.feature_dim`` (``model_projection = "none"``), so the 5 CNNs of Sec. 4.1 align their own
+penultimate layers (1 conv + 1 FC stays 1 conv + 1 FC).
+
+Which mode: ``Phi_i(X; W_i)`` is a function of the weights, the same map the paper's server applies
+to every client's weights to build ``K_bar``. Both the client's ``K_i`` (with gradient, every step)
+and the uploaded ``K_j`` are computed with the network in eval mode (:func:`rad_kernel`): BatchNorm
+normalizes the RAD with its running statistics and leaves them as training on local data alone
+leaves them (the RAD is another distribution); dropout is off. The paper's and the reference's CNNs
+have no BatchNorm and no dropout before the representation, so there this equals train mode.
+
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 - representations: the reference's models return ``(log_softmax, features)`` and its loss applies
   CE to the features and CKA to the log-probabilities; we follow the paper (CE on the head's
@@ -28,7 +40,10 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 - eta schedule: ``eta(t) = eta0 * f(t)`` with the paper's round index t = 1, 2, ...; the
   reference's loop starts at 0, so its ``sqrt`` schedule is ``eta0 * sqrt(t - 1)`` in our indexing.
 - ``K_bar`` averages the kernels received in the round (the reference: its participants); the
-  paper's server recomputes every client's kernel from its last known weights.
+  paper's server recomputes all N clients' kernels from their last known weights (w_j = 1/N), which
+  a kernel upload cannot do (a non-participant has no kernel on the new RAD).
+- ``eta0`` defaults to the paper's CIFAR value 0.001; the reference's heterogeneous script uses
+  0.01 (``fedhenn_5cnn`` does). Optimizer: the paper "SGD with momentum"; ``train.momentum``.
 - ``rad_batch > 0`` (not in the paper) aligns on a random subset of the RAD per step (speed).
 - RBF kernel: bandwidth ``sigma`` times the median pairwise distance (Kornblith et al. 2019's
   convention), treated as a constant in the backward pass.

@@ -8,7 +8,9 @@ between rounds (identical architectures needed). The client loss is
 ``CE + eta(t) * (1 - CKA(K_i, K_global(t-1)))``: ``K_global`` is the kernel of the received global
 model's features on the RAD, which the client computes itself (in eval mode, before training: it
 holds the global weights, so no kernel is sent); ``K_i`` is its training model's kernel on the same
-RAD, with gradient. ``eta0 = 0`` is FedAvg.
+RAD, with gradient. ``eta0 = 0`` is FedAvg. Both kernels are the eval-mode map (BatchNorm running
+statistics used and left alone, dropout off: see ``fedhenn``), and the model has no projection layer
+(``model_projection = "none"``: the representation is the network's own penultimate layer).
 
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
 ``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
