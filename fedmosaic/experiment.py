@@ -55,12 +55,17 @@ class Federation:
     plan: RoundPlan
 
 
-def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], ClientModel]:
-    members = family_members(cfg.model.family)
-    # The method may fix the projection (Algorithm.model_projection; FedHeNN keeps natural widths).
+def model_projection(cfg: ExperimentConfig) -> str:
+    """The projection of every client model: the method's own (``Algorithm.model_projection``;
+    FedHeNN keeps natural widths) or ``model.projection``."""
     name = cfg.algorithm.get("name")
     fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
-    projection = fixed or cfg.model.projection
+    return fixed or cfg.model.projection
+
+
+def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], ClientModel]:
+    members = family_members(cfg.model.family)
+    projection = model_projection(cfg)
 
     def build(client_id: int) -> ClientModel:
         # Each client's initial weights come from its own stream: same seed, same model.
@@ -106,6 +111,7 @@ def make_spec(
         build_model=model_builder(cfg, fed),
         public=public,
         device=cfg.train.device,
+        projection=model_projection(cfg),
     )
 
 

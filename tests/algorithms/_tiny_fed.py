@@ -75,7 +75,13 @@ def tiny_spec(members: tuple[str, ...] = ("wide", "narrow"), rounds: int = 2) ->
 def fake_zoo(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route the shared-model builder to ``tiny_model`` (no dependency on the model zoo)."""
 
-    def zoo(member: str, input_shape: tuple, num_classes: int, feature_dim: int) -> ClientModel:
+    def zoo(
+        member: str,
+        input_shape: tuple,
+        num_classes: int,
+        feature_dim: int,
+        projection: str = "linear",
+    ) -> ClientModel:
         assert tuple(input_shape) == SHAPE
         return tiny_model(member, num_classes, feature_dim)
 

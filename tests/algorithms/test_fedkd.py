@@ -211,3 +211,21 @@ def test_two_rounds_heterogeneous_end_to_end():
         # A few local steps give low-rank updates: the upload is a fraction of the mentee that
         # comes down (near its random init, the weights themselves do not compress).
         assert r["bytes_up_per_client"] < r["bytes_down_per_client"] / 2
+
+
+def test_mentee_is_built_with_the_clients_projection():
+    from torch import nn
+
+    from fedmosaic.config import from_dict
+    from fedmosaic.experiment import build_federation  # needs the model zoo
+
+    raw = tiny_raw(
+        model={"family": "htfe8-gray", "projection": "pool"}, algorithm={"name": "fedkd"}
+    )
+    fed = build_federation(from_dict(raw))
+    for model, extras in zip(fed.models, fed.extras, strict=True):
+        assert isinstance(model.encoder.proj, nn.AdaptiveAvgPool1d)
+        assert isinstance(extras.mentee.encoder.proj, nn.AdaptiveAvgPool1d)
+    state = fed.algo.init_server(fed.spec)
+    assert state.mentee.keys() == fed.extras[0].mentee.state_dict().keys()
+    assert not any(k.endswith("proj.weight") for k in state.mentee)

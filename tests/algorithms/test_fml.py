@@ -138,3 +138,26 @@ def test_two_rounds_heterogeneous_end_to_end():
     for r in doc["rounds"]:
         assert r["rejected"] == [] and math.isfinite(r["train_loss"])
         assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_meme_weighted"] <= 1.0
+
+
+@pytest.mark.parametrize("projection", ["pool", "linear"])
+def test_meme_is_built_with_the_clients_projection(projection):
+    from torch import nn
+
+    from fedmosaic.config import from_dict
+    from fedmosaic.experiment import build_federation  # needs the model zoo
+
+    raw = tiny_raw(
+        model={"family": "htfe8-gray", "projection": projection}, algorithm={"name": "fml"}
+    )
+    fed = build_federation(from_dict(raw))
+    kind = nn.AdaptiveAvgPool1d if projection == "pool" else nn.Linear
+    assert fed.spec.projection == projection
+    for model, extras in zip(fed.models, fed.extras, strict=True):
+        # Both encoders end in the same kind of projection block (pool: parameter-free).
+        assert isinstance(model.encoder.proj, kind)
+        assert isinstance(extras.meme.encoder.proj, kind)
+    # The server's initial meme has the same tensors as the clients' (no proj.weight under pool).
+    state = fed.algo.init_server(fed.spec)
+    assert state.keys() == fed.extras[0].meme.state_dict().keys()
+    assert any(k.endswith("proj.weight") for k in state) == (projection == "linear")
