@@ -6,13 +6,19 @@ class and broadcasts ``protos [C, d]`` + ``known [C]``. Encoders and heads stay 
 client may have its own architecture (only ``feature_dim`` is common). Client loss:
 ``CE(h(f(x)), y) + lam * MSE(f(x), P[y])``; inference by the nearest global prototype.
 
-Choices and differences from the reference code (the authors' code, PFLlib, HtFLlib):
+Paper vs reference code vs default, and other choices (the authors' code, PFLlib, HtFLlib):
 
-- Server mean: count-weighted per class by default, ``sum_k n_kc p_kc / sum_k n_kc`` (the paper's
-  ``|D_k,c| / N_c`` weights, normalized to sum to 1). ``weighting = "uniform"`` is the reference
-  code's plain mean over the clients that have the class. Both recompute the prototypes from this
-  round's uploads only (as paper and code do): with partial participation a class no sampled client
-  holds becomes unknown for that round.
+- Server mean. Paper: its aggregation equation weights client k's prototype of class c by
+  ``|D_k,c| / N_c`` (its example count of the class). Reference code (the authors', PFLlib, HtFLlib): the plain mean over the clients that have the
+  class. Default: ``weighting = "uniform"``, the plain mean, i.e. what produced the paper's
+  numbers; ``weighting = "count"`` is the count-weighted mean ``sum_k n_kc p_kc / sum_k n_kc``
+  (the paper's weights normalized to sum to 1). Both recompute the prototypes from this round's
+  uploads only (as paper and code do): with partial participation a class no sampled client holds
+  becomes unknown for that round.
+- Inference. Paper: the nearest global prototype (over every known class) -- the default,
+  ``inference = "all"``. The authors' code compares a client's features with the global
+  prototypes of the classes that client holds only: ``inference = "own"`` (classes with training
+  examples on the client; a client none of whose classes has a prototype falls back to its head).
 - Local prototypes are exact class means computed after local training with the final local model
   in eval mode. The reference code averages features collected during training (a moving model in
   train mode, so dropout/BatchNorm noise and stale early-epoch features leak in).
@@ -47,7 +53,8 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 
-WEIGHTINGS = ("count", "uniform")
+WEIGHTINGS = ("uniform", "count")
+INFERENCES = ("all", "own")
 MAX_COUNT = 10**9  # a client claiming more examples than this is not a real client
 
 
@@ -81,7 +88,7 @@ ServerState = ProtoState
 
 
 def aggregate_prototypes(
-    protos: Tensor, counts: Tensor, weighting: str = "count"
+    protos: Tensor, counts: Tensor, weighting: str = "uniform"
 ) -> tuple[Tensor, Tensor]:
     """Per-class mean of client prototypes over the clients that have the class.
 
@@ -120,13 +127,24 @@ def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) ->
     return (-dist).masked_fill(~known.unsqueeze(0), float("-inf"))
 
 
+class OwnClasses(nn.Module):
+    """Client extras: which classes the client holds (for ``inference = "own"``)."""
+
+    def __init__(self, own: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("own", own)  # [C] bool: training examples of the class exist
+
+
 @ALGORITHMS.register("fedproto")
 @dataclass(frozen=True)
 class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     """Share per-class mean features; pull local features towards the global prototypes."""
 
     lam: float = 1.0  # weight of the prototype MSE term (PFLlib/HtFLlib default; FedTGP used 0.1)
-    weighting: str = "count"  # server mean per class: count (paper) | uniform (reference code)
+    weighting: str = "uniform"  # server mean per class: uniform (reference code) | count (paper)
+    inference: str = (
+        "all"  # nearest prototype over: all known classes (paper) | own (authors' code)
+    )
 
     Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
     Upload: ClassVar[type[Payload]] = ProtoUpload
@@ -139,6 +157,10 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
         if self.weighting not in WEIGHTINGS:
             raise ValueError(
                 f"weighting = {self.weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
+            )
+        if self.inference not in INFERENCES:
+            raise ValueError(
+                f"inference = {self.inference!r}; choose one of {', '.join(INFERENCES)}"
             )
         if self.lam < 0:
             raise ValueError(f"lam = {self.lam} must be >= 0")
@@ -178,6 +200,9 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
         return ProtoState(protos=mean, known=known)
 
     # ---- client half ---------------------------------------------------------------------
+    def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
+        return OwnClasses(data.class_counts("train") > 0)
+
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: ProtoBroadcast
     ) -> Tensor:
@@ -198,9 +223,12 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     ) -> dict[str, Tensor]:
         features = model.features(x)  # [B, d]
         logits = model.head(features)  # [B, C]
-        if not bool(msg.known.any()):
+        known = msg.known
+        if self.inference == "own":
+            known = known & extras.own.to(known.device)  # [C]
+        if not bool(known.any()):
             return {"acc": logits, "acc_head": logits}  # no prototype yet: the head decides
         return {
-            "acc": nearest_prototype_scores(features, msg.protos, msg.known),
+            "acc": nearest_prototype_scores(features, msg.protos, known),
             "acc_head": logits,
         }

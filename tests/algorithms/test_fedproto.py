@@ -235,3 +235,50 @@ def test_two_rounds_end_to_end_heterogeneous_family():
         assert r["rejected"] == [] and math.isfinite(r["train_loss"])
         assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_head_weighted"] <= 1.0
     assert all("acc_head" in c for c in doc["clients"])
+
+
+def test_default_server_mean_is_the_reference_codes_plain_mean():
+    # The authors' code, PFLlib and HtFLlib: plain mean over the holders of each class.
+    algo = FedProto()
+    assert algo.weighting == "uniform"
+    state = algo.aggregate(algo.init_server(_spec()), _uploads(), 1)
+    # class 0: ([1,2] + [3,6]) / 2 = [2, 4]; class 1: ([0,4] + [2,0]) / 2 = [1, 2]
+    assert torch.allclose(state.protos, torch.tensor([[2.0, 4.0], [1.0, 2.0]]))
+    mean, _ = aggregate_prototypes(PROTOS, COUNTS)
+    assert torch.allclose(mean, state.protos)
+
+
+def test_inference_own_classes_only():
+    from fedmosaic.algorithms.fedproto import OwnClasses
+
+    model = _identity_model()
+    # Three classes; the client holds classes 1 and 2 only (no training example of class 0).
+    protos = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    msg = ProtoBroadcast(protos, torch.tensor([True, True, True]))
+    extras = OwnClasses(torch.tensor([False, True, True]))
+    x = torch.tensor([[2.0, 1.0], [4.0, 1.0], [1.0, 6.0]]).view(3, 1, 1, 2)
+    # Distances: row 0 -> [2.24, 8.06, 9.22]; row 1 -> [4.12, 6.08, 9.85]; row 2 -> [6.08, 10.8,
+    # 4.12]: the nearest of all classes is 0, 0, 2; of the client's own classes 1, 1, 2.
+    paper = FedProto().predict(model, extras, x, msg)["acc"]
+    assert paper.argmax(1).tolist() == [0, 0, 2]
+    own = FedProto(inference="own").predict(model, extras, x, msg)["acc"]
+    assert own.argmax(1).tolist() == [1, 1, 2]  # class 0 is never predicted
+    assert own[:, 0].eq(float("-inf")).all()
+    assert own[1, 1].item() == pytest.approx(-math.sqrt(37.0))
+    # No overlap between the client's classes and the known prototypes: the head decides.
+    only0 = ProtoBroadcast(protos, torch.tensor([True, False, False]))
+    out = FedProto(inference="own").predict(model, extras, x, only0)
+    assert torch.equal(out["acc"], out["acc_head"])
+
+
+def test_own_classes_come_from_the_training_split():
+    fed = make_toy(FedProto(inference="own"))
+    for model, data in zip(fed.models, fed.clients, strict=True):
+        extras = FedProto(inference="own").init_client(model, fed.spec, data)
+        assert extras.own.tolist() == (data.class_counts("train") > 0).tolist()
+
+
+def test_inference_is_validated_by_config():
+    with pytest.raises(ConfigError, match="inference"):
+        build_algorithm({"name": "fedproto", "inference": "nearest"})
+    assert build_algorithm({"name": "fedproto", "inference": "own"}) == FedProto(inference="own")
