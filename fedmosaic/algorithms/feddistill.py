@@ -3,18 +3,23 @@ Distillation and Augmentation under Non-IID Private Data, NeurIPS-W 2018).
 
 Shared: per-class mean logits only. Each client uploads ``logits [C, C]`` (row ``c`` = the mean
 logit vector of its class-``c`` training examples) + ``known [C]`` (which classes it has); the
-server averages each row over the clients that have the class and broadcasts the global logits.
-Models never leave the clients, so every client may have its own architecture (its head must
-output ``C`` logits). Client loss: ``CE(z, y) + lam * MSE(z, G[y])``.
+server averages each row over the clients that have the class and sends each client its global
+logits ``G``. Models never leave the clients, so every client may have its own architecture (its
+head must output ``C`` logits). Client loss: ``CE(z, y) + lam * MSE(z, G[y])``.
 
-Choices and differences from the reference code (HtFLlib ``clientdistill``/``serverdistill``,
-itself from the FedLogit code):
+Paper vs reference code vs default, and other choices (reference: HtFLlib ``clientdistill``/
+``serverdistill``, itself from the FedLogit code; ``clientfd``/``serverfd``, HtFLlib's FD):
 
-- Server mean: the plain (unweighted) mean over the clients that have the class, as the paper
-  (per-label averaging across devices) and the reference code do; clients do not send class counts.
-  The global logits are recomputed from this round's uploads only (as paper and code do, and as
-  our FedProto does): with partial participation a class no sampled client holds becomes unknown
-  for that round.
+- Which mean a client receives. Paper (Jeong et al., Algorithm 1, global ensembling): client ``i``
+  gets the average of the *other* clients' logits, ``(F_c - F_ic) / (M - 1)`` with ``F_c`` the sum
+  over all ``M`` clients -- the default, ``average = "others"``. Per class ``c`` it is the plain
+  mean over the clients other than ``i`` that uploaded class ``c`` this round; a class only ``i``
+  holds is unknown to ``i``; a client that did not upload this round gets the mean over every
+  uploader. Reference code (HtFLlib): one plain mean over every client that has the class, the
+  client's own logits included: ``average = "all"``. Either way an unweighted mean over clients
+  (the paper's per-label averaging; clients send no class counts), recomputed from this round's
+  uploads only (as paper and code do, and as our FedProto does): with partial participation a class
+  no sampled client holds becomes unknown for that round.
 - Local logits are exact class means computed after local training with the final local model in
   eval mode. The reference averages the outputs produced during training (a moving model in train
   mode, over every local epoch).
@@ -22,10 +27,13 @@ itself from the FedLogit code):
   global logit target their own detached logits (zero value, zero gradient) but still count in the
   denominator, exactly as ``nn.MSELoss`` in the reference, so ``lam`` means the same as there.
 - ``distill = "kl"`` (option): ``lam * T^2 * KL(softmax(G[y]/T) || softmax(z/T))`` averaged over the
-  batch, rows without a global logit contributing 0. This is the soft-target cross-entropy of
-  HtFLlib's ``FD`` variant (``CE(z, softmax(G[y]))``) minus the targets' entropy, a constant, so it
-  has the same gradients at ``T = 1``. Targets are always softmax probabilities of the global logits
-  (never raw logits used as probabilities).
+  batch, rows without a global logit contributing 0. This is the soft-target cross-entropy
+  ``CE(z, softmax(G[y]))`` of HtFLlib's ``clientdistill`` and of its ``clientfd`` up to late 2025,
+  minus the targets' entropy (a constant): the same gradients at ``T = 1``. Since late 2025
+  HtFLlib's ``clientfd`` passes the raw global logits ``G[y]`` themselves as the soft targets of
+  ``nn.CrossEntropyLoss`` (unnormalized, possibly negative "probabilities": the loss is then
+  ``-sum_j G[y]_j log softmax(z)_j``, not a divergence). That form is not offered: our targets are
+  always softmax probabilities of the global logits.
 - ``lam = 1.0``: HtFLlib's default (``-lam 1``).
 """
 
@@ -48,6 +56,7 @@ from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 
 DISTILLS = ("mse", "kl")
+AVERAGES = ("others", "all")
 
 
 @dataclass(frozen=True)
@@ -58,9 +67,19 @@ class ClassLogits(Payload):
     known: Tensor  # [C] bool
 
 
+@dataclass
+class FDState:
+    """Server state (CPU): this round's global mean and every client's upload of this round."""
+
+    logits: Tensor  # [C, C] float32: the mean over every uploader (average = "all")
+    known: Tensor  # [C] bool
+    client_logits: Tensor  # [N, C, C] float32: this round's uploads (zeros: no upload)
+    client_known: Tensor  # [N, C] bool: False for every class of a client that did not upload
+
+
 Broadcast = ClassLogits
 Upload = ClassLogits
-ServerState = ClassLogits  # the current global logits (CPU); broadcast as they are
+ServerState = FDState
 
 
 class _LogitsAsFeatures(nn.Module):
@@ -86,6 +105,22 @@ def aggregate_logits(logits: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
     summed = torch.einsum("kc,kcj->cj", mask, logits.to(torch.float64))  # [C, C]
     mean = summed / num.clamp(min=1.0).unsqueeze(1)  # [C, C]
     return mean.to(torch.float32), num > 0
+
+
+def leave_one_out(client_logits: Tensor, client_known: Tensor, i: int) -> tuple[Tensor, Tensor]:
+    """Per class, the mean of the other clients' logits: ``(F_c - F_ic) / (M_c - 1)``.
+
+    ``client_logits [N, C, C]``, ``client_known [N, C]``; ``M_c`` clients hold class ``c`` and
+    ``F_c`` is the sum of their rows. Client ``i``'s row is left out where it holds the class.
+    Returns ``logits [C, C]`` (zero rows where no other client has the class) and ``known [C]``.
+    """
+    others = client_known.to(torch.float64)  # [N, C]
+    others[i] = 0.0  # summing the others directly: exactly F_c - F_ic, without the cancellation
+    summed = torch.einsum("kc,kcj->cj", others, client_logits.to(torch.float64))  # [C, C]
+    count = others.sum(0)  # [C]: M_c - 1 where client i holds the class, else M_c
+    mean = summed / count.clamp(min=1.0).unsqueeze(1)
+    known = count > 0
+    return torch.where(known.unsqueeze(1), mean, 0.0).to(torch.float32), known
 
 
 def distill_loss(
@@ -119,6 +154,7 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     lam: float = 1.0  # weight of the distillation term (HtFLlib default)
     distill: str = "mse"  # mse (paper, reference) | kl (soft targets softmax(G[y]/T), HtFLlib's FD)
     T: float = 1.0  # softmax temperature of the kl variant (unused by mse)
+    average: str = "others"  # mean a client gets: others (paper, leave-one-out) | all (HtFLlib)
 
     Broadcast: ClassVar[type[Payload]] = ClassLogits
     Upload: ClassVar[type[Payload]] = ClassLogits
@@ -131,27 +167,41 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     def __post_init__(self) -> None:
         if self.distill not in DISTILLS:
             raise ValueError(f"distill = {self.distill!r}; choose one of {', '.join(DISTILLS)}")
+        if self.average not in AVERAGES:
+            raise ValueError(f"average = {self.average!r}; choose one of {', '.join(AVERAGES)}")
         if self.lam < 0:
             raise ValueError(f"lam = {self.lam} must be >= 0")
         if self.T <= 0:
             raise ValueError(f"T = {self.T} must be > 0")
 
     # ---- server half ---------------------------------------------------------------------
-    def init_server(self, spec: FederationSpec) -> ClassLogits:
-        c = spec.num_classes
-        return ClassLogits(torch.zeros(c, c), torch.zeros(c, dtype=torch.bool))
+    def init_server(self, spec: FederationSpec) -> FDState:
+        n, c = spec.num_clients, spec.num_classes
+        return FDState(
+            logits=torch.zeros(c, c),
+            known=torch.zeros(c, dtype=torch.bool),
+            client_logits=torch.zeros(n, c, c),
+            client_known=torch.zeros(n, c, dtype=torch.bool),
+        )
 
-    def broadcast(self, state: ClassLogits, client_id: int, round_num: int) -> ClassLogits:
-        return state
+    def broadcast(self, state: FDState, client_id: int, round_num: int) -> ClassLogits:
+        if self.average == "all" or not bool(state.client_known[client_id].any()):
+            return ClassLogits(state.logits, state.known)  # nothing of this client's to leave out
+        return ClassLogits(*leave_one_out(state.client_logits, state.client_known, client_id))
 
     def aggregate(
-        self, state: ClassLogits, uploads: Sequence[Weighted[ClassLogits]], round_num: int
-    ) -> ClassLogits:
-        logits = torch.stack([u.payload.logits for u in uploads])  # [K, C, C]
-        known = torch.stack([u.payload.known for u in uploads])  # [K, C]
-        return ClassLogits(*aggregate_logits(logits, known))
+        self, state: FDState, uploads: Sequence[Weighted[ClassLogits]], round_num: int
+    ) -> FDState:
+        logits = torch.stack([u.payload.logits.cpu() for u in uploads])  # [K, C, C]
+        known = torch.stack([u.payload.known.cpu() for u in uploads])  # [K, C]
+        client_logits = torch.zeros_like(state.client_logits)  # this round's uploads only
+        client_known = torch.zeros_like(state.client_known)
+        for u, lg, kn in zip(uploads, logits, known, strict=True):
+            client_logits[u.client_id] = torch.where(kn.unsqueeze(1), lg, 0.0)
+            client_known[u.client_id] = kn
+        return FDState(*aggregate_logits(logits, known), client_logits, client_known)
 
-    def validate_upload(self, state: ClassLogits, upload: ClassLogits, client_id: int) -> None:
+    def validate_upload(self, state: FDState, upload: ClassLogits, client_id: int) -> None:
         c = state.known.numel()
         if upload.logits.dtype != torch.float32 or tuple(upload.logits.shape) != (c, c):
             raise PayloadError(

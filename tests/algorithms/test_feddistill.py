@@ -30,13 +30,69 @@ def test_aggregation_with_missing_classes_hand_computed():
     )
     c = ClassLogits(torch.full((3, 3), 100.0), torch.tensor([False, False, False]))
     algo = FedDistill()
-    state = ClassLogits(torch.zeros(3, 3), torch.zeros(3, dtype=torch.bool))
+    state = algo.init_server(tiny_spec(("wide", "narrow", "wide")))
     # Weights (sample counts) do not enter: the mean is over clients that have the class.
     out = algo.aggregate(state, [Weighted(0, 1.0, a), Weighted(1, 9.0, b), Weighted(2, 5.0, c)], 1)
     expected = torch.tensor([[2.0, 2.0, 1.0], [4.0, -2.0, 0.0], [0.0, 0.0, 0.0]])
     assert torch.equal(out.logits, expected)
     assert out.known.tolist() == [True, True, False]
     assert out.logits.dtype == torch.float32
+
+
+def _three_uploads():
+    a = ClassLogits(
+        torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        torch.tensor([True, True, False]),
+    )
+    b = ClassLogits(
+        torch.tensor([[3.0, 1.0, 0.0], [4.0, -2.0, 0.0], [0.0, 0.0, 0.0]]),
+        torch.tensor([True, True, False]),
+    )
+    c = ClassLogits(
+        torch.tensor([[5.0, 2.0, 0.0], [50.0, 50.0, 50.0], [0.0, 0.0, 6.0]]),  # class 1 unknown
+        torch.tensor([True, False, True]),
+    )
+    return [Weighted(0, 1.0, a), Weighted(1, 1.0, b), Weighted(2, 1.0, c)]
+
+
+def test_leave_one_out_average_hand_computed():
+    """Jeong et al. Alg. 1: client i gets (F - F_i) / (M - 1), F the sum over the M clients."""
+    algo = FedDistill()
+    assert algo.average == "others"  # the paper's, by default
+    spec = tiny_spec(("wide", "narrow", "wide", "narrow"))  # client 3 does not upload
+    state = algo.aggregate(algo.init_server(spec), _three_uploads(), 1)
+    # class 0: F = [9, 6, 0], M = 3 -> A: [8, 3]/2, B: [6, 5]/2, C: [4, 4]/2.
+    # class 1 (A, B hold it): A gets B's row, B gets A's, C (no class 1) the mean of both.
+    # class 2 (only C): unknown to C; A and B get C's row.
+    want = {
+        0: ([[4.0, 1.5, 0.0], [4.0, -2.0, 0.0], [0.0, 0.0, 6.0]], [True, True, True]),
+        1: ([[3.0, 2.5, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 6.0]], [True, True, True]),
+        2: ([[2.0, 2.0, 0.0], [3.0, -1.0, 0.0], [0.0, 0.0, 0.0]], [True, True, False]),
+        # no upload this round: nothing to leave out, the mean over every uploader
+        3: ([[3.0, 2.0, 0.0], [3.0, -1.0, 0.0], [0.0, 0.0, 6.0]], [True, True, True]),
+    }
+    for cid, (logits, known) in want.items():
+        msg = algo.broadcast(state, cid, 2)
+        assert torch.allclose(msg.logits, torch.tensor(logits)), cid
+        assert msg.known.tolist() == known, cid
+    # average = "all" (HtFLlib): every client gets the plain mean over all holders.
+    every = FedDistill(average="all")
+    state = every.aggregate(every.init_server(spec), _three_uploads(), 1)
+    for cid in range(4):
+        msg = every.broadcast(state, cid, 2)
+        assert torch.allclose(msg.logits, torch.tensor(want[3][0]))
+        assert msg.known.tolist() == [True, True, True]
+
+
+def test_leave_one_out_forgets_clients_absent_from_the_round():
+    algo = FedDistill()
+    spec = tiny_spec(("wide", "narrow", "wide"))
+    state = algo.aggregate(algo.init_server(spec), _three_uploads(), 1)
+    # Round 2: only client 1 uploads; the others' round-1 logits are not reused.
+    state = algo.aggregate(state, _three_uploads()[1:2], 2)
+    assert algo.broadcast(state, 1, 3).known.tolist() == [False, False, False]
+    msg = algo.broadcast(state, 0, 3)
+    assert torch.equal(msg.logits, _three_uploads()[1].payload.logits)
 
 
 def test_aggregate_logits_function_matches_loop():
@@ -148,14 +204,14 @@ def test_validate_upload_rejects_bad_shapes():
 
 
 def test_hyperparameters_are_checked():
-    for bad in ({"distill": "ce"}, {"lam": -1.0}, {"T": 0.0}):
+    for bad in ({"distill": "ce"}, {"lam": -1.0}, {"T": 0.0}, {"average": "mean"}):
         with pytest.raises(ConfigError):
             build_algorithm({"name": "feddistill", **bad})
 
 
-@pytest.mark.parametrize("distill", ["mse", "kl"])
-def test_zoo_free_rounds_learn_the_global_logits(distill):
-    algo = FedDistill(distill=distill)
+@pytest.mark.parametrize(("distill", "average"), [("mse", "others"), ("kl", "all")])
+def test_zoo_free_rounds_learn_the_global_logits(distill, average):
+    algo = FedDistill(distill=distill, average=average)
     spec = tiny_spec()
     models, extras, data = make_clients(algo, spec)
     state = algo.init_server(spec)
