@@ -10,7 +10,8 @@ on its private data (the normal local epochs), then uploads ``p_i``. The server 
 gradient steps on ``c`` for ``sum_i mean_x KL(s_i(x) || p_i(x)) + rho * ||c - 1/N||_F^2``.
 Models stay local and may all differ (any architecture, any head).
 
-Choices and differences from the reference code (the authors' ``engine_kt_pfl.py``):
+Paper vs reference code vs default, and other choices (reference: the authors'
+``engine_kt_pfl.py``):
 
 - Objective for ``c``: the paper's KL between the personalized target and the client's soft
   prediction (the same KL the clients distill with) plus ``rho * ||c - 1/N||^2``; the reference
@@ -25,11 +26,26 @@ Choices and differences from the reference code (the authors' ``engine_kt_pfl.py
   (``coef_adaptive = True``): base rate 1.0, rescaled per row by powers of 5 until
   ``mean_j |g_ij| * rate`` lies in ``(0.01, 0.05]`` (see :func:`reference_step_scale`).
   ``coef_adaptive = False`` gives plain gradient steps with rate ``coef_lr``.
-- Distillation: ``KL`` with ``batchmean`` (per-example sum over classes, mean over the batch);
-  the reference's ``F.kl_div(..., reduction="mean")`` also divides by ``C`` (a known PyTorch
-  pitfall), not copied. ``T = 10`` (the reference configs' ``Temp``), ``distill_epochs = 1``
+- Distillation loss scale. Paper: the KL divergence between the personalized soft target and the
+  client's soft prediction, with no normalization stated. Reference code: ``F.kl_div(...,
+  reduction="mean")``, the sum over classes and the batch divided by ``B * C`` -- the per-example
+  KL divided by the number of classes ``C`` -- and its learning rate 0.02 was tuned with it.
+  Default: ``distill_reduction = "mean"`` (the reference's, so ``distill_lr = 0.02`` means what it
+  meant there); ``"batchmean"`` is the per-example KL averaged over the batch, ``C`` times
+  stronger at the same rate (``batchmean`` at ``lr / C`` takes the same steps as ``mean`` at
+  ``lr`` with plain SGD).
+- Distillation batches: every public input every epoch, the last partial minibatch included (the
+  reference's ``DataLoader(drop_last=False)``), whatever ``train.drop_last`` says for the private
+  data. (Like every minibatch loop here, a final batch of a single example is not taken.)
+- Distillation optimizer: its own, ``distill_optimizer = "sgd"`` (the reference: plain SGD at
+  ``distill_lr``, no momentum, no weight decay) whatever ``train.optimizer`` the private training
+  uses (Adam at SGD's 0.02 wrecks the model); ``"adam"`` uses Adam at ``distill_lr`` with
+  ``train.betas``. ``T = 10`` (the reference configs' ``Temp``), ``distill_epochs = 1``
   (``N_logits_matching_round``), ``distill_lr = 0.02`` (its SGD rate), ``distill_batch_size =
-  256`` (``logits_matching_batchsize``). The optimizer kind follows ``[train]``.
+  256`` (``logits_matching_batchsize``).
+- Local epochs. Paper: a fixed number of local epochs per round (no schedule is described).
+  Reference code: ramps them up, ``min(t, E)`` private epochs in round ``t`` (1, 2, ..., E, E,
+  ...). Default: the fixed ``train.local_epochs``; ``epoch_ramp = true`` gives the reference's ramp.
 - Public inputs: the reference draws a fresh alignment set of ``N_alignment = 5000`` public
   images every round. With one message per round, the targets sent in round t+1 are computed from
   predictions made at the end of round t, so they are on the inputs sent in round t; resampling
@@ -56,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
@@ -67,6 +83,7 @@ if TYPE_CHECKING:
     from fedmosaic.config import ExperimentConfig
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
+REDUCTIONS = ("mean", "batchmean")
 
 
 @dataclass(frozen=True)
@@ -177,9 +194,17 @@ def update_coef(
     return c.detach()
 
 
-def soft_kl(student_logits: Tensor, target: Tensor, T: float) -> Tensor:
-    """``mean_b KL(target_b || softmax(student_b / T))`` (``batchmean``); target rows sum to 1."""
-    return F.kl_div(F.log_softmax(student_logits / T, dim=1), target, reduction="batchmean")
+def soft_kl(student_logits: Tensor, target: Tensor, T: float, reduction: str = "mean") -> Tensor:
+    """``KL(target_b || softmax(student_b / T))`` over a batch; target rows sum to 1.
+
+    ``"batchmean"``: the per-example KL averaged over the batch. ``"mean"`` (the reference's):
+    the elementwise terms averaged over ``B * C``, i.e. ``batchmean / C``.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction = {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    kl = F.kl_div(F.log_softmax(student_logits / T, dim=1), target, reduction="batchmean")
+    # Written as batchmean / C: torch deprecates reduction="mean" for kl_div (to mean batchmean).
+    return kl if reduction == "batchmean" else kl / student_logits.shape[1]
 
 
 def distill(
@@ -191,13 +216,14 @@ def distill(
     lr: float,
     settings: TrainSettings,
     gen: torch.Generator,
+    reduction: str = "mean",
 ) -> TrainStats:
     """Train the whole model toward ``target [P, C]`` on the public inputs ``x`` (minibatches)."""
     model.train()
     params = list(model.parameters())
 
     def loss_fn(xb: Tensor, tb: Tensor) -> Tensor:
-        return soft_kl(model(xb), tb, T)
+        return soft_kl(model(xb), tb, T, reduction)
 
     def sample(pos: Tensor) -> tuple[Tensor, Tensor]:
         pos = pos.to(x.device)
@@ -223,6 +249,9 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     # The distillation step's own optimizer (reference: plain SGD at distill_lr), whatever
     # train.optimizer the private training uses: Adam at SGD's 0.02 wrecks the model.
     distill_optimizer: str = "sgd"  # sgd | adam
+    # KL normalization of the distillation: mean (reference: / (B * C)) | batchmean (/ B)
+    distill_reduction: str = "mean"
+    epoch_ramp: bool = False  # min(round, local_epochs) private epochs per round (reference)
 
     Broadcast: ClassVar[type[Payload]] = KTpFLBroadcast
     Upload: ClassVar[type[Payload]] = KTpFLUpload
@@ -245,6 +274,11 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             raise ValueError("public_batch and distill_batch_size must be >= 1")
         if self.distill_optimizer not in ("sgd", "adam"):
             raise ValueError(f"distill_optimizer = {self.distill_optimizer!r}; choose sgd or adam")
+        if self.distill_reduction not in REDUCTIONS:
+            raise ValueError(
+                f"distill_reduction = {self.distill_reduction!r}; "
+                f"choose one of {', '.join(REDUCTIONS)}"
+            )
 
     def check_config(self, cfg: ExperimentConfig) -> None:
         from fedmosaic.config import ConfigError
@@ -326,8 +360,24 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             optimizer=self.distill_optimizer,
             momentum=0.0,
             weight_decay=0.0,
+            drop_last=False,  # every public input, as the reference's loader
         )
-        distill(model, msg.public, msg.target, self.T, self.distill_epochs, self.distill_lr, s, gen)
+        distill(
+            model,
+            msg.public,
+            msg.target,
+            self.T,
+            self.distill_epochs,
+            self.distill_lr,
+            s,
+            gen,
+            self.distill_reduction,
+        )
+
+    def phases(self, round_num: int, epochs: int) -> Sequence[Phase]:
+        if self.epoch_ramp:
+            epochs = min(max(round_num, 1), epochs)  # the reference's 1, 2, ..., E, E, ...
+        return (Phase(("all",), epochs),)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: KTpFLBroadcast

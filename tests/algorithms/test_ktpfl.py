@@ -157,7 +157,13 @@ def _kl(model, x, target, T):
 
 
 def test_distillation_moves_predictions_toward_target():
-    algo = KTpFL(T=2.0, distill_epochs=20, distill_lr=0.5, distill_batch_size=8)
+    algo = KTpFL(
+        T=2.0,
+        distill_epochs=20,
+        distill_lr=0.5,
+        distill_batch_size=8,
+        distill_reduction="batchmean",
+    )
     toy = make_toy(algo)
     model = toy_model()
     x = toy.spec.public  # [16, 1, 3, 4]
@@ -320,3 +326,70 @@ def test_two_rounds_heterogeneous_with_wire_check():
     no_public = tiny_raw(data={"public_size": 0}, algorithm={"name": "ktpfl"})
     with pytest.raises(ConfigError, match="data.public_size"):
         from_dict(no_public)
+
+
+# ---- reference defaults: KL normalization, every public input, epoch ramp --------------------
+
+
+def test_distillation_kl_mean_is_batchmean_over_C_hand_computed():
+    z = torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 2.0]])  # student logits, B = 2, C = 3
+    t = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])  # target rows sum to 1
+    T = 2.0
+    rows = []
+    for zr, tr in zip(z.tolist(), t.tolist()):
+        lse = math.log(sum(math.exp(v / T) for v in zr))
+        rows.append(sum(p * (math.log(p) - (v / T - lse)) for v, p in zip(zr, tr)))
+    batchmean = sum(rows) / 2  # the per-example KL averaged over the batch
+    assert soft_kl(z, t, T, "batchmean").item() == pytest.approx(batchmean, rel=1e-6)
+    assert soft_kl(z, t, T, "mean").item() == pytest.approx(batchmean / 3, rel=1e-6)  # / C
+    assert KTpFL().distill_reduction == "mean"  # the reference's, by default
+    assert soft_kl(z, t, T).item() == pytest.approx(batchmean / 3, rel=1e-6)
+
+
+def test_distillation_reduction_scales_the_sgd_step_by_C():
+    toy = make_toy(KTpFL())
+    x = toy.spec.public  # [16, 1, 3, 4]
+    target = F.softmax(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)) * 2, 1)
+    msg = KTpFLBroadcast(x, target, True)
+    start = toy_model()
+    steps = {}
+    for red, lr in (("mean", 0.3), ("batchmean", 0.1)):  # C = 3: batchmean at lr / C == mean
+        model = toy_model()
+        model.load_state_dict(start.state_dict())
+        algo = KTpFL(T=2.0, distill_lr=lr, distill_batch_size=16, distill_reduction=red)
+        algo.before_fit(model, torch.nn.Module(), toy.clients[0], msg, TrainSettings(), None)
+        steps[red] = [
+            p.detach() - q.detach() for p, q in zip(model.parameters(), start.parameters())
+        ]
+    for a, b in zip(steps["mean"], steps["batchmean"]):
+        assert a.abs().sum() > 0 and torch.allclose(a, b, atol=1e-7)
+
+
+def test_distillation_uses_every_public_input_whatever_train_drop_last():
+    algo = KTpFL(distill_batch_size=6)  # 16 public inputs: batches of 6, 6 and the last 4
+    toy = make_toy(algo)
+    x = toy.spec.public
+    msg = KTpFLBroadcast(x, torch.full((16, 3), 1 / 3), True)
+    model = toy_model()
+    seen = []
+    model.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape[0]))
+    settings = TrainSettings(batch_size=6, drop_last=True)  # the private loader drops its tail
+    algo.before_fit(model, torch.nn.Module(), toy.clients[0], msg, settings, torch.Generator())
+    assert sorted(seen) == [4, 6, 6] and sum(seen) == 16  # the reference keeps the partial batch
+
+
+def test_epoch_ramp_is_the_references_schedule():
+    ramp = KTpFL(epoch_ramp=True)
+    assert [ramp.phases(t, 3)[0].epochs for t in (1, 2, 3, 4, 9)] == [1, 2, 3, 3, 3]
+    assert [KTpFL().phases(t, 3)[0].epochs for t in (1, 2, 9)] == [3, 3, 3]  # default: fixed
+
+
+def test_new_options_are_validated_by_config():
+    from fedmosaic.algorithms import build_algorithm
+
+    with pytest.raises(ConfigError, match="distill_reduction"):
+        build_algorithm({"name": "ktpfl", "distill_reduction": "sum"})
+    with pytest.raises(ConfigError, match="epoch_ramp"):
+        build_algorithm({"name": "ktpfl", "epoch_ramp": "yes"})
+    algo = build_algorithm({"name": "ktpfl", "distill_reduction": "batchmean", "epoch_ramp": True})
+    assert algo == KTpFL(distill_reduction="batchmean", epoch_ramp=True)
