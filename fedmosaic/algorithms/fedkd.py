@@ -25,6 +25,11 @@ Choices and differences from the paper and the reference code (the authors' ``ru
   update of the paper: an update only works for clients holding the previous global mentee exactly,
   which clients skipping rounds (partial participation) do not. The server keeps exactly what the
   clients reconstruct as the base that their updates are added to.
+- Round 1's download. Paper: no message for the initial mentee is described (every later
+  download is compressed). Reference code (PFLlib): the first broadcast sends the full, dense
+  model; only later ones are SVD-compressed. Default: ``first_broadcast = "full"``, the
+  reference's (every client starts from the exact same initial mentee); ``"svd"`` compresses it
+  at ``T_start`` like every later broadcast.
 - Truncation: the smallest ``k >= 1`` reaching the threshold (``>=``). PFLlib and the authors'
   client code use a strict ``>`` and, when no ``k`` below the full rank passes it, keep ``k = 0``
   and so zero that tensor -- a bug not copied. A weight whose factors would not take fewer wire
@@ -49,7 +54,8 @@ Choices and differences from the paper and the reference code (the authors' ``ru
   ``mentee_learning_rate``); no gradient clipping (PFLlib/HtFLlib clip at norm 10).
 - Server: sample-weighted average (the references average uniformly).
 - Mentee architecture: ``mentee_arch = ""`` picks the family's smallest member by parameter count
-  (HtFLlib: the family's first member, or its ``global_model``).
+  (HtFLlib: the family's first member, or its ``global_model``), built as every client model is,
+  with the federation's projection (``model.projection``).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ if TYPE_CHECKING:
     from fedmosaic.config import ExperimentConfig
 
 UPLOADS = ("update", "state")
+FIRST_BROADCASTS = ("full", "svd")
 FACTORS = ("U", "S", "V")
 HEADER_BYTES = 64  # approximate safetensors header entry of one tensor, besides its name
 
@@ -258,6 +265,7 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     T_end: float = 0.98  # SVD energy threshold in the last round (PFLlib/HtFLlib default)
     upload_mode: str = "update"  # what clients compress: update (paper) | state (PFLlib/HtFLlib)
     mentee_arch: str = ""  # zoo architecture of the mentee; "" = the family's smallest member
+    first_broadcast: str = "full"  # round 1's mentee: full (PFLlib) | svd (compressed like later)
 
     Broadcast: ClassVar[type[Payload]] = MenteeBroadcast
     Upload: ClassVar[type[Payload]] = MenteeUpload
@@ -276,6 +284,11 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
             raise ValueError(
                 f"upload_mode = {self.upload_mode!r}; choose one of {', '.join(UPLOADS)}"
             )
+        if self.first_broadcast not in FIRST_BROADCASTS:
+            raise ValueError(
+                f"first_broadcast = {self.first_broadcast!r}; "
+                f"choose one of {', '.join(FIRST_BROADCASTS)}"
+            )
 
     def check_config(self, cfg: ExperimentConfig) -> None:
         check_member(self.mentee_arch, "mentee_arch")
@@ -286,7 +299,10 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> FedKDState:
         initial = initial_shared_state(small_member(self.mentee_arch, spec), spec, "fedkd-mentee")
-        return self._publish(initial, self.threshold(1, spec.rounds), spec.rounds)
+        energy = self.threshold(1, spec.rounds)  # clients compress round 1's uploads with it
+        if self.first_broadcast == "full":
+            return FedKDState(initial, dict(initial), energy, spec.rounds)  # dense, exact
+        return self._publish(initial, energy, spec.rounds)
 
     def _publish(self, mentee: dict[str, Tensor], energy: float, rounds: int) -> FedKDState:
         message = compress(mentee, energy)

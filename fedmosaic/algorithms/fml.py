@@ -11,7 +11,8 @@ Choices and differences from the reference code (PFLlib/HtFLlib ``clientfml``/``
 
 - Meme architecture: ``meme_arch = ""`` picks the family's smallest member by parameter count
   (deterministically, on the server and on every client); HtFLlib uses the family's first member.
-  Any zoo architecture string may be given instead.
+  Any zoo architecture string may be given instead. The meme is built as every client model is,
+  with the federation's projection (``model.projection``; "pool" as HtFLlib's models).
 - KL uses ``reduction="batchmean"`` (the true KL per example). The reference's ``nn.KLDivLoss()``
   default ``"mean"`` divides by ``B * C`` as well, shrinking the distillation term by ``C``.
 - Targets are detached, so each loss trains only its own model. The reference backpropagates

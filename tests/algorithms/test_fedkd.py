@@ -229,3 +229,25 @@ def test_mentee_is_built_with_the_clients_projection():
     state = fed.algo.init_server(fed.spec)
     assert state.mentee.keys() == fed.extras[0].mentee.state_dict().keys()
     assert not any(k.endswith("proj.weight") for k in state.mentee)
+
+
+@pytest.mark.usefixtures("fake_zoo")
+def test_first_broadcast_is_the_full_mentee_by_default():
+    # At T_start = 0.5 the wide member's random 64 x 12 layer is worth factoring (at 0.95 a random
+    # matrix is not, and would be sent dense anyway).
+    spec = tiny_spec(("wide", "narrow"), rounds=3)
+    full = FedKD(mentee_arch="wide", T_start=0.5)
+    assert full.first_broadcast == "full"  # PFLlib: the full model first
+    state = full.init_server(spec)
+    msg = full.broadcast(state, 0, 1)
+    assert not any("/" in k for k in msg.tensors)  # no U/S/V factors: every tensor dense
+    assert msg.tensors.keys() == state.mentee.keys()
+    assert all(torch.equal(msg.tensors[k], state.mentee[k]) for k in msg.tensors)
+    assert msg.energy == pytest.approx(0.5)  # uploads of round 1 still compress at T_start
+    svd = FedKD(mentee_arch="wide", T_start=0.5, first_broadcast="svd")
+    s2 = svd.init_server(spec)
+    assert "encoder.1.weight/U" in svd.broadcast(s2, 0, 1).tensors
+    # Same initial weights; the svd variant's server base is the truncated reconstruction.
+    assert not torch.equal(s2.mentee["encoder.1.weight"], state.mentee["encoder.1.weight"])
+    with pytest.raises(ConfigError, match="first_broadcast"):
+        build_algorithm({"name": "fedkd", "first_broadcast": "dense"})
