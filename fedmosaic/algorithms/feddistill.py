@@ -7,8 +7,9 @@ server averages each row over the clients that have the class and sends each cli
 logits ``G``. Models never leave the clients, so every client may have its own architecture (its
 head must output ``C`` logits). Client loss: ``CE(z, y) + lam * MSE(z, G[y])``.
 
-Paper vs reference code vs default, and other choices (reference: HtFLlib ``clientdistill``/
-``serverdistill``, itself from the FedLogit code; ``clientfd``/``serverfd``, HtFLlib's FD):
+Paper vs reference code vs default, and other choices (reference: PFLlib/HtFLlib
+``clientdistill``/``serverdistill``, from the FedLogit code; ``clientfd``/``serverfd``, HtFLlib's
+FD):
 
 - Which mean a client receives. Paper (Jeong et al., Algorithm 1, global ensembling): client ``i``
   gets the average of the *other* clients' logits, ``(F_c - F_ic) / (M - 1)`` with ``F_c`` the sum
@@ -25,12 +26,13 @@ Paper vs reference code vs default, and other choices (reference: HtFLlib ``clie
   mode, over every local epoch).
 - Loss normalization: ``F.mse_loss`` mean over all ``B * C`` elements; rows whose class has no
   global logit target their own detached logits (zero value, zero gradient) but still count in the
-  denominator, exactly as ``nn.MSELoss`` in the reference, so ``lam`` means the same as there.
+  denominator, exactly as ``nn.MSELoss`` in PFLlib's ``clientdistill``, so ``lam`` means the same
+  as there.
 - ``distill = "kl"`` (option): ``lam * T^2 * KL(softmax(G[y]/T) || softmax(z/T))`` averaged over the
   batch, rows without a global logit contributing 0. This is the soft-target cross-entropy
-  ``CE(z, softmax(G[y]))`` of HtFLlib's ``clientdistill`` and of its ``clientfd`` up to late 2025,
-  minus the targets' entropy (a constant): the same gradients at ``T = 1``. Since late 2025
-  HtFLlib's ``clientfd`` passes the raw global logits ``G[y]`` themselves as the soft targets of
+  ``CE(z, softmax(G[y]))`` of HtFLlib's current ``clientdistill`` and of its ``clientfd`` up to
+  late 2025, minus the targets' entropy (a constant): the same gradients at ``T = 1``. Since late
+  2025 HtFLlib's ``clientfd`` passes the raw global logits ``G[y]`` themselves as the soft targets of
   ``nn.CrossEntropyLoss`` (unnormalized, possibly negative "probabilities": the loss is then
   ``-sum_j G[y]_j log softmax(z)_j``, not a divergence). That form is not offered: our targets are
   always softmax probabilities of the global logits.
@@ -152,7 +154,7 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     """Share per-class mean logits; pull each example's logits towards its class's global mean."""
 
     lam: float = 1.0  # weight of the distillation term (HtFLlib default)
-    distill: str = "mse"  # mse (paper, reference) | kl (soft targets softmax(G[y]/T), HtFLlib's FD)
+    distill: str = "mse"  # mse (paper, PFLlib) | kl (soft targets softmax(G[y]/T), HtFLlib)
     T: float = 1.0  # softmax temperature of the kl variant (unused by mse)
     average: str = "others"  # mean a client gets: others (paper, leave-one-out) | all (HtFLlib)
 
