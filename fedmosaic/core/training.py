@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedmosaic import kernels
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.model import PARTS, ClientModel
 
@@ -151,16 +152,28 @@ class _FusedConflict(Exception):
 
 
 class _SGDLinear(torch.autograd.Function):
+    # Batches of 1..kernels.MAX_BATCH rows take the native kernel (fedmosaic.kernels) when it is
+    # built: the forward streams W once, the backward computes dx with the old W and applies the
+    # update in one pass over W. Otherwise (and always when it is not built) torch's ops below.
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias = bias
         ctx.lr = lr
+        ctx.native = kernels.usable(x, weight, bias)
+        if ctx.native:
+            return kernels.linear_forward(x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
+        if ctx.native:
+            gx = kernels.linear_backward_sgd(
+                grad, x, weight, ctx.bias, ctx.lr, ctx.needs_input_grad[0]
+            )
+            ctx.bias = None
+            return gx, None, None, None
         g2 = grad.reshape(-1, grad.shape[-1])  # [N, out]
         gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in], old W
         with torch.no_grad():

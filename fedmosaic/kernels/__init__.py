@@ -1,0 +1,183 @@
+"""Native CPU kernels (C++, AVX2/FMA) for the fused plain-SGD Linear layer, with a torch fallback.
+
+The extension is compiled by the project's install (``scripts/setup.sh`` runs
+``python -m fedmosaic.kernels build``) with ``torch.utils.cpp_extension`` and the system's g++
+and ninja, into ``fedmosaic/kernels/_build`` (or ``$XDG_CACHE_HOME/fedmosaic/kernels`` where the
+package folder is read-only). When it is missing and a compiler is present it is built on first
+use; without a compiler, on a CPU without AVX2/FMA, or with ``FEDMOSAIC_KERNELS=0``, the torch path
+is used. One log line per process says which.
+
+Numbers: the kernel sums in another order than MKL's sgemm, so a run with the kernel and one
+without agree to float tolerance, not bit for bit; every process of a run loads the same
+extension, so the runtimes stay bitwise equal to each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("fedmosaic.kernels")
+
+NAME = "fedmosaic_linear"
+SOURCE = Path(__file__).with_name("linear.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fno-math-errno"]
+MAX_BATCH = 64  # the skinny-batch kernel's range; larger batches take torch's sgemm
+ENV = "FEDMOSAIC_KERNELS"  # "0": always the torch path
+
+_module: ModuleType | None = None
+_reason = ""
+_loaded = False
+
+
+def _tag() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS + [torch.__version__, sys.version]).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dirs() -> list[Path]:
+    """Where the extension may live: inside the package, then the user's cache."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return [Path(__file__).with_name("_build"), cache / "fedmosaic" / "kernels"]
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _built() -> Path | None:
+    tag = _tag()
+    for d in build_dirs():
+        so, stamp = d / f"{NAME}.so", d / "stamp"
+        if so.is_file() and stamp.is_file() and stamp.read_text().strip() == tag:
+            return so
+    return None
+
+
+def cpu_supported() -> bool:
+    """AVX2 with FMA (ATen's AVX2 level requires both)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def compiler() -> str | None:
+    """Why the extension cannot be built here, or None when it can."""
+    for tool in ("g++", "ninja"):
+        if shutil.which(os.environ.get("CXX", "g++") if tool == "g++" else tool) is None:
+            return f"no {tool} on PATH"
+    return None
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension into the first writable build folder; returns the shared object."""
+    from torch.utils import cpp_extension
+
+    why = compiler()
+    if why:
+        raise RuntimeError(f"cannot build {NAME}: {why}")
+    err: Exception | None = None
+    for d in build_dirs():
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "stamp").unlink(missing_ok=True)
+            cpp_extension.load(
+                NAME,
+                [str(SOURCE)],
+                extra_cflags=CFLAGS,
+                build_directory=str(d),
+                verbose=verbose,
+                is_python_module=True,
+            )
+            (d / "stamp").write_text(_tag() + "\n")
+            return d / f"{NAME}.so"
+        except OSError as e:  # read-only folder: try the next
+            err = e
+    raise RuntimeError(f"cannot build {NAME}: {err}")
+
+
+def load() -> ModuleType | None:
+    """The extension module, or None (torch path); decided once per process and logged."""
+    global _module, _reason, _loaded
+    if _loaded:
+        return _module
+    _loaded = True
+    if os.environ.get(ENV, "1") == "0":
+        _reason = f"{ENV}=0"
+    elif not cpu_supported():
+        _reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
+    else:
+        try:
+            so = _built() or build()
+            _module = _import(so)
+        except Exception as e:  # noqa: BLE001 - any build/import failure: the torch path
+            _reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    if _module is not None:
+        log.info("fused SGD Linear: native AVX2/FMA kernel (%s)", SOURCE.name)
+    else:
+        log.info("fused SGD Linear: torch path (%s)", _reason)
+    return _module
+
+
+def status() -> str:
+    """One line: which path the fused SGD Linear layer takes in this process."""
+    return "native" if load() is not None else f"torch ({_reason})"
+
+
+def reset() -> None:
+    """Forget the decision (tests; after changing ``FEDMOSAIC_KERNELS``)."""
+    global _module, _reason, _loaded
+    _module, _reason, _loaded = None, "", False
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether the kernel takes this call: CPU float32, contiguous parameters, 1..64 rows."""
+    n = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    return (
+        0 < n <= MAX_BATCH
+        and x.dtype == weight.dtype == torch.float32
+        and x.device.type == weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and load() is not None
+    )
+
+
+def linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` for ``x`` [.., in] (caller checked :func:`usable`)."""
+    mod = load()
+    assert mod is not None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = mod.linear_forward(x2, weight.detach(), None if bias is None else bias.detach())
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_backward_sgd(
+    grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, need_dx: bool
+) -> Tensor | None:
+    """``dx = grad W`` (old W), then ``W -= lr grad^T x``, ``b -= lr sum(grad)`` in place."""
+    mod = load()
+    assert mod is not None
+    g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    dx = mod.linear_backward_sgd(
+        g2, x2, weight.detach(), None if bias is None else bias.detach(), lr, need_dx
+    )
+    # Written through raw pointers: bump the version counters as an in-place op would, so that a
+    # weight another op saved for its backward is refused by autograd as on the torch path.
+    torch.autograd.graph.increment_version(weight)
+    if bias is not None:
+        torch.autograd.graph.increment_version(bias)
+    return dx.reshape(x.shape) if need_dx else None

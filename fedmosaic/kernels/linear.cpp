@@ -1,0 +1,251 @@
+// Skinny-batch Linear layer with the plain-SGD update fused into its backward (AVX2 + FMA).
+//
+// forward:  y[B, O] = x[B, I] W[O, I]^T + b            (W streamed once, no packing)
+// backward: dx[B, I] = dy[B, O] W   (the old W)         } one pass over W
+//           W -= lr * dy^T x ;  b -= lr * sum_b dy      }
+//
+// Every output element is computed by one thread in a fixed order, so results do not depend on
+// the number of threads: the same inputs give the same bits run to run.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes 0..rem-1 on (rem in 1..7).
+inline __m256i tail_mask(int64_t rem) {
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                            0,  0,  0,  0,  0,  0,  0,  0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - rem));
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+// R rows of W (starting at w) against NB batch rows of x: R * NB accumulators in registers.
+template <int R, int NB>
+void fwd_tile(const float* x, const float* w, int64_t I, float* y, int64_t O, const float* bias) {
+  __m256 acc[R][NB];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    __m256 wv[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * I + i);
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) {
+      const __m256 xv = _mm256_loadu_ps(x + b * I + i);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
+    }
+  }
+  if (i < I) {
+    const __m256i m = tail_mask(I - i);
+    __m256 wv[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) wv[r] = _mm256_maskload_ps(w + r * I + i, m);
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) {
+      const __m256 xv = _mm256_maskload_ps(x + b * I + i, m);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r][b] = _mm256_fmadd_ps(wv[r], xv, acc[r][b]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int b = 0; b < NB; ++b) y[b * O + r] = hsum(acc[r][b]) + (bias ? bias[r] : 0.0f);
+}
+
+constexpr int FR = 2;  // rows of W per forward tile
+constexpr int FB = 6;  // batch rows per forward tile (FR * FB = 12 accumulators of 16 registers)
+
+template <int R>
+void fwd_rows(const float* x, int64_t B, const float* w, int64_t I, float* y, int64_t O,
+              const float* bias) {
+  for (int64_t b0 = 0; b0 < B; b0 += FB) {
+    const float* xb = x + b0 * I;
+    float* yb = y + b0 * O;
+    switch (std::min<int64_t>(FB, B - b0)) {
+      case 1: fwd_tile<R, 1>(xb, w, I, yb, O, bias); break;
+      case 2: fwd_tile<R, 2>(xb, w, I, yb, O, bias); break;
+      case 3: fwd_tile<R, 3>(xb, w, I, yb, O, bias); break;
+      case 4: fwd_tile<R, 4>(xb, w, I, yb, O, bias); break;
+      case 5: fwd_tile<R, 5>(xb, w, I, yb, O, bias); break;
+      default: fwd_tile<R, 6>(xb, w, I, yb, O, bias); break;
+    }
+  }
+}
+
+// ---- fused backward + SGD ---------------------------------------------------------------------
+// Columns [j, j + 8) of W (masked to I when TAIL) for R rows from row o: the SGD update of those
+// W entries and, when DX, their contribution to dx. dyt is dy transposed, [O, B].
+template <int R, bool DX, bool TAIL>
+inline void bwd_chunk(const float* x, const float* d, int64_t B, float* wr, int64_t I, int64_t ld,
+                      float* dx, int64_t j, __m256i m, __m256 lrv) {
+  __m256 wv[R], u[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    wv[r] = TAIL ? _mm256_maskload_ps(wr + r * I + j, m) : _mm256_loadu_ps(wr + r * I + j);
+    u[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xp = x + b * ld + j;
+    const __m256 xv = TAIL ? _mm256_maskload_ps(xp, m) : _mm256_loadu_ps(xp);
+    __m256 g[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      g[r] = _mm256_broadcast_ss(d + r * B + b);  // dy[b, o + r]
+      u[r] = _mm256_fmadd_ps(g[r], xv, u[r]);     // (dy^T x)[o + r, j:j+8]
+    }
+    if (DX) {  // dx[b, j:j+8] += sum_r dy[b, o+r] W_old[o+r, j:j+8]
+      float* dxp = dx + b * ld + j;
+      __m256 dxv = TAIL ? _mm256_maskload_ps(dxp, m) : _mm256_loadu_ps(dxp);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) dxv = _mm256_fmadd_ps(g[r], wv[r], dxv);
+      if (TAIL) _mm256_maskstore_ps(dxp, m, dxv); else _mm256_storeu_ps(dxp, dxv);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m256 nw = _mm256_fnmadd_ps(lrv, u[r], wv[r]);  // W - lr * (dy^T x)
+    if (TAIL) _mm256_maskstore_ps(wr + r * I + j, m, nw); else _mm256_storeu_ps(wr + r * I + j, nw);
+  }
+}
+
+// Columns [c0, c1) of W for R rows starting at row o.
+template <int R, bool DX>
+void bwd_rows(const float* x, const float* dyt, int64_t B, float* w, int64_t I, int64_t ld,
+              float* dx, int64_t o, int64_t c0, int64_t c1, float lr) {
+  const __m256 lrv = _mm256_set1_ps(lr);
+  const float* d = dyt + o * B;
+  float* wr = w + o * I;
+  const __m256i all = _mm256_set1_epi32(-1);
+  int64_t j = c0;
+  for (; j + 8 <= c1; j += 8) bwd_chunk<R, DX, false>(x, d, B, wr, I, ld, dx, j, all, lrv);
+  if (j < c1) bwd_chunk<R, DX, true>(x, d, B, wr, I, ld, dx, j, tail_mask(c1 - j), lrv);
+}
+
+constexpr int BR = 4;  // rows of W per backward step
+
+template <bool DX>
+void bwd_tile(const float* x, const float* dyt, int64_t B, float* w, int64_t O, int64_t I,
+              int64_t ld, float* dx, int64_t c0, int64_t c1, float lr) {
+  int64_t o = 0;
+  for (; o + BR <= O; o += BR) bwd_rows<BR, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr);
+  switch (O - o) {
+    case 1: bwd_rows<1, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
+    case 2: bwd_rows<2, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
+    case 3: bwd_rows<3, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
+    default: break;
+  }
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
+                  t.dim() == dim,
+              name, ": expected a contiguous CPU float32 tensor of dimension ", dim);
+}
+
+}  // namespace
+
+// x [B, I], w [O, I], bias [O] or None -> y [B, O]
+torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& w,
+                             const c10::optional<torch::Tensor>& bias) {
+  check(x, "x", 2);
+  check(w, "weight", 2);
+  const int64_t B = x.size(0), I = x.size(1), O = w.size(0);
+  TORCH_CHECK(w.size(1) == I, "weight: ", w.size(1), " columns, x has ", I);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(*bias, "bias", 1);
+    TORCH_CHECK(bias->size(0) == O, "bias: size ", bias->size(0), ", weight has ", O, " rows");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({B, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pairs = (O + FR - 1) / FR;
+  // grain: ~256 KB of W per task
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, FR * I));
+  at::parallel_for(0, pairs, grain, [&](int64_t s, int64_t e) {
+    for (int64_t p = s; p < e; ++p) {
+      const int64_t o = p * FR;
+      const float* b = bp ? bp + o : nullptr;
+      if (o + FR <= O)
+        fwd_rows<FR>(xp, B, wp + o * I, I, yp + o, O, b);
+      else
+        fwd_rows<1>(xp, B, wp + o * I, I, yp + o, O, b);
+    }
+  });
+  return y;
+}
+
+// dy [B, O], x [B, I]; updates w [O, I] and bias [O] in place; returns dx [B, I] (old weights)
+// or an undefined tensor when need_dx is false.
+torch::Tensor linear_backward_sgd(const torch::Tensor& dy, const torch::Tensor& x, torch::Tensor w,
+                                  c10::optional<torch::Tensor> bias, double lr, bool need_dx) {
+  check(dy, "dy", 2);
+  check(x, "x", 2);
+  check(w, "weight", 2);
+  const int64_t B = x.size(0), I = x.size(1), O = w.size(0);
+  TORCH_CHECK(w.size(1) == I && dy.size(0) == B && dy.size(1) == O, "shapes do not match");
+  const auto dyt = dy.t().contiguous();  // [O, B]: the scalars broadcast per row of W
+  // Rows of x and dx 1 KB-multiples apart fall in the same L1 sets (and alias 4 KB apart with
+  // each other): give both a padded row stride then (not worth a copy for a few rows of W).
+  const int64_t ld = (I % 256 == 0 && O > 32) ? I + 16 : I;
+  torch::Tensor xs = x, dxs;
+  if (ld != I) {
+    xs = torch::empty({B, ld}, x.options());
+    xs.narrow(1, 0, I).copy_(x);
+  }
+  if (need_dx) dxs = torch::zeros({B, ld}, x.options());
+  const float* xp = xs.data_ptr<float>();
+  const float* dp = dyt.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  float* dxp = need_dx ? dxs.data_ptr<float>() : nullptr;
+  const float flr = static_cast<float>(lr);
+  // Column tiles: the tile's x and dx columns (2 * B * T floats) stay in L1 while all rows of W
+  // pass over them; each tile is independent (its own columns of W and dx).
+  const int64_t T = std::max<int64_t>(8, std::min<int64_t>(I, (3072 / std::max<int64_t>(B, 1)) / 8 * 8));
+  const int64_t tiles = (I + T - 1) / T;
+  at::parallel_for(0, tiles, 1, [&](int64_t s, int64_t e) {
+    for (int64_t t = s; t < e; ++t) {
+      const int64_t c0 = t * T, c1 = std::min(I, c0 + T);
+      if (need_dx)
+        bwd_tile<true>(xp, dp, B, wp, O, I, ld, dxp, c0, c1, flr);
+      else
+        bwd_tile<false>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
+    }
+  });
+  torch::Tensor dx;
+  if (need_dx) dx = ld == I ? dxs : dxs.narrow(1, 0, I).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    check(*bias, "bias", 1);
+    float* bp = bias->data_ptr<float>();
+    for (int64_t o = 0; o < O; ++o) {
+      float s = 0.0f;
+      for (int64_t b = 0; b < B; ++b) s += dp[o * B + b];
+      bp[o] -= flr * s;
+    }
+  }
+  return dx;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_forward", &linear_forward, "y = x W^T + b for a skinny batch");
+  m.def("linear_backward_sgd", &linear_backward_sgd,
+        "dx = dy W (old W); W -= lr dy^T x; b -= lr sum(dy) in one pass over W");
+}
