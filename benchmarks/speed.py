@@ -28,6 +28,11 @@ plus weight- and input-gradients for training). The last line is, for the FedTGP
 
     speedup=<reference s/round / ours s/round> peak_fraction=<round FLOPs / wall / peak>
 
+With the native kernel built (``fedmosaic.kernels``), "ours" runs twice, with the kernel and on
+the torch path (``FEDMOSAIC_KERNELS=0``), and a ``kernel`` line gives their ratio;
+``--layers`` also times the fused plain-SGD step (forward + backward + update) of every Linear
+shape of the workloads' families at batch 10 on one thread, torch path vs kernel, in GFLOP/s.
+
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
 
@@ -51,12 +56,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from fedmosaic import kernels  # noqa: E402
 from fedmosaic.config import from_dict  # noqa: E402
 from fedmosaic.core import seeding  # noqa: E402
 from fedmosaic.core.algorithm import Weighted  # noqa: E402
 from fedmosaic.core.rounds import sample_clients  # noqa: E402
 from fedmosaic.experiment import Federation, build_federation, run_experiment  # noqa: E402
 from fedmosaic.models import _layers, flops_per_image, trainable_flops  # noqa: E402
+from fedmosaic.sim.processes import shutdown_workers  # noqa: E402
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "fedtgp": {"algorithm": {"name": "fedtgp"}, "family": "htfe8-gray", "clients": 20, "k": 20},
@@ -161,6 +168,13 @@ def round_flops(fed: Federation, name: str, round_num: int) -> RoundFlops:
 
 
 # ---- ours -----------------------------------------------------------------------------------------
+def set_kernel(on: bool) -> None:
+    """Native kernel on/off for this process and freshly started workers."""
+    os.environ[kernels.ENV] = "1" if on else "0"
+    shutdown_workers()  # pooled workers keep the choice they started with
+    kernels.reset()
+
+
 def run_ours(raw: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     doc = run_experiment(from_dict(raw), progress=False)
@@ -333,6 +347,60 @@ def measure_memory(rounds: int, subsample: float) -> None:
     print(f"memory ratio 1000/100 clients: {total[1000] / total[100]:.2f} (target <= 2)")
 
 
+# ---- per-layer rates ------------------------------------------------------------------------------
+def linear_shapes(family: str) -> list[tuple[int, int]]:
+    """(in, out) of the Linear layers of a family's members (FMNIST input, feature_dim 512)."""
+    from torch import nn
+
+    from fedmosaic.models import build_client_model, family_members
+
+    shapes: set[tuple[int, int]] = set()
+    for member in family_members(family):
+        with torch.device("meta"):
+            model = build_client_model(member, (1, 28, 28), 10, 512)
+        shapes |= {(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear}
+    return sorted(shapes, key=lambda s: -s[0] * s[1])
+
+
+def fused_step_seconds(batch: int, i: int, o: int, native: bool, reps: int = 15) -> float:
+    """Best time of one fused plain-SGD Linear step (forward, backward, in-place update)."""
+    from fedmosaic.core.training import _SGDLinear
+
+    before = kernels.MAX_BATCH
+    kernels.MAX_BATCH = before if native else 0
+    try:
+        w = torch.nn.Parameter(torch.randn(o, i) * 0.01)
+        b = torch.nn.Parameter(torch.zeros(o))
+        x = torch.randn(batch, i, requires_grad=True)
+        g = torch.randn(batch, o) * 1e-3
+        best = math.inf
+        for _ in range(reps + 2):
+            t = time.perf_counter()
+            _SGDLinear.apply(x, w, b, 1e-6).backward(g)
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        kernels.MAX_BATCH = before
+
+
+def layer_table(families: list[str], batch: int = 10) -> None:
+    """GFLOP/s of the fused Linear step per shape, torch path vs kernel, one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        print(f"\n== Linear layers, fused plain-SGD step at batch {batch}, 1 thread (GFLOP/s)")
+        print(f"{'in x out':>12} {'torch':>7} {'kernel':>7} {'ratio':>6}")
+        for i, o in sorted(
+            {s for f in families for s in linear_shapes(f)}, key=lambda s: -s[0] * s[1]
+        ):
+            flop = 3 * 2 * batch * i * o  # forward, input gradient, weight gradient
+            t = fused_step_seconds(batch, i, o, False)
+            k = fused_step_seconds(batch, i, o, True) if kernels.load() is not None else math.nan
+            print(f"{f'{i}x{o}':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f} {t / k:6.2f}")
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- driver -----------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -345,6 +413,13 @@ def main() -> None:
         "--memory", action="store_true", help="also measure peak RSS, 100 vs 1000 clients"
     )
     p.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kernel",
+        choices=("both", "on", "off"),
+        default="both",
+        help="ours with the native kernel, on the torch path, or both (default; ratio line)",
+    )
+    p.add_argument("--layers", action="store_true", help="also the per-layer Linear table")
     args = p.parse_args()
     subsample = args.subsample if args.subsample is not None else (0.05 if args.quick else 1.0)
     if args.memory_child:
@@ -360,6 +435,10 @@ def main() -> None:
     core_peak = matmul_gflops(1)
     peak = matmul_gflops(cores or 1)
     print(f"peak fp32 matmul: {core_peak:.1f} GFLOP/s on 1 thread, {peak:.1f} GFLOP/s on {cores}")
+    print(f"fused SGD Linear: {kernels.status()}")
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.kernel]
+    if kernels.load() is None:
+        modes = [False]
 
     names = [n for n in args.workloads.split(",") if n]
     if "fedtgp" in names:  # its summary line must come last
@@ -368,7 +447,11 @@ def main() -> None:
     for name in names:
         data = {"min_size": 2} if (args.quick and WORKLOADS[name]["clients"] > 20) else {}
         raw = raw_config(name, subsample, args.rounds, args.workers, **data)
-        ours = run_ours(raw)
+        by_mode = {}
+        for on in modes:
+            set_kernel(on)
+            by_mode[on] = run_ours(raw)
+        ours = by_mode[modes[0]]  # the kernel when it is built
         fed = build_federation(from_dict(raw))
         ref = Reference(fed).run(args.rounds)[-1]
         fl = round_flops(fed, name, args.rounds)
@@ -377,16 +460,27 @@ def main() -> None:
         round_rate = fl.total / ours["seconds"] / 1e9
         k, n = WORKLOADS[name]["k"], WORKLOADS[name]["clients"]
         print(f"\n== {name}: {n} clients, {k} per round, {WORKLOADS[name]['family']}")
-        print(
-            f"ours      {ours['seconds']:7.2f} s/round  (train {ours['train']:.2f}, aggregate "
-            f"{ours['aggregate']:.2f}, eval {ours['eval']:.2f}; setup {ours['setup']:.1f} s once)"
-            f"  acc {ours['acc']:.4f}"
-        )
+        for on, o in by_mode.items():
+            print(
+                f"ours      {o['seconds']:7.2f} s/round  (train {o['train']:.2f}, aggregate "
+                f"{o['aggregate']:.2f}, eval {o['eval']:.2f}; setup {o['setup']:.1f} s once)"
+                f"  acc {o['acc']:.4f}  [{'kernel' if on else 'torch path'}]"
+            )
         print(
             f"reference {ref['seconds']:7.2f} s/round  (train {ref['train']:.2f}, aggregate "
             f"{ref['aggregate']:.2f}, eval {ref['eval']:.2f})  acc {ref['acc']:.4f}"
         )
-        print(f"speedup   {speedup:7.2f}x")
+        for on, o in by_mode.items():
+            print(
+                f"speedup   {ref['seconds'] / o['seconds']:7.2f}x  "
+                f"[{'kernel' if on else 'torch path'}]"
+            )
+        if len(by_mode) == 2:
+            print(
+                f"kernel    {by_mode[False]['seconds'] / by_mode[True]['seconds']:7.2f}x  "
+                f"(torch path s/round / kernel s/round; training "
+                f"{by_mode[False]['train'] / by_mode[True]['train']:.2f}x)"
+            )
         print(
             f"FLOPs     train {fl.train / 1e12:.3f} T + prototypes {fl.upload / 1e12:.3f} T + "
             f"eval {fl.eval / 1e12:.3f} T = {fl.total / 1e12:.3f} TFLOP per round"
@@ -397,6 +491,9 @@ def main() -> None:
         )
         if name == "fedtgp":
             last = f"speedup={speedup:.2f} peak_fraction={round_rate / peak:.2f}"
+    set_kernel(modes[0])
+    if args.layers:
+        layer_table(sorted({WORKLOADS[n]["family"] for n in names}))
     if args.memory:
         print()
         measure_memory(args.rounds, 1.0 if not args.quick else 0.2)

@@ -1,0 +1,202 @@
+"""The native skinny-batch Linear kernel (fedmosaic.kernels) against the torch path.
+
+Every Linear shape of the model zoo (all registered families, gray and colour inputs), batches
+1..64 (odd sizes, widths that are not multiples of 8), hand-computed values, determinism (run to
+run and thread count), and the fallback. Skipped where the extension cannot be built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedmosaic import kernels
+from fedmosaic.core.registry import FAMILIES
+from fedmosaic.core.training import FusedSGDLinears, TrainSettings, train_epochs
+from fedmosaic.models import build_client_model, family_members
+
+native = pytest.mark.skipif(kernels.load() is None, reason="native kernel not built here")
+
+
+def zoo_linear_shapes() -> list[tuple[int, int]]:
+    """(in, out) of every nn.Linear in every registered family, 1x28x28 and 3x32x32 inputs."""
+    shapes: set[tuple[int, int]] = set()
+    for fam in FAMILIES.names():
+        for member in family_members(fam):
+            for shape in ((1, 28, 28), (3, 32, 32)):
+                with torch.device("meta"):  # shapes only: no parameter initialisation
+                    model = build_client_model(member, shape, 10, 512)
+                for m in model.modules():
+                    if type(m) is nn.Linear:
+                        shapes.add((m.in_features, m.out_features))
+    return sorted(shapes)
+
+
+def reference(x, w, b, dy, lr):  # float64: the exact answer both float32 paths approximate
+    x, w, b, dy = (t.double() for t in (x, w, b, dy))
+    return x @ w.t() + b, dy @ w, w - lr * dy.t() @ x, b - lr * dy.sum(0)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # float32 dot products of length k: error grows like sqrt(k) eps * |terms|
+    tol = 4e-7 * (k**0.5 + 4)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_hand_computed_step():
+    if kernels.load() is None:
+        pytest.skip("native kernel not built here")
+    x = torch.tensor([[1.0, 2.0]])
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    b = torch.tensor([0.0, 0.0, 1.0])
+    assert kernels.linear_forward(x, w, b).tolist() == [[1.0, 2.0, 4.0]]
+    dx = kernels.linear_backward_sgd(torch.tensor([[1.0, 0.0, 1.0]]), x, w, b, 0.5, True)
+    assert dx.tolist() == [[2.0, 1.0]]  # dy W with the old W
+    assert w.tolist() == [[0.5, -1.0], [0.0, 1.0], [0.5, 0.0]]  # W - 0.5 dy^T x
+    assert b.tolist() == [-0.5, 0.0, 0.5]
+
+
+@native
+def test_every_zoo_linear_shape_matches_the_torch_path():
+    shapes = zoo_linear_shapes()
+    assert (4608, 1024) in shapes and (6272, 1024) in shapes and (512, 10) in shapes
+    gen = torch.Generator().manual_seed(0)
+    checked = set()
+    for n, (i, o) in enumerate(shapes):
+        # every batch size 1..64 over the shapes, plus the simulator's batch 10
+        for batch in sorted({1 + (n * 3) % 64, 1 + (n * 3 + 1) % 64, 10}):
+            checked.add(batch)
+            x = torch.randn(batch, i, generator=gen)
+            w = torch.randn(o, i, generator=gen) / i**0.5
+            b = torch.randn(o, generator=gen)
+            dy = torch.randn(batch, o, generator=gen) / o**0.5
+            y64, dx64, w64, b64 = reference(x, w, b, dy, 0.1)
+            close(kernels.linear_forward(x, w, b), y64, i)
+            close(F.linear(x, w, b), y64, i)  # the torch path meets the same bound
+            wk, bk = w.clone(), b.clone()
+            dx = kernels.linear_backward_sgd(dy, x, wk, bk, 0.1, True)
+            close(dx, dx64, o)
+            close(wk, w64, batch)
+            close(bk, b64, batch)
+            wn = w.clone()
+            assert kernels.linear_backward_sgd(dy, x, wn, None, 0.1, False) is None
+            assert torch.equal(wn, wk)  # the update does not depend on computing dx
+    assert checked == set(range(1, 65))
+
+
+@native
+@pytest.mark.parametrize(("batch", "i", "o"), [(1, 1, 1), (3, 7, 5), (13, 9, 17), (64, 1024, 33)])
+def test_odd_widths_and_leading_dims(batch, i, o):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, batch, i, generator=gen)[:, :, :]  # [2, batch, in]: a leading dim
+    w, b = torch.randn(o, i, generator=gen), torch.randn(o, generator=gen)
+    dy = torch.randn(2, batch, o, generator=gen)
+    x2, dy2 = x.reshape(-1, i), dy.reshape(-1, o)
+    if 2 * batch > kernels.MAX_BATCH:
+        x, dy = x2[:batch], dy2[:batch]
+        x2, dy2 = x, dy
+    y64, dx64, w64, b64 = reference(x2, w, b, dy2, 0.05)
+    close(kernels.linear_forward(x, w, b).reshape(-1, o), y64, i)
+    dx = kernels.linear_backward_sgd(dy, x, w, b, 0.05, True)
+    assert dx.shape == x.shape
+    close(dx.reshape(-1, i), dx64, o)
+    close(w, w64, x2.shape[0])
+    close(b, b64, x2.shape[0])
+
+
+@native
+def test_same_inputs_same_bits_whatever_the_thread_count():
+    gen = torch.Generator().manual_seed(2)
+    x, dy = torch.randn(10, 4608, generator=gen), torch.randn(10, 1024, generator=gen)
+    w0, b0 = torch.randn(1024, 4608, generator=gen) * 0.01, torch.randn(1024, generator=gen)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 1, 2):
+            torch.set_num_threads(threads)
+            w, b = w0.clone(), b0.clone()
+            y = kernels.linear_forward(x, w, b)
+            dx = kernels.linear_backward_sgd(dy, x, w, b, 0.01, True)
+            outs.append((y, dx, w, b))
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(outs[0], other))
+
+
+def _train(native_on: bool, batch: int = 10) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(37, 300), nn.ReLU(), nn.Linear(300, 10))
+    data = torch.randn(60, 37, generator=torch.Generator().manual_seed(3))
+    target = torch.arange(60) % 10
+    before = kernels.MAX_BATCH
+    kernels.MAX_BATCH = before if native_on else 0  # 0: no batch takes the kernel
+    try:
+        train_epochs(
+            list(model.parameters()),
+            lambda x, y: F.cross_entropy(model(x), y),
+            lambda pos: (data[pos], target[pos]),
+            60,
+            2,
+            TrainSettings(batch_size=batch, lr=0.1),
+            torch.Generator().manual_seed(4),
+            modules=(model,),
+        )
+    finally:
+        kernels.MAX_BATCH = before
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@native
+def test_training_with_the_kernel_matches_the_torch_path():
+    fast, plain = _train(True), _train(False)
+    for a, c in zip(fast, plain):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, c) for a, c in zip(fast, plain))  # the kernel really ran
+    assert all(torch.equal(a, c) for a, c in zip(fast, _train(True)))  # run to run
+
+
+@native
+@pytest.mark.parametrize("native_on", [True, False])
+def test_autograd_still_refuses_a_weight_saved_elsewhere(native_on: bool):
+    """The kernel writes W through a pointer; it bumps the version as an in-place op would."""
+    layer = nn.Linear(8, 4)
+    fused = FusedSGDLinears([layer], 0.1)
+    before = kernels.MAX_BATCH
+    kernels.MAX_BATCH = before if native_on else 0
+    fused.start()
+    try:
+        h = torch.randn(3, 8) * (layer.weight**2).sum()  # pow saves W; its backward runs last
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            layer(h).sum().backward()
+    finally:
+        fused.stop()
+        kernels.MAX_BATCH = before
+
+
+def test_fallback_when_switched_off(monkeypatch, caplog):
+    monkeypatch.setenv(kernels.ENV, "0")
+    kernels.reset()
+    try:
+        with caplog.at_level("INFO", logger="fedmosaic.kernels"):
+            assert kernels.load() is None
+            assert kernels.load() is None
+        assert not kernels.usable(torch.randn(2, 3), torch.randn(4, 3))
+        lines = [r.getMessage() for r in caplog.records if r.name == "fedmosaic.kernels"]
+        assert lines == [f"fused SGD Linear: torch path ({kernels.ENV}=0)"]  # one line
+    finally:
+        monkeypatch.delenv(kernels.ENV)
+        kernels.reset()
+
+
+def test_no_compiler_means_the_torch_path(monkeypatch):
+    monkeypatch.setattr(kernels, "_built", lambda: None)
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    kernels.reset()
+    try:
+        assert kernels.load() is None
+        assert kernels.status() == "torch (cannot build fedmosaic_linear: no g++ on PATH)"
+    finally:
+        kernels.reset()
