@@ -24,6 +24,18 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   }
 fi
 
+# g++ and ninja: fedmosaic's native kernels (fedmosaic/kernels) are compiled with them below;
+# without them the torch path is used.
+if { ! command -v g++ >/dev/null 2>&1 || ! command -v ninja >/dev/null 2>&1; } &&
+  command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing Debian's g++ and ninja-build (native kernels)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++ ninja-build >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null 2>&1 || true
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++ ninja-build >/dev/null 2>&1 ||
+      echo "setup: warning: could not install g++/ninja-build (the torch path will be used)"
+  }
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 if [ ! -x .venv/bin/python ]; then
@@ -41,3 +53,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,flower]"
   echo "$WANT" > "$STAMP"
 fi
+
+# The native AVX2/FMA kernels (about 30 s the first time; a no-op when up to date). Never fatal:
+# without a compiler or AVX2 the torch path is used.
+.venv/bin/python -m fedmosaic.kernels build || echo "setup: warning: native kernels not built (torch path)"

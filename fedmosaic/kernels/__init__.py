@@ -59,7 +59,8 @@ def _import(path: Path) -> ModuleType:
     return mod
 
 
-def _built() -> Path | None:
+def built() -> Path | None:
+    """The up-to-date shared object, if one is built."""
     tag = _tag()
     for d in build_dirs():
         so, stamp = d / f"{NAME}.so", d / "stamp"
@@ -120,7 +121,7 @@ def load() -> ModuleType | None:
         _reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2/FMA"
     else:
         try:
-            so = _built() or build()
+            so = built() or build()
             _module = _import(so)
         except Exception as e:  # noqa: BLE001 - any build/import failure: the torch path
             _reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -14,7 +14,8 @@ def main(argv: list[str]) -> int:
         if why or not kernels.cpu_supported():
             print(f"fedmosaic.kernels: not built ({why or 'CPU lacks AVX2/FMA'}); torch path")
             return 0
-        print(f"fedmosaic.kernels: built {kernels.build()}")
+        done = kernels.built()
+        print(f"fedmosaic.kernels: {'up to date' if done else 'built'} {done or kernels.build()}")
         return 0
     if cmd == "status":
         print(f"fedmosaic.kernels: {kernels.status()}")

@@ -192,7 +192,7 @@ def test_fallback_when_switched_off(monkeypatch, caplog):
 
 
 def test_no_compiler_means_the_torch_path(monkeypatch):
-    monkeypatch.setattr(kernels, "_built", lambda: None)
+    monkeypatch.setattr(kernels, "built", lambda: None)
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     kernels.reset()
     try:
