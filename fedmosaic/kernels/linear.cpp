@@ -133,7 +133,13 @@ void bwd_rows(const float* x, const float* dyt, int64_t B, float* w, int64_t I, 
   float* wr = w + o * I;
   const __m256i all = _mm256_set1_epi32(-1);
   int64_t j = c0;
-  for (; j + 8 <= c1; j += 8) bwd_chunk<R, DX, false>(x, d, B, wr, I, ld, dx, j, all, lrv);
+  for (; j + 8 <= c1; j += 8) {
+    if (((j - c0) & 15) == 0)  // the next rows' same columns, one prefetch per cache line
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + (R + r) * I + j), _MM_HINT_T0);
+    bwd_chunk<R, DX, false>(x, d, B, wr, I, ld, dx, j, all, lrv);
+  }
   if (j < c1) bwd_chunk<R, DX, true>(x, d, B, wr, I, ld, dx, j, tail_mask(c1 - j), lrv);
 }
 
