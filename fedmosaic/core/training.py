@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from fedmosaic import kernels
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.model import PARTS, ClientModel
+from fedmosaic.kernels import conv as fast_conv
 
 if TYPE_CHECKING:
     from fedmosaic.config import TrainConfig
@@ -185,9 +186,10 @@ class _SGDLinear(torch.autograd.Function):
 
 
 class FusedSGDLinears:
-    """Route the given Linear layers through :class:`_SGDLinear` while active."""
+    """Route the given Linear layers through :class:`_SGDLinear` while active (and, with the
+    native kernels built, single-input-channel Conv2d layers through ``kernels.conv``)."""
 
-    def __init__(self, layers: Sequence[nn.Linear], lr: float) -> None:
+    def __init__(self, layers: Sequence[nn.Module], lr: float) -> None:
         self.layers = list(layers)
         self.lr = lr
         self.calls: set[int] = set()
@@ -196,28 +198,33 @@ class FusedSGDLinears:
     @staticmethod
     def eligible(
         modules: Iterable[nn.Module], params: Sequence[nn.Parameter], s: TrainSettings
-    ) -> list[nn.Linear]:
+    ) -> list[nn.Module]:
         """Linear layers whose weight (and bias) all train, when the optimizer is plain SGD."""
         if not (s.fused_sgd and s.optimizer == "sgd" and s.momentum == 0 and s.weight_decay == 0):
             return []
         train = {id(p) for p in params}
         out = []
         for m in modules:
-            if type(m) is nn.Linear and id(m.weight) in train and m.weight.device.type == "cpu":
+            fused = type(m) is nn.Linear or (fast_conv.eligible(m) and kernels.load() is not None)
+            if fused and id(m.weight) in train and m.weight.device.type == "cpu":
                 if m.bias is None or id(m.bias) in train:
                     out.append(m)
         return out
 
-    def _forward(self, layer: nn.Linear) -> Callable[[Tensor], Tensor]:
+    def _forward(self, layer: nn.Module) -> Callable[[Tensor], Tensor]:
+        is_conv = type(layer) is nn.Conv2d
+
         def forward(x: Tensor) -> Tensor:
             w, b = layer.weight, layer.bias
             if not (
                 torch.is_grad_enabled() and w.requires_grad and (b is None or b.requires_grad)
-            ):  # frozen right now (some losses freeze blocks per step): the plain layer
-                return F.linear(x, w, b)
+            ) or (is_conv and x.dim() != 4):  # frozen right now (some losses freeze blocks per
+                return type(layer).forward(layer, x)  # step), or unbatched: the plain layer
             if id(layer) in self.calls:
                 raise _FusedConflict
             self.calls.add(id(layer))
+            if is_conv:
+                return fast_conv.SGDConv2d.apply(x, w, b, self.lr, layer)
             return _SGDLinear.apply(x, w, b, self.lr)
 
         return forward

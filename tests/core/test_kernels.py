@@ -15,6 +15,7 @@ from torch import nn
 from fedmosaic import kernels
 from fedmosaic.core.registry import FAMILIES
 from fedmosaic.core.training import FusedSGDLinears, TrainSettings, train_epochs
+from fedmosaic.kernels import conv as fast_conv
 from fedmosaic.models import build_client_model, family_members
 
 native = pytest.mark.skipif(kernels.load() is None, reason="native kernel not built here")
@@ -200,3 +201,55 @@ def test_no_compiler_means_the_torch_path(monkeypatch):
         assert kernels.status() == "torch (cannot build fedmosaic_linear: no g++ on PATH)"
     finally:
         kernels.reset()
+
+
+# ---- single-input-channel convolutions (kernels.conv) ----------------------------------------
+@pytest.mark.parametrize(
+    ("stride", "padding", "layout"),
+    [(1, 0, "channels_last"), (1, 0, "nchw"), (2, 1, "channels_last"), (2, 2, "nchw")],
+)
+def test_im2col_conv_step_matches_conv2d_and_sgd(stride, padding, layout):
+    gen = torch.Generator().manual_seed(5)
+    conv = nn.Conv2d(1, 6, 5, stride=stride, padding=padding)
+    assert fast_conv.eligible(conv) and not fast_conv.eligible(nn.Conv2d(2, 6, 5))
+    x = torch.randn(3, 1, 13, 11, generator=gen, requires_grad=True)
+    w0, b0 = conv.weight.detach().clone(), conv.bias.detach().clone()
+    want = F.conv2d(x, w0.requires_grad_(), b0.requires_grad_(), stride, padding)
+    g = torch.randn(want.shape, generator=gen)
+    if layout == "channels_last":
+        g = g.contiguous(memory_format=torch.channels_last)
+    want.backward(g)
+    xk = x.detach().clone().requires_grad_()
+    got = fast_conv.SGDConv2d.apply(xk, conv.weight, conv.bias, 0.1, conv)
+    assert got.is_contiguous(memory_format=torch.channels_last)  # no copy before pooling
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward(g)
+    torch.testing.assert_close(xk.grad, x.grad, rtol=1e-5, atol=1e-5)  # with the old W
+    torch.testing.assert_close(conv.weight.detach(), w0 - 0.1 * w0.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(conv.bias.detach(), b0 - 0.1 * b0.grad, rtol=1e-5, atol=1e-6)
+    assert conv.weight.grad is None  # the update went into W, not W.grad
+
+
+@native
+def test_zoo_cnn_trains_as_with_the_optimizer():
+    """cnn1 (1-channel conv, 4608x512 Linear) at batch 10: fused fast paths vs torch's SGD."""
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = build_client_model("cnn1", (1, 28, 28), 10, 64)
+        data = torch.randn(40, 1, 28, 28, generator=torch.Generator().manual_seed(6))
+        target = torch.arange(40) % 10
+        train_epochs(
+            list(model.parameters()),
+            lambda x, y: F.cross_entropy(model(x), y),
+            lambda pos: (data[pos], target[pos]),
+            40,
+            1,
+            TrainSettings(batch_size=10, lr=0.05, fused_sgd=fused),
+            torch.Generator().manual_seed(7),
+            modules=(model,),
+        )
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, c in zip(run(True), run(False)):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
