@@ -31,7 +31,8 @@ plus weight- and input-gradients for training). The last line is, for the FedTGP
 With the native kernel built (``fedmosaic.kernels``), "ours" runs twice, with the kernel and on
 the torch path (``FEDMOSAIC_KERNELS=0``), and a ``kernel`` line gives their ratio;
 ``--layers`` also times the fused plain-SGD step (forward + backward + update) of every Linear
-shape of the workloads' families at batch 10 on one thread, torch path vs kernel, in GFLOP/s.
+shape of the workloads' families and of the gray CNNs' first convolution at batch 10 on one
+thread, torch path vs kernel, in GFLOP/s.
 
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
@@ -383,12 +384,37 @@ def fused_step_seconds(batch: int, i: int, o: int, native: bool, reps: int = 15)
         kernels.MAX_BATCH = before
 
 
+def conv_step_seconds(batch: int, native: bool, reps: int = 15) -> float:
+    """Best time of one training step of the gray CNNs' first layer (1->32, 5x5, 28x28) with
+    its channels-last re-layout: mkldnn + SGD update, or the fused im2col path (kernels.conv)."""
+    from fedmosaic.kernels.conv import SGDConv2d
+
+    conv = torch.nn.Conv2d(1, 32, 5)
+    x = torch.randn(batch, 1, 28, 28)
+    best = math.inf
+    for _ in range(reps + 2):
+        t = time.perf_counter()
+        if native:
+            y = SGDConv2d.apply(x, conv.weight, conv.bias, 1e-6, conv)
+        else:
+            y = conv(x)
+        y = y.contiguous(memory_format=torch.channels_last)
+        y.backward(torch.ones_like(y) * 1e-3)
+        if not native:
+            with torch.no_grad():
+                for p in conv.parameters():
+                    p.add_(p.grad, alpha=-1e-6)
+                    p.grad = None
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def layer_table(families: list[str], batch: int = 10) -> None:
     """GFLOP/s of the fused Linear step per shape, torch path vs kernel, one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        print(f"\n== Linear layers, fused plain-SGD step at batch {batch}, 1 thread (GFLOP/s)")
+        print(f"\n== Fused plain-SGD step per layer at batch {batch}, 1 thread (GFLOP/s)")
         print(f"{'in x out':>12} {'torch':>7} {'kernel':>7} {'ratio':>6}")
         for i, o in sorted(
             {s for f in families for s in linear_shapes(f)}, key=lambda s: -s[0] * s[1]
@@ -397,6 +423,10 @@ def layer_table(families: list[str], batch: int = 10) -> None:
             t = fused_step_seconds(batch, i, o, False)
             k = fused_step_seconds(batch, i, o, True) if kernels.load() is not None else math.nan
             print(f"{f'{i}x{o}':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f} {t / k:6.2f}")
+        flop = 2 * 2 * batch * 24 * 24 * 32 * 25  # forward and weight gradient
+        t = conv_step_seconds(batch, False)
+        k = conv_step_seconds(batch, True) if kernels.load() is not None else math.nan
+        print(f"{'conv 1->32':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f} {t / k:6.2f}")
     finally:
         torch.set_num_threads(before)
 
