@@ -465,7 +465,7 @@ def main() -> None:
     core_peak = matmul_gflops(1)
     peak = matmul_gflops(cores or 1)
     print(f"peak fp32 matmul: {core_peak:.1f} GFLOP/s on 1 thread, {peak:.1f} GFLOP/s on {cores}")
-    print(f"fused SGD Linear: {kernels.status()}")
+    print(f"fused SGD layers: {kernels.status()}")
     modes = {"both": [True, False], "on": [True], "off": [False]}[args.kernel]
     if kernels.load() is None:
         modes = [False]

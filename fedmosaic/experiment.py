@@ -406,6 +406,9 @@ def run_experiment(
 
     start = time.perf_counter()
     started = provenance.now()
+    from fedmosaic import kernels
+
+    kernels.load()  # decided (and logged) here once: workers load the same extension
     fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
     threads = torch.get_num_threads()
     if cfg.sim.backend == "processes" and cfg.sim.threads == 0:

@@ -126,9 +126,9 @@ def load() -> ModuleType | None:
         except Exception as e:  # noqa: BLE001 - any build/import failure: the torch path
             _reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
     if _module is not None:
-        log.info("fused SGD Linear: native AVX2/FMA kernel (%s)", SOURCE.name)
+        log.info("fused SGD layers: native kernels (AVX2/FMA Linear, im2col 1-channel Conv2d)")
     else:
-        log.info("fused SGD Linear: torch path (%s)", _reason)
+        log.info("fused SGD layers: torch path (%s)", _reason)
     return _module
 
 

@@ -186,7 +186,7 @@ def test_fallback_when_switched_off(monkeypatch, caplog):
             assert kernels.load() is None
         assert not kernels.usable(torch.randn(2, 3), torch.randn(4, 3))
         lines = [r.getMessage() for r in caplog.records if r.name == "fedmosaic.kernels"]
-        assert lines == [f"fused SGD Linear: torch path ({kernels.ENV}=0)"]  # one line
+        assert lines == [f"fused SGD layers: torch path ({kernels.ENV}=0)"]  # one line
     finally:
         monkeypatch.delenv(kernels.ENV)
         kernels.reset()
