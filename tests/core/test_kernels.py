@@ -195,6 +195,7 @@ def test_fallback_when_switched_off(monkeypatch, caplog):
 def test_no_compiler_means_the_torch_path(monkeypatch):
     monkeypatch.setattr(kernels, "built", lambda: None)
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
     kernels.reset()
     try:
         assert kernels.load() is None
