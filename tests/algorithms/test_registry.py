@@ -10,7 +10,10 @@ Parametrized over the registry, so a new method is covered without writing anyth
 
       FEDMOSAIC_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/algorithms/test_registry.py -k golden
 
-  and say in the commit which methods' numbers moved and why;
+  and say in the commit which methods' numbers moved and why. They are taken on the torch path
+  (``FEDMOSAIC_KERNELS=0``) so that they are the same on every machine, with or without a
+  compiler: the native kernel sums in another order (it is checked against the torch path to
+  float tolerance in ``tests/core/test_kernels.py``), and 3 rounds amplify that to ~1 point;
 - the headline accuracy is the model the method's paper evaluates (``EVALUATES``), recomputed here
   from the trained clients independently of ``predict``.
 """
@@ -29,6 +32,7 @@ import pytest
 import torch
 from conftest import tiny_raw
 
+from fedmosaic import kernels
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import from_dict
 from fedmosaic.core import client as client_ops
@@ -44,6 +48,17 @@ NAMES = ALGORITHMS.names()
 # FedHeNN: the reference's heterogeneous eta0 = 0.01; the paper's 0.001 (CIFAR, 20 local epochs)
 # weighs the CKA term at ~0.5% of CE here, below what "its communication acts" can see.
 HYPERPARAMETERS: dict[str, dict[str, Any]] = {"fedhenn": {"eta0": 0.01}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_path():
+    """Every run of this module on the torch path (see the module docstring)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(kernels.ENV, "0")
+    kernels.reset()
+    yield
+    mp.undo()
+    kernels.reset()
 
 
 def digits_raw(name: str, **train: Any) -> dict[str, Any]:
