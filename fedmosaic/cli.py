@@ -181,6 +181,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         suite,
         args.set,
         quick=args.quick,
+        converged=args.converged,
         methods=split(args.methods),
         settings=split(args.settings),
         seeds=[int(x) for x in split(args.seeds)] if args.seeds else None,
@@ -195,6 +196,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     command = " ".join(
         ["fedmosaic compare", args.suite, "--out", str(out)]
         + (["--quick"] if args.quick else [])
+        + (["--converged"] if args.converged else [])
         + (["--force"] if args.force else [])
         + (["--reuse-other-code"] if args.reuse_other_code else [])
         + [
@@ -378,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="applied to every cell",
     )
     c.add_argument("--quick", action="store_true", help="apply the suite's [quick] reduced budget")
+    c.add_argument(
+        "--converged",
+        action="store_true",
+        help="apply the suite's [converged] budget (a round cap and a plateau stop on validation)",
+    )
     c.add_argument("--methods", help="comma-separated subset of the suite's methods")
     c.add_argument("--settings", help="comma-separated subset of the suite's settings")
     c.add_argument("--seeds", help="comma-separated seeds (default: the suite's)")

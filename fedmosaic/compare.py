@@ -27,10 +27,14 @@ A suite file is an experiment TOML (``[base]``) plus the grid around it::
     [quick]                                     # the reduced budget of `--quick`
     "train.rounds" = 5
 
+    [converged]                                 # the converged budget of `--converged`:
+    "train.rounds" = 300                        #   a cap, and a plateau stop on validation
+    "train.plateau_delta" = 0.001               #   accuracy (train.plateau_*)
+
     [reference.pathological]                    # the paper's numbers (accuracy, %), optional
     fedtgp = "99.56 ± 0.03"
 
-Each cell's config is ``base <- setting <- method <- seed <- [quick] <- --set``. Cells are stored in
+Each cell's config is ``base <- setting <- method <- seed <- [quick] or [converged] <- --set``. Cells are stored in
 ``OUT/cells/<setting>/<method>/seed<k>/``; a cell whose ``results.json`` was produced by the same
 config (hash) *and* the same code (``provenance.code()["source_hash"]``) is skipped; a cell of
 another code version is run again (``--reuse-other-code`` keeps it; the report then lists the code
@@ -74,6 +78,7 @@ SUITE_KEYS = {
     "checkpoint_every",
     "budget",
     "quick_budget",
+    "converged_budget",
     "prototype_plot",
     "paper_metric",
     "paper_rounds",
@@ -108,6 +113,7 @@ class Suite:
     description: str = ""
     budget: str = ""
     quick_budget: str = ""
+    converged_budget: str = ""
     prototype_plot: str = "tsne"  # tsne | pca | none: client/global prototypes of prototype methods
     # the accuracy the suite's paper reports, the headline columns: weighted (test-size-weighted,
     # HtFLlib/PFLlib) | unweighted (mean of per-client accuracies, FedGH/FedClassAvg)
@@ -117,6 +123,7 @@ class Suite:
     paper_rounds: int | None = None
     paper_budget: str = ""
     quick: dict[str, Any] = field(default_factory=dict)
+    converged: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, dict[str, str]] = field(default_factory=dict)
     path: str = ""
 
@@ -159,7 +166,7 @@ def load_suite(path: str | Path) -> Suite:
     if not p.exists() and p.suffix == "" and (BUNDLED / f"{p.name}.toml").is_file():
         p = BUNDLED / f"{p.name}.toml"
     raw = read_toml(p, "suite file")
-    known = {"suite", "base", "settings", "methods", "quick", "reference"}
+    known = {"suite", "base", "settings", "methods", "quick", "converged", "reference"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{p}: unknown table {key!r}; valid: {', '.join(sorted(known))}")
@@ -212,11 +219,13 @@ def load_suite(path: str | Path) -> Suite:
         description=meta.get("description", ""),
         budget=meta.get("budget", ""),
         quick_budget=meta.get("quick_budget", ""),
+        converged_budget=meta.get("converged_budget", ""),
         prototype_plot=meta.get("prototype_plot", "tsne"),
         paper_metric=meta.get("paper_metric", "weighted"),
         paper_rounds=paper_rounds,
         paper_budget=str(meta.get("paper_budget", "")),
         quick=dict(raw.get("quick", {})),
+        converged=dict(raw.get("converged", {})),
         reference={k: dict(v) for k, v in raw.get("reference", {}).items()},
         path=str(p),
     )
@@ -229,8 +238,13 @@ def build_cells(
     methods: list[str] | None = None,
     settings: list[str] | None = None,
     seeds: list[int] | None = None,
+    converged: bool = False,
 ) -> list[Cell]:
     """Every cell's validated config, before anything runs (errors name the cell)."""
+    if quick and converged:
+        raise ConfigError("--quick and --converged are two budgets: pick one")
+    if converged and not suite.converged:
+        raise ConfigError(f"suite {suite.name} has no [converged] budget")
     pick_m = [m for m in suite.methods if not methods or m.label in methods]
     pick_s = [s for s in suite.settings if not settings or s.label in settings]
     for name, wanted, have in (
@@ -252,6 +266,8 @@ def build_cells(
                 raw["seed"] = seed
                 if quick:
                     _apply(raw, suite.quick, where)
+                if converged:
+                    _apply(raw, suite.converged, where)
                 raw.setdefault("sim", {})["progress"] = False
                 try:
                     cfg = from_dict(apply_overrides(raw, list(overrides or [])))

@@ -87,6 +87,13 @@ class TrainConfig:
     eval_batch_size: int = 1000
     # fine-tuning after the last round: -1 = the algorithm's default, 0 = none
     finetune_epochs: int = -1
+    # Converged budgets: stop before ``rounds`` (then a cap) once the validation accuracy has
+    # improved by less than ``plateau_delta`` (0.001 = 0.1 point) over the last
+    # ``plateau_window`` of the rounds run, checked from ``plateau_min_rounds`` on; 0 = off.
+    # Needs a validation split (data.val_fraction > 0 or data.split = "8_1_1").
+    plateau_delta: float = 0.0
+    plateau_window: float = 0.2
+    plateau_min_rounds: int = 20
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 
@@ -406,6 +413,17 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.momentum = {t.momentum} must be in [0, 1)")
     if t.weight_decay < 0:
         raise ConfigError(f"train.weight_decay = {t.weight_decay} must be >= 0")
+    if not 0.0 <= t.plateau_delta < 1.0:
+        raise ConfigError(f"train.plateau_delta = {t.plateau_delta} must be in [0, 1)")
+    if not 0.0 < t.plateau_window < 1.0:
+        raise ConfigError(f"train.plateau_window = {t.plateau_window} must be in (0, 1)")
+    if t.plateau_min_rounds < 1:
+        raise ConfigError(f"train.plateau_min_rounds = {t.plateau_min_rounds} must be >= 1")
+    if t.plateau_delta > 0 and d.val_fraction == 0 and d.split != "8_1_1":
+        raise ConfigError(
+            f"train.plateau_delta = {t.plateau_delta} stops on validation accuracy: set "
+            'data.val_fraction > 0 (or data.split = "8_1_1")'
+        )
     if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
         raise ConfigError(f"train.betas = {t.betas} must be two numbers in [0, 1)")
     if len(d.synthetic_shape) != 3 or min(d.synthetic_shape) < 1:

@@ -155,6 +155,9 @@ def build_federation(cfg: ExperimentConfig, with_clients: bool = True) -> Federa
         cfg.train.eval_every,
         cfg.train.finetune_epochs,
         holdout=holdout,
+        plateau_delta=cfg.train.plateau_delta,
+        plateau_window=cfg.train.plateau_window,
+        plateau_min_rounds=cfg.train.plateau_min_rounds,
     )
     return Federation(
         cfg, fed, algo, spec, clients, models, extras, TrainSettings.from_config(cfg.train), plan
@@ -170,6 +173,10 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
     last = rounds[-1]
     summary["final"] = {k: last[k] for k in last if k.startswith("acc") or k.endswith("_weighted")}
     summary["final"]["round"] = last["round"]
+    summary["rounds_run"] = int(history.rounds[-1]["round"])
+    if history.rounds[-1].get("plateau"):
+        # train.plateau_delta: the run stopped before its cap (train.rounds) on a plateau
+        summary["stopped_on_plateau"] = summary["rounds_run"]
     best_test = max(rounds, key=lambda r: r["acc_weighted"])
     summary["best_on_test"] = {
         "note": "max over evaluated rounds of test accuracy, as the papers report it",

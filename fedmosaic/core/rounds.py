@@ -77,12 +77,41 @@ class RoundPlan:
     finetune_epochs: int = -1  # -1: the algorithm's default; 0: no fine-tuning
     min_replies: int = 1  # fewer valid replies: the round is skipped (state unchanged)
     holdout: tuple[int, ...] = ()  # clients that never train (served as newcomers at the end)
+    # Stop before ``rounds`` once validation accuracy has plateaued (see ``plateaued``); 0 = off.
+    plateau_delta: float = 0.0
+    plateau_window: float = 0.2
+    plateau_min_rounds: int = 20
 
     @property
     def pool(self) -> list[int]:
         """The clients that train and are evaluated each round."""
         held = set(self.holdout)
         return [c for c in range(self.num_clients) if c not in held]
+
+
+PLATEAU_KEY = "val_acc_weighted"
+
+
+def plateaued(
+    rounds: Sequence[dict[str, Any]], delta: float, window: float, min_rounds: int
+) -> bool:
+    """Whether validation accuracy improved by less than ``delta`` over the last ``window`` of rounds.
+
+    After round ``t`` (the last record, ``t >= min_rounds``): the best validation accuracy of
+    rounds ``1..t`` minus the best of rounds ``1..floor((1 - window) t)`` is below ``delta``
+    (e.g. 0.001 = 0.1 point over the last 20%). Only validation accuracy decides, never test.
+    """
+    if delta <= 0 or not rounds:
+        return False
+    t = int(rounds[-1]["round"])
+    if t < min_rounds or PLATEAU_KEY not in rounds[-1]:
+        return False
+    cut = math.floor((1.0 - window) * t + 1e-9)
+    vals = [(int(r["round"]), float(r[PLATEAU_KEY])) for r in rounds if PLATEAU_KEY in r]
+    early = [v for r, v in vals if r <= cut]
+    if not early:
+        return False
+    return max(v for _, v in vals) - max(early) < delta
 
 
 def holdout_clients(seed: int, num_clients: int, k: int) -> tuple[int, ...]:
@@ -190,7 +219,8 @@ def run_rounds(
     After each round: when ``stop_requested`` is set, the state is saved (if there is a
     checkpoint hook) and ``Interrupted`` is raised; when no participant produced a finite
     training loss for ``DIVERGED_ROUNDS`` rounds in a row, ``Diverged`` is raised (a warning
-    names the first such round).
+    names the first such round). With ``plan.plateau_delta > 0`` the loop ends early at the first
+    evaluated round where ``plateaued`` holds; that round's record has ``"plateau": True``.
     """
     state = algo.init_server(spec)
     history = History()
@@ -202,7 +232,11 @@ def run_rounds(
             done, state, history, last_eval = restored
             start = done + 1
     diverged = 0
+    last = start - 1
+    if history.rounds and history.rounds[-1].get("plateau"):
+        start = plan.rounds + 1  # a restored run that had already stopped on its plateau
     for t in range(start, plan.rounds + 1):
+        last = t
         rec: dict[str, Any] = {"round": t}
         # Without held-out clients the pool is range(num_clients): the same draws as always.
         pool = plan.pool
@@ -258,7 +292,8 @@ def run_rounds(
             )
         else:
             diverged = 0
-        if t % plan.eval_every == 0 or t == plan.rounds:
+        evaluated = t % plan.eval_every == 0 or t == plan.rounds
+        if evaluated:
             eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in plan.pool}
             last_eval = transport.evaluate(t, eval_msgs)
             rec.update(summarize_eval(last_eval))
@@ -269,6 +304,19 @@ def run_rounds(
         rec["seconds"] = t3 - t0
         history.rounds.append(rec)
         history.participants.append(rec["participants"])
+        stop = evaluated and plateaued(
+            history.rounds, plan.plateau_delta, plan.plateau_window, plan.plateau_min_rounds
+        )
+        if stop:
+            rec["plateau"] = True
+            log.info(
+                "round %d: validation accuracy improved by less than %.2f points over the last "
+                "%d%% of rounds: stopping (cap %d)",
+                t,
+                100 * plan.plateau_delta,
+                round(100 * plan.plateau_window),
+                plan.rounds,
+            )
         if on_round is not None:
             on_round(rec)
         if checkpoint is not None:
@@ -278,21 +326,25 @@ def run_rounds(
                 f"training diverged: no finite loss for {diverged} rounds in a row "
                 f"(rounds {t - diverged + 1}-{t}); lower train.lr or check the data"
             )
+        if stop:
+            break
         if stop_requested.is_set() and t < plan.rounds:
             if checkpoint is not None and not checkpoint.due(t):
                 checkpoint.save(t, state, history, last_eval)
             raise Interrupted(t, checkpoint is not None)
+    if history.rounds:
+        last = max(last, int(history.rounds[-1]["round"]))
     history.final_eval = last_eval
     ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs != 0 and ft_phases:
-        msgs = {c: algo.broadcast(state, c, plan.rounds + 1) for c in plan.pool}
+        msgs = {c: algo.broadcast(state, c, last + 1) for c in plan.pool}
         transport.finetune(msgs, ft_phases)
-        history.finetune_eval = transport.evaluate(plan.rounds + 1, msgs, receive=False)
+        history.finetune_eval = transport.evaluate(last + 1, msgs, receive=False)
     if plan.holdout:
         # Newcomers: their initial models receive the final broadcast (evaluated as they
         # arrive), then run one round of the method's own client procedure (receive, its
         # phases and loss; the upload is discarded) and are evaluated again.
-        t = plan.rounds + 1
+        t = last + 1
         msgs = {c: algo.broadcast(state, c, t) for c in plan.holdout}
         history.holdout_before = transport.evaluate(t, msgs)
         transport.fit(t, msgs)

@@ -36,6 +36,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from fedmosaic.compare import Cell, Suite
+    from fedmosaic.config import ExperimentConfig
 
 METRICS: tuple[tuple[str, str, str], ...] = (
     # key, column label, unit (pct | int | kb | mb | s)
@@ -47,6 +48,7 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("best_on_val", "best-on-val acc", "pct"),
     ("best_on_test", "best-on-test acc (as the papers report it)", "pct"),
     ("client_std", "per-client std", "pct"),
+    ("rounds_run", "rounds run (plateau stop)", "int"),  # train.plateau_delta > 0 only
     ("rounds_to_target", "rounds to target", "int"),
     ("kb_up", "KB up /client/round", "kb"),
     ("kb_down", "KB down /client/round", "kb"),
@@ -97,7 +99,10 @@ def run_metrics(
         "train_tmacs": _div(s.get("train_macs_total"), 1e12),
         "rounds_to_target": None,
         "mb_to_target": None,
+        "rounds_run": None,
     }
+    if (doc.get("config", {}).get("train", {}).get("plateau_delta") or 0) > 0:
+        out["rounds_run"] = s.get("rounds_run")
     if target is not None:
         total = 0.0
         for r in doc.get("rounds", []):
@@ -196,8 +201,9 @@ def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, st
             "best_on_val",
             "paper_cost_g",
             "train_tmacs",
+            "rounds_run",
         )
-        if key in optional and all(r[key]["mean"] is None for r in rows):
+        if key in optional and all(r.get(key, {}).get("mean") is None for r in rows):
             continue
         if key == "final":
             label = f"final acc ({METRIC_NAMES[suite.paper_metric]}, the paper's metric)"
@@ -216,13 +222,29 @@ def run_description(cells: Sequence[Cell]) -> str:
         seen = list(dict.fromkeys(str(get(c.cfg)) for c in cells))
         return seen[0] if len(seen) == 1 else "/".join(seen)
 
+    def rounds(cfg: ExperimentConfig) -> str:
+        t = cfg.train
+        if t.plateau_delta <= 0:
+            return str(t.rounds)
+        return (
+            f"up to {t.rounds} (stopped once validation accuracy gained < "
+            f"{100 * t.plateau_delta:g} points over the last {100 * t.plateau_window:g}% of rounds, "
+            f"from round {t.plateau_min_rounds})"
+        )
+
     return (
         f"{values(lambda c: c.data.dataset)}, {values(lambda c: c.data.num_clients)} clients, "
         f"{values(lambda c: c.data.partition)}, family {values(lambda c: c.model.family)}, "
-        f"{values(lambda c: c.train.rounds)} rounds, participation "
+        f"{values(rounds)} rounds, participation "
         f"{values(lambda c: c.train.participation)}, subsample {values(lambda c: c.data.subsample)}"
         f"; seeds {sorted({c.seed for c in cells})}"
     )
+
+
+def _paper_budget(suite: Suite, cell: Cell) -> bool:
+    """Whether the cell ran the paper's number of rounds (a plateau stop may end it earlier)."""
+    t = cell.cfg.train
+    return t.rounds == suite.paper_rounds and t.plateau_delta <= 0
 
 
 def budget_note(suite: Suite, cells: Sequence[Cell]) -> str:
@@ -236,8 +258,10 @@ def budget_note(suite: Suite, cells: Sequence[Cell]) -> str:
     if suite.paper_budget:
         parts.append(suite.paper_budget)
     text = "Paper numbers: " + (", ".join(parts) if parts else "budget not stated in the suite")
-    if suite.paper_rounds is not None and rounds != [suite.paper_rounds]:
+    if suite.paper_rounds is not None and any(not _paper_budget(suite, c) for c in cells):
         here = "/".join(map(str, rounds))
+        if any(c.cfg.train.plateau_delta > 0 for c in cells):
+            here = f"at most {here} (plateau stop)"
         text += (
             f". **Budget differs from the paper** ({here} rounds here against "
             f"{suite.paper_rounds}): compare directions, not the numbers"
@@ -248,9 +272,7 @@ def budget_note(suite: Suite, cells: Sequence[Cell]) -> str:
 def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]], cells: Sequence[Cell] = ()) -> str:
     cols = _columns(rows, suite)
     has_ref = any(r["reference"] for r in rows)
-    differs = suite.paper_rounds is not None and any(
-        c.cfg.train.rounds != suite.paper_rounds for c in cells
-    )
+    differs = suite.paper_rounds is not None and any(not _paper_budget(suite, c) for c in cells)
     paper_col = "paper" + (f" ({suite.paper_rounds} rounds) †" if differs else "")
     lines = []
     for setting in dict.fromkeys(r["setting"] for r in rows):
@@ -537,9 +559,7 @@ def html_report(
             f"<p>Ran: {esc(run_description(cells))}; batch {c0.train.batch_size}, lr "
             f"{c0.train.lr}, {c0.train.local_epochs} local epoch(s).</p>"
         )
-    differs = suite.paper_rounds is not None and any(
-        c.cfg.train.rounds != suite.paper_rounds for c in cells
-    )
+    differs = suite.paper_rounds is not None and any(not _paper_budget(suite, c) for c in cells)
     paper_col = "paper" + (f" ({suite.paper_rounds} rounds) †" if differs else "")
     for setting in dict.fromkeys(r["setting"] for r in rows):
         parts.append(f"<h2>{esc(setting)}</h2><table><tr><th>method</th><th>seeds</th>")

@@ -393,3 +393,32 @@ def test_suites_ship_with_the_package_and_load_by_name():
     assert "suites/*.toml" in pyproject["tool"]["setuptools"]["package-data"]["fedmosaic"]
     with pytest.raises(ConfigError, match="does not exist"):
         load_suite("no_such_suite")
+
+
+def test_converged_budget_caps_rounds_and_the_report_shows_where_each_cell_stopped(
+    tmp_path: Path,
+):
+    text = TINY_SUITE.replace('title = "Tiny grid"', 'title = "Tiny grid"\npaper_rounds = 1000')
+    text = text.replace('methods = ["local", "proto"]', 'methods = ["local"]')
+    text = text.replace('proto = "12.34 ± 0.56"', 'local = "12.34 ± 0.56"')
+    text += (
+        '\n[converged]\n"train.rounds" = 30\n"train.plateau_delta" = 0.9\n'
+        '"train.plateau_min_rounds" = 2\n'
+    )
+    suite_path = _suite(tmp_path, text)
+    suite = load_suite(suite_path)
+    cells = build_cells(suite, converged=True, seeds=[0])
+    assert (cells[0].cfg.train.rounds, cells[0].cfg.train.plateau_delta) == (30, 0.9)
+    assert build_cells(suite, seeds=[0])[0].cfg.train.plateau_delta == 0.0  # base: off
+    with pytest.raises(ConfigError, match="pick one"):
+        build_cells(suite, quick=True, converged=True)
+    with pytest.raises(ConfigError, match="no \\[converged\\] budget"):
+        build_cells(load_suite(_suite(tmp_path / "..", TINY_SUITE)), converged=True)
+    out = tmp_path / "out"
+    assert main(["compare", str(suite_path), "--out", str(out), "--quiet", "--seeds", "0",
+                 "--converged"]) == 0  # fmt: skip
+    doc = json.loads((out / "cells/dir/local/seed0/results.json").read_text())
+    assert doc["summary"]["stopped_on_plateau"] == 2 == len(doc["rounds"])
+    md = (out / "table.md").read_text()
+    assert "rounds run (plateau stop)" in md and "up to 30 (stopped once validation" in md
+    assert "at most 30 (plateau stop) rounds here against 1000" in md
