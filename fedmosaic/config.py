@@ -7,17 +7,13 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration problem, with the offending key in the message."""
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.typed import build_dataclass, type_ok
 
 
 @dataclass
@@ -162,74 +158,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin in (list, tuple):
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            return False
-        return not args or all(_type_ok(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    if tp is float and isinstance(value, int):
-        return float(value)
-    if typing.get_origin(tp) is tuple and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
-def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Construct ``cls`` from ``values``, rejecting unknown keys and wrong types by name."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{where}.{key}" if where else key
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key {name!r}; valid keys: {known}")
-        tp = hints[key]
-        if not _type_ok(value, tp):
-            raise ConfigError(
-                f"{name} = {value!r} has type {type(value).__name__}, expected {_type_name(tp)}"
-            )
-        _check_finite(name, value)
-        kwargs[key] = _coerce(value, tp)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[{where}]: {exc}") from exc
-
-
-def _check_finite(name: str, value: Any) -> None:
-    """NaN and infinity are never a setting (an ``lr = nan`` would train to NaN silently)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{name} = {value} must be a finite number")
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_finite(f"{name}[{i}]", v)
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def parse_value(text: str) -> Any:
     """Parse a ``--set`` value as a TOML literal (numbers, booleans, lists); else a bare string."""
     try:
@@ -299,7 +227,7 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
                 f"unknown key {key!r}; valid top-level keys: {', '.join(sorted(top_known))}"
             )
     seed = raw.get("seed", 0)
-    if not _type_ok(seed, int):
+    if not type_ok(seed, int):
         raise ConfigError(f"seed = {seed!r} must be an int")
     plugins = raw.get("plugins", [])
     if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):

@@ -1,12 +1,12 @@
 """Datasets, partitioners and per-client splits. Importing this package registers every dataset
 loader in ``DATASETS`` and every partitioner in ``PARTITIONERS``."""
 
+from fedmosaic.data import datasets as _datasets
 from fedmosaic.data import hf  # noqa: F401  (registers dataset "hf")
 from fedmosaic.data.datasets import (
     STATS,
     DatasetError,
     ImageDataset,
-    clear_cache,
     load_dataset,
     load_pickle,
     read_idx,
@@ -27,6 +27,14 @@ from fedmosaic.data.partition import (
     pathological,
     skewed,
 )
+
+
+def clear_cache() -> None:
+    """Forget every decoded dataset held by this process (the built-in loaders' and the local
+    Hugging Face adapter's)."""
+    _datasets.clear_cache()
+    hf.clear_cache()
+
 
 __all__ = [
     "STATS",

@@ -14,7 +14,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedmosaic.data.datasets import DatasetError
+from fedmosaic.core.errors import DatasetError
 
 MNIST_URLS = {
     "fmnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",

@@ -29,11 +29,9 @@ import numpy as np
 import torch
 
 from fedmosaic.config import DataConfig
+from fedmosaic.core.errors import DatasetError
 from fedmosaic.core.registry import DATASETS
-
-
-class DatasetError(ValueError):
-    """A dataset cannot be found or read; the message names the file and the problem."""
+from fedmosaic.data import _download
 
 
 @dataclass
@@ -330,8 +328,6 @@ def _mnist_like(name: str, cfg: DataConfig, apt_hint: str = "") -> ImageDataset:
         return None if any(p is None for p in found) else [p for p in found if p is not None]
 
     def download(dest: Path) -> None:
-        from fedmosaic.data import _download
-
         _download.fetch_mnist_like(name, dest, MNIST_FILES)
 
     paths = _locate(name, cfg, resolve, download, "{" + ", ".join(MNIST_FILES) + "}[.gz]", apt_hint)
@@ -374,8 +370,6 @@ def load_emnist(cfg: DataConfig, seed: int) -> ImageDataset:
         return None if any(p is None for p in found) else [p for p in found if p is not None]
 
     def download(dest: Path) -> None:
-        from fedmosaic.data import _download
-
         _download.fetch_emnist(dest, [f"{s}.gz" for s in stems])
 
     paths = _locate("emnist", cfg, resolve, download, f"emnist-{split}-*-ubyte[.gz]")
@@ -537,8 +531,6 @@ def _cifar(name: str, cfg: DataConfig) -> ImageDataset:
         return found if all(p.is_file() for p in found) else None
 
     def download(dest: Path) -> None:
-        from fedmosaic.data import _download
-
         _download.fetch_cifar(name, dest)
 
     paths = _locate(name, cfg, resolve, download, ", ".join(stems))
@@ -658,8 +650,6 @@ def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
         return need if all(p.is_file() for p in need) and (d / "train").is_dir() else None
 
     def download(dest: Path) -> None:
-        from fedmosaic.data import _download
-
         _download.fetch_tinyimagenet(dest)
 
     expected = "wnids.txt, train/<wnid>/images/*.JPEG, val/val_annotations.txt, val/images/"
@@ -753,6 +743,3 @@ def clear_cache() -> None:
     """Forget every decoded dataset held by this process."""
     for fn in (_load_idx_dataset, _load_cifar, _load_tiny, _synthetic):
         fn.cache_clear()
-    from fedmosaic.data import hf  # the local Hugging Face adapter keeps its own decode cache
-
-    hf.clear_cache()
