@@ -40,7 +40,9 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 import fedmosaic
-from fedmosaic.core.rounds import EvalResult, History
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.rounds import EvalResult, History, Transport
+from fedmosaic.federation import Federation
 
 log = logging.getLogger("fedmosaic")
 
@@ -545,3 +547,52 @@ class Checkpointer:
             "rng": capture_rng(tensors),
         }
         write_checkpoint(self.path, meta, tensors)
+
+
+def for_federation(
+    fed: Federation,
+    transport: Transport,
+    checkpoint_dir: str | Path | None,
+    every: int,
+    resume: bool,
+    keep_final: bool = False,
+    extend: bool = False,
+) -> Checkpointer:
+    """The round loop's checkpoint hook, with access to every client's persistent state."""
+    if checkpoint_dir is None:
+        raise ConfigError("checkpointing needs an output folder (checkpoint_dir)")
+    if fed.models:  # serial backend: the clients live in this process
+        models, extras = fed.models, fed.extras
+
+        def get_clients() -> list[tuple[dict, dict]]:
+            return [(m.state_dict(), e.state_dict()) for m, e in zip(models, extras)]
+
+        def set_clients(states: list[tuple[dict, dict]]) -> None:
+            if len(states) != len(models):
+                raise ValueError(f"checkpoint has {len(states)} clients, this run {len(models)}")
+            for cid, (m, e) in enumerate(zip(models, extras)):
+                try:
+                    m.load_state_dict(states[cid][0], strict=True)
+                    e.load_state_dict(states[cid][1], strict=True)
+                except RuntimeError as exc:
+                    raise ValueError(f"client {cid}: {exc}") from exc
+
+    elif hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
+        # the process backend: its workers hold the clients
+        get_clients, set_clients = transport.client_states, transport.load_client_states
+    else:
+        raise ConfigError(
+            f"sim.backend = {fed.cfg.sim.backend!r} cannot checkpoint client state yet; "
+            'use sim.backend = "serial" with --checkpoint-every/--resume'
+        )
+    return Checkpointer(
+        Path(checkpoint_dir) / FILENAME,
+        every,
+        fed.cfg.to_dict(),
+        get_clients,
+        set_clients,
+        resume=resume,
+        last_round=fed.plan.rounds,
+        keep_final=keep_final,
+        extend=extend,
+    )

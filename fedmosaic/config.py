@@ -385,4 +385,5 @@ def validate(cfg: ExperimentConfig) -> None:
             f"model.family = {cfg.model.family!r} is heterogeneous; pick a single architecture "
             f'(e.g. model.family = "{members[0]}")'
         )
-    algo.check_config(cfg)
+    # What the method needs of the federation itself (a public split, identical heads) is checked
+    # against the FederationSpec when the federation is assembled: Algorithm.check.

@@ -8,7 +8,9 @@ import pkgutil
 from typing import Any
 
 from fedmosaic.core.algorithm import Algorithm
+from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.typed import build_dataclass
 
 for _mod in pkgutil.iter_modules(__path__):
     if not _mod.name.startswith("_"):
@@ -17,8 +19,6 @@ for _mod in pkgutil.iter_modules(__path__):
 
 def build_algorithm(table: dict[str, Any]) -> Algorithm:
     """Construct an algorithm from its ``[algorithm]`` table: ``name`` plus hyperparameters."""
-    from fedmosaic.config import ConfigError, build_dataclass
-
     params = dict(table)
     name = params.pop("name", None)
     if not isinstance(name, str):

@@ -16,11 +16,12 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
+from fedmosaic.models import build_client_model, family_members
+from torch import Tensor
 
 
 def kl_rows(student_logits: Tensor, teacher_logits: Tensor, T: float = 1.0) -> Tensor:
@@ -42,9 +43,6 @@ def _zoo_model(
     feature_dim: int,
     projection: str = "linear",
 ) -> ClientModel:
-    # The zoo's public builder, imported here so that importing this module needs no zoo.
-    from fedmosaic.models import build_client_model
-
     return build_client_model(member, input_shape, num_classes, feature_dim, projection)
 
 
@@ -103,9 +101,6 @@ def check_member(member: str, key: str) -> None:
     """Raise ``ConfigError`` if an explicitly chosen shared architecture is not in the zoo."""
     if not member:
         return
-    from fedmosaic.config import ConfigError
-    from fedmosaic.models import family_members
-
     try:
         family_members(member)
     except KeyError as exc:

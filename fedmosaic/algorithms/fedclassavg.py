@@ -28,23 +28,20 @@ Where we differ from the reference code (github.com/hukla/FedClassAvg), with its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._augment import augment
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
-from fedmosaic.core.algorithm import FederationSpec
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.registry import ALGORITHMS
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
 
 Broadcast = SharedState
 Upload = SharedState
@@ -158,8 +155,8 @@ class FedClassAvg(SharedWeights):
         if self.temperature <= 0 or self.base_temperature < 0 or self.rho < 0:
             raise ValueError("temperature must be > 0, base_temperature >= 0 and rho >= 0")
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        check_same_heads(cfg, "fedclassavg")
+    def check(self, spec: FederationSpec) -> None:
+        check_same_heads(spec, "fedclassavg")
 
     # ---- client half (server half: SharedWeights' sample-weighted head average) ------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

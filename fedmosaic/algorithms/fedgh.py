@@ -44,19 +44,19 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
-from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
-from fedmosaic.core.registry import ALGORITHMS
 
 if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
     from fedmosaic.core.training import TrainSettings
 
 
@@ -176,16 +176,13 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         if self.server_step not in SERVER_STEPS:
             raise ValueError(f"server_step = {self.server_step!r}; choose one of {SERVER_STEPS}")
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        from fedmosaic.config import ConfigError
-        from fedmosaic.models import family_members
-
-        heads = {m.partition("/")[2] for m in family_members(cfg.model.family)}
+    def check(self, spec: FederationSpec) -> None:
+        heads = {m.partition("/")[2] for m in spec.members}
         other = sorted(heads - {"", "linear"})
         if other:
             raise ConfigError(
-                f"algorithm.name = 'fedgh' replaces every head with one Linear(feature_dim, C), "
-                f"but model.family = {cfg.model.family!r} has other heads ({other})"
+                "algorithm.name = 'fedgh' replaces every head with one Linear(feature_dim, C), "
+                f"but the clients' models (model.family) have other heads ({other})"
             )
 
     # ---- server half ---------------------------------------------------------------------

@@ -55,21 +55,18 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
+from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
+from torch import Tensor, nn
 
 KERNELS = ("linear", "rbf")
 SCHEDULES = ("sqrt", "constant", "linear")
@@ -223,22 +220,11 @@ def representation_kernel(
     return kernel_matrix(torch.cat(feats), kind, sigma).float()
 
 
-def check_public(cfg: ExperimentConfig, name: str) -> None:
-    from fedmosaic.config import ConfigError
-
-    if cfg.data.public_size <= 0:
-        raise ConfigError(
-            f"algorithm.name = {name!r} aligns representations on a server-held public set: "
-            f"set data.public_size > 0 (e.g. 1000), got {cfg.data.public_size}"
-        )
-
-
 def need_public(spec: FederationSpec, name: str) -> Tensor:
     if spec.public is None or spec.public.shape[0] < 2:
-        from fedmosaic.config import ConfigError
-
         raise ConfigError(
-            f"{name} needs a server-held public split of at least 2 inputs (data.public_size > 1)"
+            f"algorithm.name = {name!r} aligns representations on a server-held public set of "
+            "at least 2 inputs: set data.public_size > 1 (e.g. 1000)"
         )
     return spec.public.detach().cpu().float()
 
@@ -272,8 +258,8 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
         if self.rad_batch < 0 or self.rad_batch == 1:
             raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        check_public(cfg, "fedhenn")
+    def check(self, spec: FederationSpec) -> None:
+        need_public(spec, "fedhenn")
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> HeNNState:

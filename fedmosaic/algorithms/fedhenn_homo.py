@@ -24,31 +24,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
-from fedmosaic.algorithms.fedhenn import (
-    check_hyperparameters,
-    check_public,
-    cka_distance,
-    eta_at,
-    need_public,
-    rad_inputs,
-    representation_kernel,
-)
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings
+from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
+from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
+from fedmosaic.algorithms.fedhenn import (
+    check_hyperparameters,
+    cka_distance,
+    eta_at,
+    need_public,
+    rad_inputs,
+    representation_kernel,
+)
 
 
 @dataclass(frozen=True)
@@ -101,8 +97,8 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         if self.rad_batch < 0 or self.rad_batch == 1:
             raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        check_public(cfg, "fedhenn_homo")
+    def check(self, spec: FederationSpec) -> None:
+        need_public(spec, "fedhenn_homo")
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> HomoState:

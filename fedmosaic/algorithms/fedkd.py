@@ -62,10 +62,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import (
@@ -76,14 +81,6 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import weighted_average
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
-from fedmosaic.core.registry import ALGORITHMS
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
 
 UPLOADS = ("update", "state")
 FIRST_BROADCASTS = ("full", "svd")
@@ -289,8 +286,6 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
                 f"first_broadcast = {self.first_broadcast!r}; "
                 f"choose one of {', '.join(FIRST_BROADCASTS)}"
             )
-
-    def check_config(self, cfg: ExperimentConfig) -> None:
         check_member(self.mentee_arch, "mentee_arch")
 
     def threshold(self, round_num: int, rounds: int) -> float:

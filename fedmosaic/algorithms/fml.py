@@ -32,9 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch.nn.functional as F
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import (
@@ -45,14 +50,6 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload
-from fedmosaic.core.registry import ALGORITHMS
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
 
 Broadcast = SharedState
 Upload = SharedState
@@ -102,8 +99,6 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} = {v} must be in [0, 1]")
-
-    def check_config(self, cfg: ExperimentConfig) -> None:
         check_member(self.meme_arch, "meme_arch")
 
     # ---- server half ---------------------------------------------------------------------

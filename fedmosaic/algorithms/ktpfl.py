@@ -65,22 +65,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
+from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings, TrainStats, train_epochs
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
+from torch import Tensor, nn
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
 REDUCTIONS = ("mean", "batchmean")
@@ -280,14 +277,11 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
                 f"choose one of {', '.join(REDUCTIONS)}"
             )
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        from fedmosaic.config import ConfigError
-
-        if cfg.data.public_size <= 0:
+    def check(self, spec: FederationSpec) -> None:
+        if spec.public is None or spec.public.shape[0] == 0:
             raise ConfigError(
-                f"algorithm.name = 'ktpfl' distills on the server's public split, but "
-                f"data.public_size = {cfg.data.public_size}; set data.public_size > 0 "
-                "(e.g. data.public_size = 1000)"
+                "algorithm.name = 'ktpfl' distills on the server's public split, but the "
+                "federation has none; set data.public_size > 0 (e.g. data.public_size = 1000)"
             )
 
     # ---- server half ---------------------------------------------------------------------

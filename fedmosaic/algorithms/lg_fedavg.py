@@ -8,33 +8,28 @@ heads such as ``htc4``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
+from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.models.build import split_member
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
-from fedmosaic.core.registry import ALGORITHMS
-
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
 
 Broadcast = SharedState
 Upload = SharedState
 ServerState = dict[str, Tensor]
 
 
-def check_same_heads(cfg: ExperimentConfig, name: str) -> None:
+def check_same_heads(spec: FederationSpec, name: str) -> None:
     """Shared heads need the same head on every client (member strings' ``/head`` suffix)."""
-    from fedmosaic.config import ConfigError
-    from fedmosaic.models import family_members
-    from fedmosaic.models.build import split_member
-
-    members = family_members(cfg.model.family)[: max(cfg.data.num_clients, 1)]  # those in use
-    heads = {split_member(m)[1] for m in members}
+    heads = {split_member(m)[1] for m in spec.members}
     if len(heads) > 1:
         raise ConfigError(
-            f"algorithm.name = {name!r} shares the head, but model.family = "
-            f"{cfg.model.family!r} has different heads ({sorted(heads)})"
+            f"algorithm.name = {name!r} shares the head, but the clients' models "
+            f"(model.family) have different heads ({sorted(heads)})"
         )
 
 
@@ -48,5 +43,5 @@ class LGFedAvg(SharedWeights):
         "Liang et al., Think Locally, Act Globally: Federated Learning with Local and Global Representations, 2020"
     )
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        check_same_heads(cfg, "lg_fedavg")
+    def check(self, spec: FederationSpec) -> None:
+        check_same_heads(spec, "lg_fedavg")

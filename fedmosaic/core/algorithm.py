@@ -21,7 +21,6 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 
 if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
     from fedmosaic.core.client import ClientData
     from fedmosaic.core.training import TrainSettings
 
@@ -106,8 +105,10 @@ class Algorithm(ABC, Generic[S, B, U]):
     model_projection: ClassVar[str | None] = None
 
     # ---- configuration -------------------------------------------------------------------
-    def check_config(self, cfg: ExperimentConfig) -> None:  # noqa: B027 - optional hook
-        """Raise ``ConfigError`` for combinations this method cannot run."""
+    def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook
+        """Raise ``core.errors.ConfigError`` for a federation this method cannot run (no public
+        split, different heads, ...). Called when the federation is assembled (``federation.py``):
+        data loaded, nothing trained or written yet."""
 
     # ---- server half ---------------------------------------------------------------------
     @abstractmethod

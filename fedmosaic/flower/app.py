@@ -67,7 +67,7 @@ def _federation(run_config: Any) -> _Federation:
         from fedmosaic.algorithms import build_algorithm
         from fedmosaic.core.training import TrainSettings
         from fedmosaic.data import build_federated_data
-        from fedmosaic.experiment import client_data, make_spec
+        from fedmosaic.federation import client_data, make_spec
         from fedmosaic.flower.settings import experiment_config
 
         cfg = experiment_config(run_config)
@@ -102,7 +102,7 @@ class _Client:
     """One client's model and extras, restored from and saved to ``context.state``."""
 
     def __init__(self, context: Context) -> None:
-        from fedmosaic.experiment import make_client
+        from fedmosaic.federation import make_client
         from fedmosaic.flower.codec import record_to_tensors
 
         self.context = context
@@ -288,10 +288,15 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
     (out / "FAILED").unlink(missing_ok=True)
     try:
         from fedmosaic.core.rounds import run_rounds
-        from fedmosaic.experiment import build_federation, results_document
+        from fedmosaic.federation import build_federation
         from fedmosaic.flower.transport import GridTransport
         from fedmosaic.report.results import write_results
+        from fedmosaic.report.summary import results_document
 
+        if cfg.sim.threads > 0:  # the server's own steps, as the simulator runs them
+            import torch
+
+            torch.set_num_threads(cfg.sim.threads)
         fed = build_federation(cfg, with_clients=False)
         plan = replace(fed.plan, min_replies=options.min_replies)
         transport = GridTransport(grid, fed.algo, fed.clients, eval_splits(fed.clients), options)

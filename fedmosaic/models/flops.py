@@ -13,7 +13,7 @@ flatten / reshape / memory-layout changes, Identity.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -104,3 +104,20 @@ def trainable_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
             total += flops if seen_trainable else 0  # input gradient
             seen_trainable = seen_trainable or trains
         return total
+
+
+def member_flops(
+    members: Sequence[str], build: Callable[[int], nn.Module], input_shape: Sequence[int]
+) -> list[float]:
+    """Forward FLOPs per image of each client's model, building one model per distinct member
+    (``members[i]`` is client i's architecture, ``build(i)`` its model). The caller's RNG state is
+    left as it was."""
+    per_member: dict[str, float] = {}
+    out = []
+    for cid, member in enumerate(members):
+        if member not in per_member:
+            with torch.random.fork_rng(devices=[]):
+                model = build(cid)
+            per_member[member] = float(flops_per_image(model, tuple(input_shape)))
+        out.append(per_member[member])
+    return out

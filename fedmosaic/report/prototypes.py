@@ -14,6 +14,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedmosaic.algorithms._shared import class_means
+from fedmosaic.checkpoint import read_checkpoint, restore_tree
+from fedmosaic.federation import build_federation
+
 
 def embed_2d(points: np.ndarray, method: str = "tsne", seed: int = 0) -> np.ndarray:
     """``[n, d] -> [n, 2]``; t-SNE falls back to PCA below 6 points."""
@@ -82,8 +86,6 @@ def plot_prototypes(
 
 def prototypes_of_run(fed: Any, state: Any) -> tuple[list[tuple[int, int, Tensor]], Tensor, Tensor]:
     """Client and global prototypes of a federation (``experiment.Federation``) in ``state``."""
-    from fedmosaic.algorithms._shared import class_means
-
     msg = fed.algo.broadcast(state, 0, fed.plan.rounds + 1)
     if not hasattr(msg, "protos") or not hasattr(msg, "known"):
         raise ValueError(f"{fed.cfg.algorithm['name']} broadcasts no prototypes")
@@ -99,9 +101,6 @@ def plot_prototypes_from_checkpoint(
     cfg: Any, checkpoint: str | Path, path: str | Path, method: str = "tsne"
 ) -> None:
     """Rebuild the federation of ``cfg``, load its checkpoint, and plot its prototypes."""
-    from fedmosaic.checkpoint import read_checkpoint, restore_tree
-    from fedmosaic.experiment import build_federation
-
     fed = build_federation(cfg)
     loaded = read_checkpoint(checkpoint)
     tensors = loaded.tensors

@@ -49,10 +49,17 @@ from typing import Any
 
 import torch
 
+import fedmosaic
+from fedmosaic.config import from_dict
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.payload import Payload, PayloadError, decode
 from fedmosaic.core.rounds import EvalResult, FitResult
+from fedmosaic.data.datasets import ImageDataset
+from fedmosaic.data.federated import FederatedData
+from fedmosaic.federation import build_federation, make_client
 from fedmosaic.sim.common import EvalCache, MessageTable
+from fedmosaic.sim.host import ClientHost
+from fedmosaic.sim.store import StateStore, remove_stale
 
 # glibc malloc: no mmap/munmap per large allocation (32 MiB is the largest threshold glibc accepts
 # on 64-bit; larger values are silently ignored) and never give the heap top back to the OS.
@@ -98,15 +105,6 @@ def balance(costs: Sequence[float], workers: int) -> list[list[int]]:
 # ---- worker side -----------------------------------------------------------------------------------
 def worker_setup(init: dict[str, Any]) -> Any:
     """Build a worker's :class:`ClientHost` from its init message (runs in the worker)."""
-    from fedmosaic.algorithms import build_algorithm
-    from fedmosaic.config import from_dict
-    from fedmosaic.core.training import TrainSettings
-    from fedmosaic.data.datasets import ImageDataset
-    from fedmosaic.data.federated import FederatedData
-    from fedmosaic.experiment import client_data, make_client, make_spec
-    from fedmosaic.sim.host import ClientHost
-    from fedmosaic.sim.store import StateStore
-
     cfg = from_dict(init["cfg"])
     shape = init["images_shape"]
     numel = 1
@@ -114,10 +112,11 @@ def worker_setup(init: dict[str, Any]) -> Any:
         numel *= s
     images = torch.from_file(init["images_path"], shared=True, size=numel, dtype=torch.uint8)
     dataset = ImageDataset(images=images.view(*shape), **init["dataset"])
-    fed = FederatedData(dataset=dataset, **init["federated"])
-    algo = build_algorithm(cfg.algorithm)
-    clients = client_data(fed, cfg.train.device)
-    spec = make_spec(cfg, fed, clients)
+    # The same assembly as the main process's, on the shared images: same spec, same clients.
+    federation = build_federation(
+        cfg, with_clients=False, fed=FederatedData(dataset=dataset, **init["federated"])
+    )
+    algo, spec, clients = federation.algo, federation.spec, federation.clients
 
     def build(cid: int) -> tuple[Any, Any]:
         return make_client(cfg, algo, spec, clients[cid])
@@ -127,7 +126,7 @@ def worker_setup(init: dict[str, Any]) -> Any:
         clients,
         spec.members,
         build,
-        TrainSettings.from_config(cfg.train),
+        federation.settings,
         cfg.seed,
         cfg.train.local_epochs,
         tuple(init["eval_splits"]),
@@ -139,8 +138,6 @@ class _Worker:
     """One worker process and our end of its socket."""
 
     def __init__(self) -> None:
-        import fedmosaic
-
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env.update(MALLOC_ENV)
@@ -229,8 +226,6 @@ class ProcessTransport:
         state_dir: str | None = None,
         reuse: bool = True,
     ) -> None:
-        from fedmosaic.sim.store import StateStore
-
         self.algo = algo
         self.num_clients = len(fit_costs)
         self.fit_costs = list(fit_costs)
@@ -247,8 +242,6 @@ class ProcessTransport:
         self.reuse = reuse
         self._clean = True
         images = fed.dataset.images.contiguous()
-        from fedmosaic.sim.store import remove_stale
-
         remove_stale(_shm_dir(), "fedmosaic-")  # image files of SIGKILLed runs
         self._images_path = os.path.join(_shm_dir(), f"fedmosaic-{os.getpid()}-{uuid.uuid4().hex}")
         try:

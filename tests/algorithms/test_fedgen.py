@@ -24,10 +24,11 @@ from fedmosaic.algorithms.fedgen import (
     teacher_weights,
 )
 from fedmosaic.algorithms.lg_fedavg import LGFedAvg
-from fedmosaic.config import ConfigError, ExperimentConfig
+from fedmosaic.config import ConfigError
 from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Weighted
+from fedmosaic.core.algorithm import FederationSpec, Weighted
 from fedmosaic.core.payload import PayloadError
+from fedmosaic.models import family_members
 
 # ---- server math ----------------------------------------------------------------------------
 
@@ -283,18 +284,17 @@ def test_hyperparameters_validated():
         FedGen(generator_batch_size=1)
 
 
-def test_check_config_requires_identical_heads():
-    cfg = ExperimentConfig()
-    cfg.model.family = "htfe8-htc4"  # MLP heads of different widths
+def test_check_requires_identical_heads():
+    def spec(family: str, n: int = 20) -> FederationSpec:
+        members = family_members(family)
+        used = tuple(members[i % len(members)] for i in range(n))  # as federation.make_spec
+        return FederationSpec(n, 3, 4, (1, 4, 4), used, (8,) * n, 0, 2, toy_model)
+
     with pytest.raises(ConfigError, match="fedgen"):
-        FedGen().check_config(cfg)
-    cfg.model.family = "htfe8-gray"  # eight encoders, the same Linear head
-    FedGen().check_config(cfg)
-    cfg.model.family = "resnet34/linear"  # "x" and "x/linear" are the same head
-    FedGen().check_config(cfg)
-    cfg.model.family = "htfe8-htc4"
-    cfg.data.num_clients = 1  # only the members in use matter
-    FedGen().check_config(cfg)
+        FedGen().check(spec("htfe8-htc4"))  # MLP heads of different widths
+    FedGen().check(spec("htfe8-gray"))  # eight encoders, the same Linear head
+    FedGen().check(spec("resnet34/linear"))  # "x" and "x/linear" are the same head
+    FedGen().check(spec("htfe8-htc4", n=1))  # only the members in use matter
 
 
 # ---- end to end (data + model zoo) -----------------------------------------------------------
@@ -314,8 +314,12 @@ def test_two_rounds_heterogeneous_with_wire_check():
         assert math.isfinite(r["train_loss"]) and r["bytes_up"] > 0 and r["bytes_down"] > 0
 
 
-def test_heterogeneous_heads_rejected_by_config():
+def test_heterogeneous_heads_rejected_when_assembled():
+    # Algorithm.check runs against the FederationSpec when the federation is assembled: data
+    # loaded, nothing trained or written.
     from fedmosaic.config import from_dict
+    from fedmosaic.federation import build_federation
 
-    with pytest.raises(ConfigError, match="htc4"):
-        from_dict(tiny_raw(model={"family": "htc4"}, algorithm={"name": "fedgen"}))
+    cfg = from_dict(tiny_raw(model={"family": "htc4"}, algorithm={"name": "fedgen"}))
+    with pytest.raises(ConfigError, match="fedgen.*different heads"):
+        build_federation(cfg, with_clients=False)

@@ -24,7 +24,7 @@ from fedmosaic.algorithms.fedhenn import (
     representation_kernel,
     sample_rad,
 )
-from fedmosaic.config import ConfigError, ExperimentConfig, from_dict
+from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import FederationSpec, Weighted
 from fedmosaic.core.payload import PayloadError
@@ -133,7 +133,8 @@ def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds():
 
 def test_public_split_is_required():
     with pytest.raises(ConfigError, match="public_size"):
-        FedHeNN().check_config(ExperimentConfig())
+        FedHeNN().check(_spec(None))
+    FedHeNN().check(_spec(torch.zeros(2, *SHAPE)))
     with pytest.raises(ConfigError):
         FedHeNN().init_server(_spec(None))
 

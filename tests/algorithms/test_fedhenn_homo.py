@@ -13,7 +13,7 @@ from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedavg import FedAvg
 from fedmosaic.algorithms.fedhenn import cka, cka_distance, kernel_matrix
 from fedmosaic.algorithms.fedhenn_homo import FedHeNNHomo, HomoBroadcast
-from fedmosaic.config import ConfigError, ExperimentConfig, from_dict
+from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import FederationSpec
 from fedmosaic.core.payload import PayloadError
@@ -120,7 +120,7 @@ def test_payloads_validation_and_config():
     with pytest.raises(PayloadError):
         algo.validate_upload(state, SharedState(bad), 1)
     with pytest.raises(ConfigError, match="public_size"):
-        algo.check_config(ExperimentConfig())
+        algo.check(_spec(None))
     with pytest.raises(ConfigError):
         algo.init_server(_spec(None))
 

@@ -25,8 +25,8 @@ from fedmosaic.algorithms.ktpfl import (
     update_coef,
 )
 from fedmosaic.algorithms.local import Local
-from fedmosaic.config import ConfigError, ExperimentConfig
-from fedmosaic.core.algorithm import Weighted
+from fedmosaic.config import ConfigError
+from fedmosaic.core.algorithm import FederationSpec, Weighted
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.training import TrainSettings
 
@@ -295,13 +295,17 @@ def test_validate_upload_rejects_malformed():
                 algo.validate_upload(state, KTpFLUpload(soft), 0)
 
 
+def _members_spec(members: tuple[str, ...]) -> FederationSpec:
+    n = len(members)
+    return FederationSpec(n, 3, 4, (1, 4, 4), members, (8,) * n, 0, 2, toy_model)
+
+
 def test_config_requires_public_split():
-    cfg = ExperimentConfig()
-    assert cfg.data.public_size == 0
+    spec = _members_spec(("a", "a"))
+    assert spec.public is None
     with pytest.raises(ConfigError, match="data.public_size"):
-        KTpFL().check_config(cfg)
-    cfg.data.public_size = 50
-    KTpFL().check_config(cfg)
+        KTpFL().check(spec)
+    KTpFL().check(dataclasses.replace(spec, public=torch.zeros(50, 1, 4, 4)))
     with pytest.raises(ValueError, match="T"):
         KTpFL(T=0.0)
     toy = make_toy(KTpFL(), public_size=0)
@@ -324,8 +328,10 @@ def test_two_rounds_heterogeneous_with_wire_check():
         assert r["rejected"] == [] and 0.0 <= r["acc_weighted"] <= 1.0
         assert math.isfinite(r["train_loss"]) and r["bytes_up"] > 0 and r["bytes_down"] > 0
     no_public = tiny_raw(data={"public_size": 0}, algorithm={"name": "ktpfl"})
-    with pytest.raises(ConfigError, match="data.public_size"):
-        from_dict(no_public)
+    from fedmosaic.federation import build_federation
+
+    with pytest.raises(ConfigError, match="data.public_size"):  # Algorithm.check on the spec
+        build_federation(from_dict(no_public), with_clients=False)
 
 
 # ---- reference defaults: KL normalization, every public input, epoch ramp --------------------

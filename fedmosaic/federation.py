@@ -1,0 +1,166 @@
+"""The assembly layer: a config becomes a federation (data, splits, spec, clients, round plan).
+
+Every runtime builds its federation here and nowhere else: ``experiment`` (the simulator's
+orchestration), the process backend's workers (``sim/processes.py``, from the shared images they
+are handed) and the Flower apps (``flower/app.py``). A client's initial model and extras are a pure
+function of (config, seed, client id), so the same client is built identically in any process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedmosaic.algorithms import build_algorithm
+from fedmosaic.config import ExperimentConfig
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, FederationSpec
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.rounds import RoundPlan, clients_per_round, holdout_clients
+from fedmosaic.core.training import TrainSettings
+from fedmosaic.data import FederatedData, build_federated_data
+from fedmosaic.models import build_client_model, family_members
+
+
+@dataclass
+class Federation:
+    """Everything a runtime needs: data, per-client models/extras, spec, algorithm, plan.
+
+    ``models`` and ``extras`` are empty when the runtime builds its clients itself (the process
+    backend's workers, Flower's ClientApps)."""
+
+    cfg: ExperimentConfig
+    fed: FederatedData
+    algo: Algorithm
+    spec: FederationSpec
+    clients: list[ClientData]
+    models: list[ClientModel]
+    extras: list[nn.Module]
+    settings: TrainSettings
+    plan: RoundPlan
+
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        """The splits every evaluation scores: test, and val where any client has one."""
+        return ("test", "val") if any(c.num("val") for c in self.clients) else ("test",)
+
+
+def model_projection(cfg: ExperimentConfig) -> str:
+    """The projection of every client model: the method's own (``Algorithm.model_projection``;
+    FedHeNN keeps natural widths) or ``model.projection``."""
+    name = cfg.algorithm.get("name")
+    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
+    return fixed or cfg.model.projection
+
+
+def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], ClientModel]:
+    members = family_members(cfg.model.family)
+    projection = model_projection(cfg)
+
+    def build(client_id: int) -> ClientModel:
+        # Each client's initial weights come from its own stream: same seed, same model.
+        seeding.seed_torch(cfg.seed, 0, client_id, "init")
+        return build_client_model(
+            members[client_id % len(members)],
+            fed.input_shape,
+            fed.num_classes,
+            cfg.model.feature_dim,
+            projection=projection,
+        ).to(cfg.train.device)
+
+    return build
+
+
+def client_data(fed: FederatedData, device: str) -> list[ClientData]:
+    out = []
+    for cid, split in enumerate(fed.clients):
+        splits = {"train": split.train, "test": split.test}
+        if split.val.numel() > 0:
+            splits["val"] = split.val
+        out.append(ClientData(cid, fed, fed.dataset.labels, splits, fed.num_classes, device))
+    return out
+
+
+def make_spec(
+    cfg: ExperimentConfig, fed: FederatedData, clients: list[ClientData]
+) -> FederationSpec:
+    members = family_members(cfg.model.family)
+    n = fed.num_clients
+    public = None
+    if fed.public.numel() > 0:
+        public = fed.batch(fed.public, "cpu")  # [P, C, H, W] normalized, server-held
+    return FederationSpec(
+        num_clients=n,
+        num_classes=fed.num_classes,
+        feature_dim=cfg.model.feature_dim,
+        input_shape=tuple(fed.input_shape),
+        members=tuple(members[i % len(members)] for i in range(n)),
+        num_train=tuple(c.num_train for c in clients),
+        seed=cfg.seed,
+        rounds=cfg.train.rounds,
+        build_model=model_builder(cfg, fed),
+        public=public,
+        device=cfg.train.device,
+        projection=model_projection(cfg),
+    )
+
+
+def make_client(
+    cfg: ExperimentConfig, algo: Algorithm, spec: FederationSpec, data: ClientData
+) -> tuple[ClientModel, nn.Module]:
+    """A client's initial model and extras: a pure function of (config, seed, client id)."""
+    model = spec.build_model(data.client_id)
+    seeding.seed_torch(cfg.seed, 0, data.client_id, "init-extras")
+    extras = algo.init_client(model, spec, data).to(cfg.train.device)
+    return model, extras
+
+
+def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
+    """Rounds, participants per round, evaluation cadence, held-out clients, plateau stop."""
+    holdout = holdout_clients(cfg.seed, num_clients, cfg.eval.holdout_clients)
+    trainers = num_clients - len(holdout)
+    k = min(cfg.train.clients_per_round, trainers) or clients_per_round(
+        trainers, cfg.train.participation
+    )
+    return RoundPlan(
+        num_clients,
+        cfg.train.rounds,
+        k,
+        cfg.train.eval_every,
+        cfg.train.finetune_epochs,
+        holdout=holdout,
+        plateau_delta=cfg.train.plateau_delta,
+        plateau_window=cfg.train.plateau_window,
+        plateau_min_rounds=cfg.train.plateau_min_rounds,
+    )
+
+
+def build_federation(
+    cfg: ExperimentConfig, with_clients: bool = True, fed: FederatedData | None = None
+) -> Federation:
+    """Load data (unless given: a worker's view of the shared images), build the algorithm, check
+    it against the spec and (unless a worker backend owns them) build every client."""
+    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device = {cfg.train.device!r} but CUDA is not available")
+    algo = build_algorithm(cfg.algorithm)
+    if fed is None:
+        fed = build_federated_data(cfg.data, cfg.seed)
+    clients = client_data(fed, cfg.train.device)
+    spec = make_spec(cfg, fed, clients)
+    algo.check(spec)
+    models: list[ClientModel] = []
+    extras: list[nn.Module] = []
+    if with_clients:
+        for c in clients:
+            m, e = make_client(cfg, algo, spec, c)
+            models.append(m)
+            extras.append(e)
+    settings = TrainSettings.from_config(cfg.train)
+    plan = round_plan(cfg, fed.num_clients)
+    return Federation(cfg, fed, algo, spec, clients, models, extras, settings, plan)

@@ -1,0 +1,152 @@
+"""What a finished run reports: ``results.json``'s summary, per-client records, the round line.
+
+The same for every runtime (simulator, process backend, Flower): each hands its
+:class:`~fedmosaic.federation.Federation` and the round loop's :class:`History` here.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from typing import Any
+
+import torch
+
+import fedmosaic
+from fedmosaic import provenance
+from fedmosaic.core.rounds import EvalResult, History, per_client_acc, summarize_eval
+from fedmosaic.federation import Federation
+
+
+def summarize(history: History, fed: Federation) -> dict[str, Any]:
+    """Final, best-on-validation and best-on-test (as the papers report it) accuracies."""
+    rounds = [r for r in history.rounds if "acc_weighted" in r]
+    summary: dict[str, Any] = {}
+    if not rounds:
+        return summary
+    last = rounds[-1]
+    summary["final"] = {k: last[k] for k in last if k.startswith("acc") or k.endswith("_weighted")}
+    summary["final"]["round"] = last["round"]
+    summary["rounds_run"] = int(history.rounds[-1]["round"])
+    if history.rounds[-1].get("plateau"):
+        # train.plateau_delta: the run stopped before its cap (train.rounds) on a plateau
+        summary["stopped_on_plateau"] = summary["rounds_run"]
+    best_test = max(rounds, key=lambda r: r["acc_weighted"])
+    summary["best_on_test"] = {
+        "note": "max over evaluated rounds of test accuracy, as the papers report it",
+        "round": best_test["round"],
+        "acc_weighted": best_test["acc_weighted"],
+        "acc_mean": best_test["acc_mean"],
+    }
+    if "val_acc_weighted" in last:
+        best_val = max(rounds, key=lambda r: r["val_acc_weighted"])
+        summary["best_on_val"] = {
+            "note": "test accuracy at the round with the best validation accuracy",
+            "round": best_val["round"],
+            "val_acc_weighted": best_val["val_acc_weighted"],
+            "acc_weighted": best_val["acc_weighted"],
+            "acc_mean": best_val["acc_mean"],
+        }
+    secs = [r["seconds"] for r in history.rounds]
+    summary["seconds_per_round"] = sum(secs) / len(secs)
+    summary["bytes_up_per_client_per_round"] = sum(
+        r["bytes_up_per_client"] for r in history.rounds
+    ) / len(history.rounds)
+    summary["bytes_down_per_client_per_round"] = sum(
+        r["bytes_down_per_client"] for r in history.rounds
+    ) / len(history.rounds)
+    for key in ("paper_cost", "train_macs"):
+        if any(key in r for r in history.rounds):
+            # Training compute summed over clients and rounds: ``paper_cost`` is the layer-expansion
+            # paper's Table 4 measure (trainable parameters x examples, which it calls FLOPs),
+            # ``train_macs`` the forward + backward multiply-accumulates (``algorithms/_flops.py``).
+            summary[f"{key}_total"] = sum(r.get(key, 0) for r in history.rounds)
+    if history.finetune_eval:
+        summary["after_finetune"] = summarize_eval(history.finetune_eval)
+    if history.holdout_before:
+        summary["holdout"] = {
+            "note": "clients that never trained: on the final broadcast (before) and after one "
+            "local round of the method's own client procedure (after)",
+            "clients": sorted(r.client_id for r in history.holdout_before),
+            "before": summarize_eval(history.holdout_before),
+            "after": summarize_eval(history.holdout_after),
+        }
+    return summary
+
+
+def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
+    final = {r.client_id: r for r in history.final_eval}
+    tuned = {r.client_id: r for r in history.finetune_eval}
+    held_before = {r.client_id: r for r in history.holdout_before}
+    held_after = {r.client_id: r for r in history.holdout_after}
+    recs = []
+    for c in fed.clients:
+        rec: dict[str, Any] = {
+            "client_id": c.client_id,
+            "arch": fed.spec.members[c.client_id],
+            "num_train": c.num_train,
+            "num_val": c.num("val"),
+            "num_test": c.num("test"),
+            "train_label_counts": c.class_counts("train").tolist(),
+            "test_label_counts": c.class_counts("test").tolist(),
+        }
+        if fed.fed.shifts:  # feature shift: this client's transform (data.shift_*)
+            rec["feature_shift"] = fed.fed.shifts[c.client_id]
+        if c.client_id in final:
+            rec.update(_client_accs(final[c.client_id], ""))
+        if c.client_id in tuned:
+            rec.update(_client_accs(tuned[c.client_id], "finetuned_"))
+        if c.client_id in held_before:
+            rec["holdout"] = True
+            rec.update(_client_accs(held_before[c.client_id], "newcomer_before_"))
+            rec.update(_client_accs(held_after[c.client_id], "newcomer_after_"))
+        recs.append(rec)
+    return recs
+
+
+def _client_accs(r: EvalResult, prefix: str) -> dict[str, float]:
+    out = {}
+    for split, counts in r.counts.items():
+        n = counts.get("n", 0)
+        for mode, correct in counts.items():
+            if mode == "n":
+                continue
+            key = mode if split == "test" else f"{split}_{mode}"
+            out[prefix + key] = correct / n if n else math.nan
+    return out
+
+
+def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
+    """One log line per round (when no progress bar is shown): accuracy, loss, time, bytes."""
+    acc = f"acc {100 * rec['acc_weighted']:.2f}%" if "acc_weighted" in rec else "acc -"
+    loss = rec.get("train_loss", math.nan)
+    return (
+        f"{name} round {rec['round']}/{rounds}: {acc}, loss {loss:.4f}, {rec['seconds']:.1f} s, "
+        f"up {rec['bytes_up_per_client'] / 1e3:.1f} KB/client, "
+        f"down {rec['bytes_down_per_client'] / 1e3:.1f} KB/client"
+        + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
+    )
+
+
+def results_document(
+    fed: Federation,
+    history: History,
+    wall_seconds: float,
+    started: str | None = None,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """The ``results.json`` document of a finished run (any runtime)."""
+    cfg = fed.cfg
+    ds = fed.fed.dataset
+    return {
+        "library": {"name": "fedmosaic", "version": fedmosaic.__version__},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__},
+        "seed": cfg.seed,
+        "config": cfg.to_dict(),
+        "rounds": history.rounds,
+        "clients": client_records(fed, history),
+        "per_client_final_acc": per_client_acc(history.final_eval),
+        "summary": summarize(history, fed),
+        "wall_seconds": wall_seconds,
+        "provenance": provenance.provenance(ds.sources, ds.images, ds.labels, started, workers),
+    }

@@ -1,0 +1,58 @@
+"""The simulator backend chosen by ``[sim] backend``, built from an assembled federation."""
+
+from __future__ import annotations
+
+import os
+
+from fedmosaic.core.rounds import Transport
+from fedmosaic.federation import Federation
+from fedmosaic.models.flops import member_flops
+from fedmosaic.sim.processes import ProcessTransport
+from fedmosaic.sim.simulator import SimTransport
+
+
+def default_workers() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def workers(fed: Federation) -> int:
+    """Processes that train clients: 1 serially, ``sim.workers`` (0 = one per core) otherwise."""
+    if fed.cfg.sim.backend != "processes":
+        return 1
+    return fed.cfg.sim.workers or default_workers()
+
+
+def make_transport(fed: Federation) -> Transport:
+    """``serial``: every client in this process (``fed.models``). ``processes``: ``sim.workers``
+    worker processes, clients balanced by estimated cost (forward FLOPs per image x examples);
+    with partial participation, clients not training this round wait in an on-disk state store
+    (memory scales with the round's clients, not the population)."""
+    cfg = fed.cfg
+    if cfg.sim.backend == "processes":
+        flops = member_flops(fed.spec.members, fed.spec.build_model, fed.spec.input_shape)
+        clients = fed.clients
+        return ProcessTransport(
+            fed.algo,
+            cfg,
+            fed.fed,
+            [f * max(c.num_train, 1) for f, c in zip(flops, clients)],
+            workers(fed),
+            eval_costs=[f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, clients)],
+            eval_splits=fed.eval_splits,
+            offload=fed.plan.clients_per_round < fed.plan.num_clients,
+        )
+    return SimTransport(
+        fed.algo,
+        fed.models,
+        fed.extras,
+        fed.clients,
+        fed.settings,
+        cfg.seed,
+        cfg.train.local_epochs,
+        check_wire=cfg.sim.check_wire,
+        eval_splits=fed.eval_splits,
+    )
