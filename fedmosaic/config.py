@@ -91,6 +91,12 @@ class TrainConfig:
     plateau_window: float = 0.2
     plateau_min_rounds: int = 20
     device: str = "cpu"  # cpu | cuda | cuda:N
+    # Train the round's clients of one architecture together as one batched computation
+    # (torch.func.vmap; core/batched.py) where the method declares it equivalent: "auto" = on
+    # for CUDA devices, off on CPU (measured slower there); true | false force it
+    batched_clients: bool | str = "auto"
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the local training forward; off by default)
+
 
 
 @dataclass
@@ -100,6 +106,9 @@ class SimConfig:
     threads: int = 0  # torch intra-op threads in the main process; 0 = leave torch's default
     backend: str = "serial"  # serial (one process) | processes (worker processes, one thread each)
     workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
+    # processes backend: one worker per entry (cpu | cuda | cuda:N), each holding its clients'
+    # state and the images on that device; [] = every worker on train.device
+    devices: list[str] = field(default_factory=list)
     # Weights & Biases project to log to ("" = off); needs the wandb extra; offline unless
     # WANDB_MODE says otherwise
     wandb: str = ""
@@ -154,6 +163,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.emnist_split": ("letters", "balanced"),
     "model.projection": ("linear", "pool"),
     "train.optimizer": ("sgd", "adam"),
+    "train.precision": ("fp32", "bf16"),
     "sim.backend": ("serial", "processes"),
 }
 
@@ -270,6 +280,11 @@ def _wandb_installed() -> bool:
     return "wandb" in sys.modules or importlib.util.find_spec("wandb") is not None
 
 
+def _device_ok(dev: str) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    return dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
     for dotted, choices in CHOICES.items():
@@ -369,6 +384,17 @@ def validate(cfg: ExperimentConfig) -> None:
         )
     if t.device != "cpu" and not t.device.startswith("cuda"):
         raise ConfigError(f"train.device = {t.device!r}; use cpu, cuda or cuda:N")
+    if t.batched_clients not in ("auto", True, False):
+        raise ConfigError(
+            f'train.batched_clients = {t.batched_clients!r}; choose "auto", true or false'
+        )
+    for i, dev in enumerate(sim.devices):
+        if not _device_ok(dev):
+            raise ConfigError(f"sim.devices[{i}] = {dev!r}; use cpu, cuda or cuda:N")
+    if sim.devices and sim.backend != "processes":
+        raise ConfigError(
+            f'sim.devices = {sim.devices!r} places worker processes: set sim.backend = "processes"'
+        )
     # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).
     from fedmosaic.algorithms import build_algorithm
     from fedmosaic.models import family_members

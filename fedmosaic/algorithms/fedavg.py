@@ -30,6 +30,7 @@ class FedAvg(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     )

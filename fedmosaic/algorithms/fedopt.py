@@ -59,6 +59,7 @@ class FedOpt(SharedWeights):
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
     rule: ClassVar[str] = "adam"  # momentum | adagrad | adam | yogi
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
 
     server_lr: float = 0.1  # eta: the server step size (tune it; see the module docstring)
     beta1: float = 0.9  # momentum of the mean update (FedAvgM: beta)

@@ -36,6 +36,7 @@ class FedPer(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019"
     )

@@ -149,6 +149,7 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
     Upload: ClassVar[type[Payload]] = ProtoUpload
     supports_heterogeneous: ClassVar[bool] = True
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     )

@@ -44,6 +44,7 @@ class FedRep(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021"
     )

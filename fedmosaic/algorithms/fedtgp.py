@@ -232,6 +232,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     Broadcast: ClassVar[type[Payload]] = Prototypes
     Upload: ClassVar[type[Payload]] = ClientPrototypes
     supports_heterogeneous: ClassVar[bool] = True
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced "
         "Contrastive Learning for Data and Model Heterogeneity in Federated Learning, AAAI 2024"

@@ -39,6 +39,7 @@ class LGFedAvg(SharedWeights):
     """Average only the classifier head; keep the encoder local."""
 
     shared: ClassVar[str] = "head"
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
         "Liang et al., Think Locally, Act Globally: Federated Learning with Local and Global Representations, 2020"
     )

@@ -32,6 +32,7 @@ class Local(Algorithm[None, Empty, Empty]):
     Upload: ClassVar[type[Payload]] = Empty
     paper: ClassVar[str] = "baseline: local training only"
     communicates: ClassVar[bool] = False
+    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
 
     def init_server(self, spec: FederationSpec) -> None:
         return None

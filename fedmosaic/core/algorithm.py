@@ -103,6 +103,15 @@ class Algorithm(ABC, Generic[S, B, U]):
     # ``model.projection``; "none" keeps each encoder's natural width (FedHeNN: CKA compares
     # L x L kernels, so each client aligns its own penultimate representation, no added layer)
     model_projection: ClassVar[str | None] = None
+    # True declares that clients of one architecture may train as one batched computation
+    # (``core/batched.py``, ``train.batched_clients``) with the numbers of one-at-a-time: the
+    # client's training is ``loss`` over ``phases`` and nothing else per step: ``loss`` is a pure
+    # function of the model's (and extras') parameters and buffers, the batch and the message
+    # (no randomness, no Python state carried between steps, no ``.grad`` or hooks), and every
+    # trainable parameter takes part in it. ``receive``, ``before_fit`` and ``upload`` still run
+    # per client. Off by default: a method opts in where that holds.
+    batchable: ClassVar[bool] = False
+
 
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ class TrainSettings:
     device: str = "cpu"
     fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (see below)
     drop_last: bool = False  # drop each epoch's ragged last batch (PFLlib/HtFLlib loaders)
+    batched_clients: bool | str = "auto"  # see ``batched_enabled``
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
 
     @classmethod
     def from_config(cls, t: TrainConfig) -> TrainSettings:
@@ -48,7 +51,29 @@ class TrainSettings:
             device=t.device,
             fused_sgd=t.fused_sgd,
             drop_last=t.drop_last,
+            batched_clients=t.batched_clients,
+            precision=t.precision,
         )
+
+    @property
+    def batched_enabled(self) -> bool:
+        """Whether clients of one architecture may train as one batched computation: forced by
+        ``True``/``False``; ``"auto"`` turns it on for CUDA only (on CPU one client at a time
+        measured faster: see README, Speed)."""
+        if isinstance(self.batched_clients, bool):
+            return self.batched_clients
+        return torch.device(self.device).type == "cuda"
+
+
+def autocast(s: TrainSettings) -> contextlib.AbstractContextManager[Any]:
+    """The training forward's precision context: nothing for fp32 (the code path is the plain
+    one, bitwise), bf16 autocast otherwise (matmuls and convs in bfloat16, losses and
+    reductions in float32; parameters and optimizer state stay float32)."""
+    if s.precision == "fp32":
+        return contextlib.nullcontext()
+    if s.precision == "bf16":
+        return torch.autocast(torch.device(s.device).type, dtype=torch.bfloat16)
+    raise ValueError(f"train.precision = {s.precision!r}; choose fp32 or bf16")
 
 
 @dataclass
@@ -202,6 +227,8 @@ class FusedSGDLinears:
         """Linear layers whose weight (and bias) all train, when the optimizer is plain SGD."""
         if not (s.fused_sgd and s.optimizer == "sgd" and s.momentum == 0 and s.weight_decay == 0):
             return []
+        if s.precision != "fp32":  # the fused layers compute in float32 only
+            return []
         train = {id(p) for p in params}
         out = []
         for m in modules:
@@ -268,6 +295,7 @@ def train_epochs(
     layers = FusedSGDLinears.eligible(unique, params, s)
     fused = FusedSGDLinears(layers, s.lr if lr is None else lr) if layers else None
     buffers = [b for m in unique for b in m.buffers(recurse=False)]
+    precision = autocast(s)
     try:
         if fused is not None:
             fused.start()
@@ -281,7 +309,7 @@ def train_epochs(
                     saved = [b.clone() for b in buffers] if stats.steps == 0 else []
                     fused.new_step()
                     try:
-                        loss = loss_fn(x, y)
+                        loss = loss_fn(x, y)  # fp32 only (see ``eligible``): no autocast
                     except _FusedConflict:  # a layer used twice: redo this step unfused
                         fused.stop()
                         torch.set_rng_state(rng)
@@ -290,7 +318,8 @@ def train_epochs(
                                 b.copy_(v)
                         loss = loss_fn(x, y)
                 else:
-                    loss = loss_fn(x, y)
+                    with precision:
+                        loss = loss_fn(x, y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

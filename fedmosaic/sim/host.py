@@ -13,11 +13,13 @@ construction (ResNet initialisation is slower than reading its weights).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
+from fedmosaic.core import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
@@ -130,6 +132,60 @@ class ClientHost:
         except PayloadError as exc:
             blob = str(exc)
         return blob, res.num_examples, res.stats.mean_loss
+
+    def fit_many(
+        self, round_num: int, todo: Sequence[tuple[int, Payload]]
+    ) -> Iterator[tuple[int, bytes | str, int, float, float]]:
+        """``(cid, upload, examples, loss, seconds)`` per client, as each is ready: clients of
+        one model layout train together (``core.batched``) when ``train.batched_clients`` is on
+        and the method allows it (a group's seconds are split evenly over its clients)."""
+        if not self.settings.batched_enabled:
+            for cid, msg in todo:
+                t0 = time.perf_counter()
+                yield (cid, *self.fit(round_num, cid, msg), time.perf_counter() - t0)
+            return
+        msgs = dict(todo)
+        keys = {}
+        for cid in msgs:
+            model, extras = self.take(cid)
+            if batched.eligible(self.algo, model, extras):
+                keys[cid] = batched.layout_key(model, extras)
+        grouped, _ = batched.groups(list(keys), keys)
+        in_group = {c for g in grouped for c in g}
+        for g in grouped:
+            t0 = time.perf_counter()
+            mods = [self.take(c) for c in g]
+            outs = batched.fit_group(
+                self.algo,
+                [m for m, _ in mods],  # type: ignore[misc]
+                [e for _, e in mods],
+                [msgs[c] for c in g],
+                [self.clients[c] for c in g],
+                self.settings,
+                self.seed,
+                round_num,
+                self.local_epochs,
+            )
+            seconds = (time.perf_counter() - t0) / len(g)
+            for cid, res in zip(g, outs):
+                yield (
+                    cid,
+                    self._encode(res.upload),
+                    res.num_examples,
+                    res.stats.mean_loss,
+                    seconds,
+                )
+        for cid, msg in todo:
+            if cid not in in_group:
+                t0 = time.perf_counter()
+                yield (cid, *self.fit(round_num, cid, msg), time.perf_counter() - t0)
+
+    @staticmethod
+    def _encode(upload: Payload) -> bytes | str:
+        try:
+            return encode(upload)
+        except PayloadError as exc:
+            return str(exc)
 
     def evaluate(self, cid: int, msg: Payload, receive: bool) -> dict[str, dict[str, int]]:
         mods, borrowed = self._borrow(cid)

@@ -102,10 +102,21 @@ def balance(costs: Sequence[float], workers: int) -> list[list[int]]:
     return assign(range(len(costs)), costs, workers)
 
 
+def worker_devices(devices: Sequence[str], workers: int) -> list[str | None]:
+    """The device of each worker (``sim.devices``, round-robin); None = ``train.device``."""
+    if not devices:
+        return [None] * workers
+    return [devices[w % len(devices)] for w in range(workers)]
+
+
 # ---- worker side -----------------------------------------------------------------------------------
 def worker_setup(init: dict[str, Any]) -> Any:
     """Build a worker's :class:`ClientHost` from its init message (runs in the worker)."""
     cfg = from_dict(init["cfg"])
+    if init.get("device"):  # sim.devices: this worker's clients, data and steps live there
+        cfg.train.device = init["device"]
+        if cfg.train.device.startswith("cuda:"):
+            torch.cuda.set_device(cfg.train.device)  # one CUDA context, on this device only
     shape = init["images_shape"]
     numel = 1
     for s in shape:
@@ -228,6 +239,9 @@ class ProcessTransport:
     ) -> None:
         self.algo = algo
         self.num_clients = len(fit_costs)
+        devices = list(getattr(cfg.sim, "devices", None) or [])
+        if devices and not cfg.sim.workers:
+            workers = len(devices)  # sim.devices: one worker process per device
         self.fit_costs = list(fit_costs)
         self.eval_costs = list(eval_costs) if eval_costs is not None else list(fit_costs)
         self.workers = max(1, min(int(workers), self.num_clients))
@@ -268,7 +282,12 @@ class ProcessTransport:
             }
             self.procs = _acquire(self.workers)
             self.conns = [w.conn for w in self.procs]
-            self.pids = list(self._call({w: ("init", init) for w in range(self.workers)}).values())
+            on = worker_devices(devices, self.workers)
+            self.pids = list(
+                self._call(
+                    {w: ("init", dict(init, device=on[w])) for w in range(self.workers)}
+                ).values()
+            )
         except BaseException:
             self.close()
             raise

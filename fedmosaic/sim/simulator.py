@@ -4,6 +4,10 @@ Clients run one after another in this process with its torch thread setting. Eva
 client whose model has not changed since its last evaluation and whose broadcast is byte-identical
 reuses the previous counts (``EvalCache``). The multi-process backend (``processes.py``) gives
 bitwise-identical results to this one run with ``sim.threads = 1``.
+
+With ``train.batched_clients`` on, the round's clients of one model layout train together as one
+``torch.func`` computation (``core/batched.py``) where the method declares that equivalent
+(``Algorithm.batchable``): the same numbers to float tolerance, not bitwise.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from fedmosaic.core import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
-from fedmosaic.core.client import ClientData
+from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
 from fedmosaic.core.rounds import EvalResult, FitResult
@@ -63,19 +68,12 @@ class SimTransport:
 
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         out: list[FitResult] = []
+        received, downs = {}, {}
         for cid, msg in messages.items():
-            msg, down = wire(msg, self.check_wire)
-            res = client_ops.fit(
-                self.algo,
-                self.models[cid],
-                self.extras[cid],
-                msg,
-                self.data[cid],
-                self.settings,
-                self.seed,
-                round_num,
-                self.local_epochs,
-            )
+            received[cid], downs[cid] = wire(msg, self.check_wire)
+        fitted = self._fit_all(round_num, received)
+        for cid in messages:
+            res, down = fitted[cid], downs[cid]
             self.version[cid] += 1
             try:
                 upload, up = wire(res.upload, self.check_wire)
@@ -84,6 +82,48 @@ class SimTransport:
                 out.append(FitResult(cid, None, res.num_examples, 0, down, loss, error=str(exc)))
                 continue
             out.append(FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss))
+        return out
+
+    def _fit_all(self, round_num: int, messages: dict[int, Payload]) -> dict[int, FitOutput]:
+        """Every client's fit: grouped by model layout and trained together where the method
+        allows it and ``train.batched_clients`` is on (``core.batched``), else one at a time.
+        The order does not matter: each client's fit depends only on its own state and streams."""
+        out: dict[int, FitOutput] = {}
+        singles = list(messages)
+        if self.settings.batched_enabled:
+            keys = {
+                c: batched.layout_key(self.models[c], self.extras[c])
+                for c in messages
+                if batched.eligible(self.algo, self.models[c], self.extras[c])
+            }
+            grouped, _ = batched.groups(list(keys), keys)
+            in_group = {c for g in grouped for c in g}
+            singles = [c for c in messages if c not in in_group]
+            for g in grouped:
+                res = batched.fit_group(
+                    self.algo,
+                    [self.models[c] for c in g],
+                    [self.extras[c] for c in g],
+                    [messages[c] for c in g],
+                    [self.data[c] for c in g],
+                    self.settings,
+                    self.seed,
+                    round_num,
+                    self.local_epochs,
+                )
+                out.update(zip(g, res))
+        for cid in singles:
+            out[cid] = client_ops.fit(
+                self.algo,
+                self.models[cid],
+                self.extras[cid],
+                messages[cid],
+                self.data[cid],
+                self.settings,
+                self.seed,
+                round_num,
+                self.local_epochs,
+            )
         return out
 
     def evaluate(

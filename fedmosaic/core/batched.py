@@ -1,0 +1,375 @@
+"""Many clients of one architecture trained as one batched computation (``torch.func``).
+
+A group of clients whose models (and extras) have the same layout trains together: their
+parameters, buffers and optimizer state are stacked along a leading client dimension, and each
+step is one ``vmap`` over ``grad_and_value(functional_call(...))`` of the algorithm's own
+``loss``. Everything that makes a client's numbers is unchanged:
+
+- each client's batches come from its own ``(seed, round, client, "batches")`` stream, drawn in
+  the same order as :func:`fedmosaic.core.training.train_epochs` draws them;
+- ``receive``, ``before_fit`` and ``upload`` run per client exactly as in
+  :func:`fedmosaic.core.client.fit` (the global RNG is seeded per client first and restored to
+  that client's state before its upload, as the one-client path leaves it);
+- the optimizer step is :class:`torch.optim.SGD`'s (momentum, weight decay) or
+  :class:`torch.optim.Adam`'s single-tensor update written on the stacked tensors, a fresh state
+  per phase as ``make_optimizer`` gives;
+- clients with fewer steps simply stop: at step ``t`` only the clients that have a ``t``-th
+  batch take part, split by batch size (a ragged last batch), each subset gathered from and
+  scattered back to the stacked state. No padding, so BatchNorm statistics see exactly the
+  client's own batch (running statistics are stacked buffers updated in place under ``vmap``).
+
+The numbers equal the one-client path to float tolerance, not bitwise (batched kernels round
+differently, and the one-client path fuses plain SGD into the Linear backward). Only methods
+that declare ``Algorithm.batchable`` take this path; a group whose step cannot be vmapped (a
+random op, data-dependent Python control flow on a per-client message) falls back to one client
+at a time with a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from fedmosaic.core import seeding
+from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
+from fedmosaic.core.client import ClientData, FitOutput
+from fedmosaic.core.client import fit as fit_one
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.training import (
+    TrainSettings,
+    TrainStats,
+    autocast,
+    batch_order,
+    select_trainable,
+    unfreeze_all,
+)
+
+log = logging.getLogger("fedmosaic")
+
+
+def layout_key(model: nn.Module, extras: nn.Module) -> tuple[Any, ...]:
+    """Clients with equal keys can be stacked: same module types, names, shapes, dtypes."""
+    out: list[Any] = [type(model).__qualname__, type(extras).__qualname__]
+    for module in (model, extras):
+        out += [(n, type(m).__qualname__) for n, m in module.named_modules()]
+        out += [(n, tuple(t.shape), t.dtype) for n, t in module.named_parameters()]
+        out += [(n, tuple(t.shape), t.dtype) for n, t in module.named_buffers()]
+    return tuple(out)
+
+
+def eligible(algo: Algorithm, model: nn.Module, extras: nn.Module) -> bool:
+    """The method declares batching equivalent and the model has no random layers."""
+    if not getattr(algo, "batchable", False):
+        return False
+    for module in (model, extras):
+        for m in module.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+                return False
+    return True
+
+
+def groups(
+    cids: Sequence[int], keys: dict[int, tuple[Any, ...]], min_size: int = 2
+) -> tuple[list[list[int]], list[int]]:
+    """Clients grouped by layout (in first-seen order); groups smaller than ``min_size`` are
+    returned as singles."""
+    by: dict[tuple[Any, ...], list[int]] = {}
+    for c in cids:
+        by.setdefault(keys[c], []).append(c)
+    out, singles = [], []
+    for g in by.values():
+        if len(g) >= min_size:
+            out.append(g)
+        else:
+            singles += g
+    return out, singles
+
+
+class _LossModule(nn.Module):
+    """``algo.loss`` as a module forward, so ``functional_call`` can swap in one client's tensors."""
+
+    def __init__(self, algo: Algorithm, model: ClientModel, extras: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.extras = extras
+        object.__setattr__(self, "algo", algo)  # not a submodule: a frozen dataclass
+
+    def forward(self, x: Tensor, y: Tensor, msg: Payload) -> Tensor:
+        return self.algo.loss(self.model, self.extras, x, y, msg)  # type: ignore[attr-defined]
+
+
+# ---- messages: shared (closed over) or per client (vmapped) ------------------------------------
+def _leaves(msg: Payload) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        if isinstance(v, Tensor):
+            out[f.name] = v
+        elif isinstance(v, dict):
+            out.update({f"{f.name}\0{k}": t for k, t in v.items()})
+    return out
+
+
+def _with_leaves(msg: Payload, leaves: dict[str, Tensor]) -> Payload:
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(msg):
+        v = getattr(msg, f.name)
+        if isinstance(v, Tensor):
+            changes[f.name] = leaves[f.name]
+        elif isinstance(v, dict):
+            changes[f.name] = {k: leaves[f"{f.name}\0{k}"] for k in v}
+    return dataclasses.replace(msg, **changes)
+
+
+def _same_message(msgs: Sequence[Payload]) -> bool:
+    first = msgs[0]
+    a = _leaves(first)
+    scalars = [(f.name, getattr(first, f.name)) for f in dataclasses.fields(first)]
+    for m in msgs[1:]:
+        if type(m) is not type(first):
+            return False
+        b = _leaves(m)
+        if a.keys() != b.keys() or any(
+            x is not b[k] and (x.shape != b[k].shape or not torch.equal(x, b[k]))
+            for k, x in a.items()
+        ):
+            return False
+        for name, v in scalars:
+            if not isinstance(v, (Tensor, dict)) and getattr(m, name) != v:
+                return False
+    return True
+
+
+# ---- the optimizer on stacked tensors -------------------------------------------------------------
+class _StackedOptimizer:
+    """``torch.optim.SGD`` / ``Adam`` (single-tensor updates) on ``[K, ...]`` parameter stacks."""
+
+    def __init__(self, s: TrainSettings, params: dict[str, Tensor]) -> None:
+        if s.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"train.optimizer = {s.optimizer!r}; choose sgd or adam")
+        self.s = s
+        self.buf: dict[str, Tensor] = {}
+        self.exp_avg: dict[str, Tensor] = {}
+        self.exp_avg_sq: dict[str, Tensor] = {}
+        if s.optimizer == "sgd" and s.momentum != 0:
+            self.buf = {k: torch.zeros_like(p) for k, p in params.items()}
+        if s.optimizer == "adam":
+            self.exp_avg = {k: torch.zeros_like(p) for k, p in params.items()}
+            self.exp_avg_sq = {k: torch.zeros_like(p) for k, p in params.items()}
+
+    def state(self) -> list[dict[str, Tensor]]:
+        return [d for d in (self.buf, self.exp_avg, self.exp_avg_sq) if d]
+
+    @torch.no_grad()
+    def step(
+        self,
+        params: dict[str, Tensor],
+        grads: dict[str, Tensor],
+        state: list[dict[str, Tensor]],
+        t: int,
+    ) -> None:
+        """Update ``params`` in place; ``state`` the (possibly gathered) optimizer tensors; every
+        client in the stack takes its step number ``t`` (0-based) of this phase."""
+        s = self.s
+        for k, p in params.items():
+            g = grads[k]
+            if s.weight_decay != 0:
+                g = g.add(p, alpha=s.weight_decay)
+            if s.optimizer == "sgd":
+                if s.momentum != 0:
+                    buf = state[0][k]
+                    if t == 0:
+                        buf.copy_(g)  # SGD: the first step's buffer is the gradient itself
+                    else:
+                        buf.mul_(s.momentum).add_(g)  # dampening 0
+                    g = buf
+                p.add_(g, alpha=-s.lr)
+            else:
+                b1, b2 = s.betas
+                exp_avg, exp_avg_sq = state[0][k], state[1][k]
+                exp_avg.lerp_(g, 1 - b1)
+                exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+                step = float(t + 1)
+                bias_correction1 = 1 - b1**step
+                bias_correction2 = 1 - b2**step
+                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(1e-8)
+                p.addcdiv_(exp_avg, denom, value=-(s.lr / bias_correction1))
+
+
+# ---- one group ----------------------------------------------------------------------------------
+@dataclass
+class _Client:
+    model: ClientModel
+    extras: nn.Module
+    data: ClientData
+    msg: Payload
+    gen: torch.Generator
+    rng: Tensor  # global RNG state after receive/before_fit: restored before upload
+
+
+def fit_group(
+    algo: Algorithm,
+    models: Sequence[ClientModel],
+    extras: Sequence[nn.Module],
+    msgs: Sequence[Payload],
+    datas: Sequence[ClientData],
+    settings: TrainSettings,
+    seed: int,
+    round_num: int,
+    epochs: int,
+) -> list[FitOutput]:
+    """:func:`fedmosaic.core.client.fit` for clients of one layout, trained as one computation.
+
+    Falls back to one client at a time (same results) when the step cannot be batched.
+    """
+    clients: list[_Client] = []
+    for model, ext, msg, data in zip(models, extras, msgs, datas, strict=True):
+        cid = data.client_id
+        seeding.seed_torch(seed, round_num, cid, "fit")
+        gen = seeding.torch_generator(seed, round_num, cid, "batches")
+        msg = payload_to(msg, settings.device)
+        algo.receive(model, ext, msg)
+        algo.before_fit(model, ext, data, msg, settings, gen)
+        clients.append(_Client(model, ext, data, msg, gen, torch.get_rng_state()))
+    try:
+        stats = _train(algo, clients, algo.phases(round_num, epochs), settings)
+    except _Unbatchable as exc:
+        log.warning(
+            "batched training of %s clients fell back to one at a time: %s",
+            type(algo).__name__,
+            exc,
+        )
+        return [
+            fit_one(algo, m, e, msg, d, settings, seed, round_num, epochs)
+            for m, e, msg, d in zip(models, extras, msgs, datas, strict=True)
+        ]
+    out = []
+    for c, st in zip(clients, stats):
+        torch.set_rng_state(c.rng)
+        c.model.eval()
+        c.extras.eval()
+        with torch.no_grad():
+            upload = algo.upload(c.model, c.extras, c.data, c.msg)
+        out.append(FitOutput(payload_to(upload, "cpu"), c.data.num_train, st))
+    return out
+
+
+class _Unbatchable(Exception):
+    """A step could not be vmapped; nothing was written back to the clients' modules yet."""
+
+
+def _train(
+    algo: Algorithm, clients: list[_Client], phases: Sequence[Phase], s: TrainSettings
+) -> list[TrainStats]:
+    k_all = len(clients)
+    template = _LossModule(algo, clients[0].model, clients[0].extras)
+    wrappers = [_LossModule(algo, c.model, c.extras) for c in clients]
+    names_p = [n for n, _ in template.named_parameters()]
+    names_b = [n for n, _ in template.named_buffers()]
+    own = [dict(w.named_parameters()) | dict(w.named_buffers()) for w in wrappers]
+    with torch.no_grad():
+        stacked = {n: torch.stack([o[n].detach() for o in own]) for n in names_p + names_b}
+    device = stacked[names_p[0]].device if names_p else torch.device(s.device)
+    shared_msg = _same_message([c.msg for c in clients])
+    msg_leaves = {}
+    if not shared_msg:
+        msg_leaves = {
+            k: torch.stack([_leaves(c.msg)[k] for c in clients]) for k in _leaves(clients[0].msg)
+        }
+    stats = [TrainStats() for _ in clients]
+    loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
+    precision = autocast(s)
+    template.train()
+    for w in wrappers:
+        w.train()
+    try:
+        for phase in phases:
+            params = select_trainable(template.model, template.extras, phase)
+            for c in clients[1:]:
+                select_trainable(c.model, c.extras, phase)  # requires_grad as the loss may look
+            if not params or phase.epochs <= 0:
+                continue  # train_epochs draws no batches then
+            ids = {id(p) for p in params}
+            trainable = [n for n, p in template.named_parameters() if id(p) in ids]
+            rest = [n for n in names_p + names_b if n not in set(trainable)]
+            plans = []
+            for c in clients:
+                steps: list[Tensor] = []
+                for _ in range(phase.epochs):
+                    steps += batch_order(c.data.num_train, s.batch_size, c.gen, s.drop_last)
+                plans.append(steps)
+            opt = _StackedOptimizer(s, {n: stacked[n] for n in trainable})
+
+            def loss_of(
+                tr: dict[str, Tensor], other: dict[str, Tensor], x: Tensor, y: Tensor, m: Any
+            ) -> Tensor:
+                msg = clients[0].msg if shared_msg else _with_leaves(clients[0].msg, m)
+                with precision:
+                    return functional_call(template, {**tr, **other}, (x, y, msg))
+
+            step_fn = vmap(grad_and_value(loss_of), in_dims=(0, 0, 0, 0, 0 if msg_leaves else None))
+            for t in range(max((len(p) for p in plans), default=0)):
+                by_size: dict[int, list[int]] = {}
+                for k, plan in enumerate(plans):
+                    if t < len(plan):
+                        by_size.setdefault(int(plan[t].numel()), []).append(k)
+                for ks in by_size.values():
+                    x, y = _batch([clients[k].data for k in ks], [plans[k][t] for k in ks])
+                    whole = len(ks) == k_all
+                    idx = None if whole else torch.tensor(ks, device=device)
+                    sub = stacked if idx is None else {n: stacked[n][idx] for n in stacked}
+                    opt_state = opt.state()
+                    if idx is not None:
+                        opt_state = [{n: d[n][idx] for n in d} for d in opt_state]
+                    m = {k: v[idx] if idx is not None else v for k, v in msg_leaves.items()}
+                    tr = {n: sub[n] for n in trainable}
+                    other = {n: sub[n] for n in rest}
+                    try:
+                        grads, loss = step_fn(tr, other, x, y, m)
+                    except Exception as exc:  # the caller redoes the group one at a time
+                        raise _Unbatchable(f"{type(exc).__name__}: {exc}") from exc
+                    opt.step(tr, grads, opt_state, t)
+                    if idx is not None:
+                        with torch.no_grad():
+                            for n in stacked:
+                                stacked[n][idx] = sub[n]
+                            for full, part in zip(opt.state(), opt_state):
+                                for n in full:
+                                    full[n][idx] = part[n]
+                    loss_sums.index_add_(0, torch.tensor(ks, device=device), loss.detach().double())
+                    for k in ks:
+                        stats[k].steps += 1
+                        stats[k].examples += int(plans[k][t].numel())
+        with torch.no_grad():
+            for k, o in enumerate(own):
+                for n, v in o.items():
+                    v.copy_(stacked[n][k])
+    finally:
+        for c in clients:
+            unfreeze_all(c.model, c.extras)
+            c.model.eval()
+            c.extras.eval()
+    for st, total in zip(stats, loss_sums.tolist()):
+        st.loss_sum = total
+    return stats
+
+
+def _batch(datas: Sequence[ClientData], positions: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``x [k, B, ...]``, ``y [k, B]``: one gather when the clients share one image source."""
+    src = datas[0].source
+    if all(d.source is src and d.device == datas[0].device for d in datas):
+        rows = torch.cat([d.rows("train")[p] for d, p in zip(datas, positions)])
+        x = src.batch(rows, datas[0].device)
+        y = torch.cat([d.targets("train")[p.to(d.device)] for d, p in zip(datas, positions)])
+        k = len(datas)
+        return x.view(k, -1, *x.shape[1:]), y.view(k, -1)
+    xs, ys = zip(*(d.train_batch(p) for d, p in zip(datas, positions)))
+    return torch.stack(xs), torch.stack(ys)

@@ -1,0 +1,56 @@
+"""``sim.devices``: one worker process per device; tested with ``cpu`` devices."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_raw
+
+from fedmosaic.config import from_dict
+from fedmosaic.experiment import run_experiment
+from fedmosaic.sim.processes import worker_devices
+
+TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
+
+
+def test_worker_devices_round_robin():
+    assert worker_devices([], 3) == [None, None, None]
+    assert worker_devices(["cuda:0", "cuda:1"], 2) == ["cuda:0", "cuda:1"]
+    assert worker_devices(["cuda:0", "cuda:1"], 3) == ["cuda:0", "cuda:1", "cuda:0"]
+
+
+def _rounds(sim, family="htfe8-gray", **train):
+    raw = tiny_raw(
+        data={"synthetic_shape": [1, 16, 16], "num_clients": 6},
+        model={"family": family, "feature_dim": 16},
+        algorithm={"name": "fedtgp"},
+        sim=sim,
+        train=train,
+    )
+    doc = run_experiment(from_dict(raw), progress=False)
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]], doc
+
+
+def test_cpu_devices_equal_the_serial_backend():
+    """Two ``cpu`` devices: two workers (sim.workers unset), bitwise the serial numbers."""
+    on_devices, _ = _rounds({"backend": "processes", "devices": ["cpu", "cpu"]})
+    serial, _ = _rounds({"backend": "serial", "threads": 1})
+    assert on_devices == serial
+    assert serial[-1]["acc_weighted"] > 0
+
+
+def test_cpu_devices_with_batched_clients():
+    """Workers group their clients of one layout (``ClientHost.fit_many``): the numbers of one
+    client at a time to float tolerance."""
+    grouped, _ = _rounds(
+        {"backend": "processes", "devices": ["cpu", "cpu"]},
+        "cnn1",  # three clients of one layout per worker
+        batched_clients=True,
+        fused_sgd=False,
+    )
+    plain, _ = _rounds({"backend": "serial", "threads": 1}, "cnn1", fused_sgd=False)
+    for a, b in zip(plain, grouped, strict=True):
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, abs=1e-5), k
+            else:
+                assert b[k] == v, k
