@@ -49,20 +49,22 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedmosaic import provenance
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
-from fedmosaic.checkpoint import config_hash
-from fedmosaic.config import (
-    ConfigError,
-    ExperimentConfig,
-    apply_overrides,
-    from_dict,
-    read_toml,
-)
+from fedmosaic.checkpoint import CheckpointError, config_hash, peek
+from fedmosaic.config import ConfigError, apply_overrides, from_dict, read_toml
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.experiment import run_experiment
+from fedmosaic.report.compare import write_report
+from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
+from fedmosaic.report.results import write_results
+from fedmosaic.report.sinks import Sinks
+from fedmosaic.report.suite import Cell, Method, Setting, Suite
+
+__all__ = ["Cell", "Method", "Setting", "Suite", "build_cells", "load_suite", "run_suite"]
 
 log = logging.getLogger("fedmosaic")
 
@@ -84,61 +86,6 @@ SUITE_KEYS = {
     "paper_rounds",
     "paper_budget",
 }
-
-
-@dataclass
-class Method:
-    label: str
-    algorithm: dict[str, Any]
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Setting:
-    label: str
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Suite:
-    name: str
-    title: str
-    base: dict[str, Any]
-    methods: list[Method]
-    settings: list[Setting]
-    seeds: list[int]
-    target_accuracy: float | None = None
-    checkpoint_every: int = 10
-    paper: str = ""
-    description: str = ""
-    budget: str = ""
-    quick_budget: str = ""
-    converged_budget: str = ""
-    prototype_plot: str = "tsne"  # tsne | pca | none: client/global prototypes of prototype methods
-    # the accuracy the suite's paper reports, the headline columns: weighted (test-size-weighted,
-    # HtFLlib/PFLlib) | unweighted (mean of per-client accuracies, FedGH/FedClassAvg)
-    paper_metric: str = "weighted"
-    # the budget behind the [reference] numbers: rounds (compared with the cells' to flag a
-    # different budget) and a free-text description (data fraction, trials, ...)
-    paper_rounds: int | None = None
-    paper_budget: str = ""
-    quick: dict[str, Any] = field(default_factory=dict)
-    converged: dict[str, Any] = field(default_factory=dict)
-    reference: dict[str, dict[str, str]] = field(default_factory=dict)
-    path: str = ""
-
-
-@dataclass
-class Cell:
-    method: Method
-    setting: Setting
-    seed: int
-    cfg: ExperimentConfig
-    hash: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.setting.label}/{self.method.label}/seed{self.seed}"
 
 
 def _apply(raw: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
@@ -313,8 +260,6 @@ def cached(out: Path, cell: Cell, reuse_other_code: bool = False) -> dict[str, A
 
 def is_prototype_method(name: str) -> bool:
     """A method whose broadcast carries global prototypes (``protos [C, d]`` + ``known [C]``)."""
-    from fedmosaic.algorithms import ALGORITHMS
-
     cls = ALGORITHMS.get(name)
     names = {f.name for f in dataclasses.fields(cls.Broadcast)}
     return {"protos", "known"} <= names
@@ -328,10 +273,6 @@ def run_cell(
     progress: bool = False,
     prototype_plot: str = "tsne",
 ) -> dict[str, Any]:
-    from fedmosaic.experiment import run_experiment
-    from fedmosaic.report.results import write_results
-    from fedmosaic.report.sinks import Sinks
-
     d = cell_dir(out, cell)
     d.mkdir(parents=True, exist_ok=True)
     ckpt = d / CHECKPOINT_FILE
@@ -340,8 +281,6 @@ def run_cell(
         log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
         ckpt.unlink()
     elif ckpt.exists():
-        from fedmosaic.checkpoint import CheckpointError, peek
-
         try:
             meta = peek(ckpt)
         except CheckpointError as exc:
@@ -371,8 +310,6 @@ def run_cell(
         "config_hash": cell.hash,
     }
     if prototype_plot != "none" and is_prototype_method(cell.cfg.algorithm["name"]):
-        from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
-
         try:
             plot_prototypes_from_checkpoint(cell.cfg, ckpt, d / "prototypes.png", prototype_plot)
         except Exception as exc:  # a report plot must not lose a finished run
@@ -407,8 +344,6 @@ def run_suite(
     ``force``: run every cell again. ``reuse_other_code``: keep cells that the same config
     produced with other code (by default they are run again: their numbers may be stale).
     """
-    from fedmosaic.report.compare import write_report
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     every = suite.checkpoint_every if checkpoint_every is None else checkpoint_every

@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedmosaic.provenance import code
+from fedmosaic.report.suite import Cell, Suite
+
 if TYPE_CHECKING:
-    from fedmosaic.compare import Cell, Suite
     from fedmosaic.config import ExperimentConfig
 
 METRICS: tuple[tuple[str, str, str], ...] = (
@@ -601,8 +603,6 @@ def html_report(
 def code_versions(cells: Sequence[Cell], docs: dict[str, dict[str, Any]]) -> str:
     """A line naming the code versions the cells come from when there is more than one, or when
     they differ from the running code ("" otherwise)."""
-    from fedmosaic.provenance import code
-
     groups: dict[str, list[str]] = {}
     commits: dict[str, str] = {}
     for c in cells:
