@@ -17,7 +17,6 @@ from fedmosaic.core.model import PARTS, ClientModel
 from fedmosaic.kernels import conv as fast_conv
 
 if TYPE_CHECKING:
-    from fedmosaic.config import TrainConfig
     from fedmosaic.core.client import ClientData
 
 
@@ -39,7 +38,8 @@ class TrainSettings:
     precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
 
     @classmethod
-    def from_config(cls, t: TrainConfig) -> TrainSettings:
+    def from_config(cls, t: Any) -> TrainSettings:
+        """From the ``[train]`` table (``config.TrainConfig``; core does not import config)."""
         return cls(
             batch_size=t.batch_size,
             lr=t.lr,
