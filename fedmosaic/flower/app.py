@@ -327,9 +327,13 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
         nodes = len(set(transport.node_of.values())) or None  # workers: the SuperNodes
         doc = results_document(fed, history, time.perf_counter() - start, started, nodes)
         doc["runtime"] = "flower"
+        # Every accuracy here is what the SuperNodes counted on their own data: the server sees
+        # counts it can bound (never above the split's size) but cannot recompute.
+        doc["evaluation_source"] = "client-reported"
         doc["flower"] = {
             "options": dict(vars(options)),
             "nodes": {str(c): n for c, n in sorted(transport.node_of.items())},
+            "refused_nodes": {str(n): r for n, r in sorted(transport.refused.items())},
             "rounds": [transport.rounds[t] for t in sorted(transport.rounds)],
         }
         write_results(out, doc)

@@ -6,7 +6,7 @@ import json
 import math
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict
@@ -22,6 +22,12 @@ RUN_CONFIG: dict[str, tuple[Any, str]] = {
     "min-nodes": (0, "SuperNodes to wait for before round 1 (0 = one per client)"),
     "connect-timeout": (600.0, "seconds to wait for min-nodes SuperNodes"),
     "max-reply-mb": (256.0, "replies with more array data than this are rejected"),
+    "node-partitions": (
+        "",
+        'allow-list "NODE=PARTITION ..." (SuperNode ids as the SuperLink assigns them to '
+        "authenticated nodes): only these nodes may serve these partitions; empty = trust what "
+        "each node declares",
+    ),
 }
 
 
@@ -35,6 +41,8 @@ class FlowerOptions:
     max_reply_bytes: int = 256 << 20
     results_dir: str = ""
     poll_interval: float = 0.2
+    # SuperNode id -> the one partition it may serve; empty: each node's declared partition-id
+    node_partitions: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_run_config(cls, rc: Mapping[str, Any]) -> FlowerOptions:
@@ -60,7 +68,28 @@ class FlowerOptions:
             connect_timeout=num("connect-timeout"),
             max_reply_bytes=int(num("max-reply-mb", 1e6) * (1 << 20)),
             results_dir=str(rc.get("results-dir", "")),
+            node_partitions=parse_node_partitions(rc.get("node-partitions", "")),
         )
+
+
+def parse_node_partitions(text: Any) -> dict[int, int]:
+    """``"1001=0 1002=1"`` -> ``{1001: 0, 1002: 1}``; a node or a partition listed twice is an
+    error (two nodes for one partition is exactly the ambiguity the list exists to remove)."""
+    key = "run config node-partitions"
+    if not isinstance(text, str):
+        raise ConfigError(f"{key} = {text!r} must be a string of NODE=PARTITION pairs")
+    out: dict[int, int] = {}
+    for item in text.replace(",", " ").split():
+        node, sep, part = item.partition("=")
+        if not (sep and node.strip().isdigit() and part.strip().isdigit()):
+            raise ConfigError(f"{key}: {item!r} is not NODE=PARTITION (two non-negative integers)")
+        n, p = int(node), int(part)
+        if n in out:
+            raise ConfigError(f"{key}: node {n} is listed twice")
+        if p in out.values():
+            raise ConfigError(f"{key}: partition {p} is given to two nodes")
+        out[n] = p
+    return out
 
 
 def experiment_raw(rc: Mapping[str, Any]) -> dict[str, Any]:

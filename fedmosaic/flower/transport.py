@@ -2,7 +2,10 @@
 
 One message per (client, round) to the SuperNode that serves that client's partition; the node
 map comes from a ``query`` handshake (each SuperNode answers with its ``partition-id`` node
-config). Replies are decoded and validated here (header, payload type, byte cap, array kinds,
+config). A declared partition is only a claim: with the ``node-partitions`` allow-list a node
+serves only the partition listed for its (authenticated) node id; without it the first claimant
+keeps the partition and later ones are refused with a log line (never silently preferred).
+A reply whose source node is not the node its message went to is dropped with a log line. Replies are decoded and validated here (header, payload type, byte cap, array kinds,
 dtypes and shapes as declared, finite values, the client's known example count); a reply that
 fails, arrives late, or never arrives becomes a :class:`FitResult` with ``error`` set, which the
 round loop drops with a log line naming the client. Nothing here raises on a bad reply.
@@ -19,6 +22,7 @@ from flwr.app import Message, RecordDict
 
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
+from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.rounds import EvalResult, FitResult
 from fedmosaic.flower import messages as m
@@ -60,6 +64,7 @@ class GridTransport:
         self.options = options
         self.node_of: dict[int, int] = {}  # client id -> SuperNode id
         self.ignored: set[int] = set()  # nodes whose handshake was invalid
+        self.refused: dict[int, str] = {}  # node -> why it serves no partition (results.json)
         self._hello: dict[str, tuple[int, float]] = {}  # message id -> (node, sent at)
         self.rounds: dict[int, dict[str, Any]] = {}  # per-round transport facts for results.json
 
@@ -67,6 +72,21 @@ class GridTransport:
     def connect(self) -> None:
         """Wait until ``min-nodes`` SuperNodes (default: one per client) answered the handshake."""
         want = min(self.options.min_nodes or self.num_clients, self.num_clients)
+        allowed = self.options.node_partitions
+        if allowed:
+            outside = sorted(p for p in allowed.values() if p >= self.num_clients)
+            if outside:
+                raise ConfigError(
+                    f"run config node-partitions names partitions {outside}, but this federation "
+                    f"has {self.num_clients} clients"
+                )
+            want = min(want, len(allowed))  # unlisted partitions never get a node
+        else:
+            log.warning(
+                "partitions are bound to whichever SuperNode declares them first (no "
+                "node-partitions allow-list in the run config): a node claiming another's "
+                "partition before it connects would serve it"
+            )
         deadline = time.monotonic() + self.options.connect_timeout
         while len(self.node_of) < want and time.monotonic() < deadline:
             self.discover(wait=1.0)
@@ -108,11 +128,16 @@ class GridTransport:
         while self._hello:
             for reply in self._pull(list(self._hello)):
                 node, _ = self._hello.pop(reply.metadata.reply_to_message_id, (None, 0.0))
-                if node is not None:
+                if node is not None and not self._from_elsewhere(reply, node):
                     self._register(node, reply, online)
             if not self._hello or time.monotonic() >= deadline:
                 break
             time.sleep(self.options.poll_interval)
+
+    def _refuse(self, node: int, reason: str) -> None:
+        log.warning("ignoring SuperNode %d: %s", node, reason)
+        self.ignored.add(node)
+        self.refused[node] = reason
 
     def _register(self, node: int, reply: Message, online: set[int]) -> None:
         try:
@@ -126,19 +151,36 @@ class GridTransport:
                     f"{self.num_clients} clients"
                 )
         except PayloadError as exc:
-            log.warning("ignoring SuperNode %d: %s", node, exc)
-            self.ignored.add(node)
+            self._refuse(node, str(exc))
+            return
+        allowed = self.options.node_partitions
+        if allowed and allowed.get(node) != pid:
+            # Authentication proves which node talks; only this list says which partition it owns.
+            self._refuse(
+                node,
+                f"claims partition {pid}, but node-partitions "
+                + (f"binds it to partition {allowed[node]}" if node in allowed else "omits it"),
+            )
             return
         old = self.node_of.get(pid)
         if old is not None and old != node and old in online:
-            log.warning(
-                "ignoring SuperNode %d: partition %d is already served by node %d", node, pid, old
-            )
-            self.ignored.add(node)
+            # A second claimant is never preferred over the node already serving the partition.
+            self._refuse(node, f"partition {pid} is already served by node {old}")
             return
         if old is not None and old != node:
             log.warning("partition %d moved from SuperNode %d to %d", pid, old, node)
         self.node_of[pid] = node
+
+    def _from_elsewhere(self, reply: Message, node: int) -> bool:
+        """True (and a log line) when ``reply`` comes from another node than ``node``, the one
+        the message went to: its content is not that node's answer, whatever it says."""
+        src = reply.metadata.src_node_id
+        if src == node:
+            return False
+        log.warning(
+            "dropped a reply from SuperNode %s to a message sent to SuperNode %d", src, node
+        )
+        return True
 
     # ---- message exchange ---------------------------------------------------------------------
     def _push(self, msgs: Sequence[Message]) -> list[str | None]:
@@ -175,7 +217,13 @@ class GridTransport:
         while pending:
             for reply in self._pull(list(pending)):
                 key = pending.pop(reply.metadata.reply_to_message_id, None)
-                if key is not None:
+                if key is None:
+                    continue
+                dst = msgs[key].metadata.dst_node_id
+                if self._from_elsewhere(reply, dst):
+                    src = reply.metadata.src_node_id
+                    failures[key] = f"reply came from SuperNode {src}, not {dst}: dropped"
+                else:
                     replies[key] = reply
             if not pending or time.monotonic() >= deadline:
                 break
