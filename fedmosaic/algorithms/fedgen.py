@@ -55,10 +55,15 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedmosaic.algorithms._shared import check_state_like, weighted_average
+from fedmosaic.algorithms.lg_fedavg import check_same_heads
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
@@ -66,11 +71,9 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.rounds import MAX_EXAMPLES
-from torch import Tensor, nn
-from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import check_state_like, weighted_average
-from fedmosaic.algorithms.lg_fedavg import check_same_heads
+if TYPE_CHECKING:
+    from fedmosaic.config import ExperimentConfig
 
 TEACHERS = ("logits", "losses")
 
@@ -203,7 +206,7 @@ def generated_features(
     Draws ``y'`` and ``z`` from torch's global RNG (seeded per round and client by the runtime).
     """
     y = torch.multinomial(label_probs, n, replacement=True)  # [n]
-    z = torch.randn(n, noise_dim, device=label_probs.device)  # [n, noise_dim]
+    z = seeding.randn(n, noise_dim).to(label_probs.device)  # [n, noise_dim]
     with torch.no_grad():
         feats = generator(z, y)  # [n, d]
     return feats, y
@@ -255,8 +258,8 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         if self.gen_lam < 0 or self.eta < 0:
             raise ValueError("gen_lam and eta must be >= 0")
 
-    def check(self, spec: FederationSpec) -> None:
-        check_same_heads(spec, "fedgen")
+    def check_config(self, cfg: ExperimentConfig) -> None:
+        check_same_heads(cfg, "fedgen")
 
     def _generator(self, spec: FederationSpec) -> FeatureGenerator:
         return FeatureGenerator(self.noise_dim, spec.num_classes, self.hidden_dim, spec.feature_dim)
@@ -335,7 +338,7 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         b = self.generator_batch_size
         for _ in range(self.generator_steps):
             y = torch.multinomial(label_probs, b, replacement=True, generator=gen)  # [b]
-            z = torch.randn(b, self.noise_dim, generator=gen)  # [b, noise_dim]
+            z = seeding.randn(b, self.noise_dim, generator=gen)  # [b, noise_dim]
             loss = generator_loss(
                 generator, head_module, heads, weights, z, y, self.eta, self.teacher
             )

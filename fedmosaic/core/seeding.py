@@ -32,3 +32,13 @@ def numpy_rng(seed: int, round_num: int, client_id: int, purpose: str) -> np.ran
 def seed_torch(seed: int, round_num: int, client_id: int, purpose: str) -> None:
     """Seed torch's global RNG (dropout, augmentations, sampling inside losses)."""
     torch.manual_seed(derive(seed, round_num, client_id, purpose))
+
+
+def randn(*shape: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard normal float32 samples that are the same on every CPU.
+
+    ``torch.randn`` in float32 takes a vectorized path whose values depend on the CPU's
+    instruction set (AVX2 vs AVX-512 vs none: different last bits, which a few rounds of
+    training amplify); the float64 path is scalar, so drawing in float64 and rounding is not.
+    """
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).float()
