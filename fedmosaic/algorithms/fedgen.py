@@ -55,15 +55,10 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.func import functional_call
-
-from fedmosaic.algorithms._shared import check_state_like, weighted_average
-from fedmosaic.algorithms.lg_fedavg import check_same_heads
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
@@ -71,9 +66,11 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.rounds import MAX_EXAMPLES
+from torch import Tensor, nn
+from torch.func import functional_call
 
-if TYPE_CHECKING:
-    from fedmosaic.config import ExperimentConfig
+from fedmosaic.algorithms._shared import check_state_like, weighted_average
+from fedmosaic.algorithms.lg_fedavg import check_same_heads
 
 TEACHERS = ("logits", "losses")
 
@@ -258,8 +255,8 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         if self.gen_lam < 0 or self.eta < 0:
             raise ValueError("gen_lam and eta must be >= 0")
 
-    def check_config(self, cfg: ExperimentConfig) -> None:
-        check_same_heads(cfg, "fedgen")
+    def check(self, spec: FederationSpec) -> None:
+        check_same_heads(spec, "fedgen")
 
     def _generator(self, spec: FederationSpec) -> FeatureGenerator:
         return FeatureGenerator(self.noise_dim, spec.num_classes, self.hidden_dim, spec.feature_dim)
