@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fedmosaic.config import ConfigError, ExperimentConfig, load
+import fedmosaic
+import fedmosaic.data
+from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.checkpoint import Checkpointer, CheckpointError, config_fingerprint
+from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
+from fedmosaic.config import ConfigError, ExperimentConfig, load, parse_value, validate
+from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
+from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
+from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
+from fedmosaic.experiment import run_experiment
+from fedmosaic.flower.project import write_app
+from fedmosaic.models import build_client_model, count_params, flops_per_image
+from fedmosaic.report.results import format_table, plot_curves, write_results
+from fedmosaic.report.sinks import Sinks
 
 DEFAULT_BASELINE = "local"
 CHECKPOINT_FILE = "checkpoint.safetensors"  # fedmosaic.checkpoint.FILENAME (kept import-light)
@@ -28,8 +44,6 @@ def _load(config: str | None, overrides: list[str]) -> ExperimentConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedmosaic.report.results import format_table, plot_curves, write_results
-
     cfg = _load(args.config, args.set)
     baselines = list(args.baseline or [])
     if args.config is None and args.baseline is None:
@@ -47,7 +61,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         if name != names[0]:
             # A baseline keeps only the method-independent settings.
             run_cfg.algorithm = {"name": name}
-            from fedmosaic.config import validate
 
             validate(run_cfg)
         target = out if len(names) == 1 else out / name
@@ -84,9 +97,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _check_out(target: Path, cfg: ExperimentConfig, overwrite: bool) -> None:
     """Refuse to overwrite a finished run of another configuration in ``target``."""
-    import json
-
-    from fedmosaic.checkpoint import config_fingerprint
 
     done = target / "results.json"
     if overwrite or not done.is_file():
@@ -104,9 +114,6 @@ def _check_out(target: Path, cfg: ExperimentConfig, overwrite: bool) -> None:
 
 def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One run with the CSV/TensorBoard sinks and, when asked, checkpoints in ``target``."""
-    from fedmosaic.checkpoint import CheckpointError
-    from fedmosaic.experiment import run_experiment
-    from fedmosaic.report.sinks import Sinks
 
     ckpt = target / CHECKPOINT_FILE
     keep = 0
@@ -123,7 +130,6 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
     if ckpt.exists():
         # Verified in full (digest, config, round, clients) before anything in --out changes:
         # a refused resume leaves rounds.csv and the checkpoint as they were.
-        from fedmosaic.checkpoint import Checkpointer
 
         checker = Checkpointer(
             ckpt, 0, cfg.to_dict(), lambda: [], lambda s: None, resume=True, extend=args.extend
@@ -160,7 +166,6 @@ def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> d
 
 def _remove_new(target: Path, existed: bool, before: set[str]) -> None:
     """Delete what a failed start created in ``target`` (the folder too if it is new)."""
-    import shutil
 
     if not target.exists():
         return
@@ -173,8 +178,6 @@ def _remove_new(target: Path, existed: bool, before: set[str]) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fedmosaic.compare import build_cells, load_suite, run_suite
-
     suite = load_suite(args.suite)
     split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
     cells = build_cells(
@@ -188,8 +191,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     )
     out = Path(args.out or f"runs/compare-{suite.name}")
     if args.list:
-        from fedmosaic.compare import cell_status
-
         for c in cells:
             print(f"{c.key}\t{c.cfg.train.rounds} rounds\t{cell_status(out, c)[0]}")
         return 0
@@ -229,16 +230,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     what = args.what
     if what == "algorithms":
-        from fedmosaic.algorithms import ALGORITHMS
-
         for name, cls in ALGORITHMS.items():
             hp = ", ".join(f"{k}={v!r}" for k, v in cls.hyperparameters().items())
             het = "heterogeneous" if cls.supports_heterogeneous else "homogeneous only"
             print(f"{name}\t[{het}]\t{hp}")
     elif what in ("models", "families"):
-        from fedmosaic.core.registry import ENCODERS, FAMILIES
-        from fedmosaic.models import build_client_model, count_params, flops_per_image
-
         shape = tuple(int(v) for v in args.input_shape.split("x"))
         if what == "models":
             for name in ENCODERS.names():
@@ -251,25 +247,15 @@ def cmd_list(args: argparse.Namespace) -> int:
             for name, members in FAMILIES.items():
                 print(f"{name}: {', '.join(members)}")
     elif what == "suites":
-        from fedmosaic.compare import bundled_suites
-
         print("\n".join(bundled_suites()))
     elif what == "datasets":
-        import fedmosaic.data  # noqa: F401 - fills the registry
-        from fedmosaic.core.registry import DATASETS
-
         print("\n".join(DATASETS.names()))
     elif what == "partitioners":
-        import fedmosaic.data  # noqa: F401 - fills the registry
-        from fedmosaic.core.registry import PARTITIONERS
-
         print("\n".join(PARTITIONERS.names()))
     return 0
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
-
     cfg = _load(args.config, args.set)
     fed = build_federated_data(cfg.data, cfg.seed)
     print(format_histograms(fed, args.split))
@@ -280,9 +266,6 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_flower_app(args: argparse.Namespace) -> int:
-    from fedmosaic.config import parse_value
-    from fedmosaic.flower.project import write_app
-
     cfg = _load(args.config, args.set)
     run_config = {}
     for item in args.run_config:
@@ -315,8 +298,6 @@ def _logging_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import fedmosaic
-
     p = argparse.ArgumentParser(prog="fedmosaic", description=__doc__)
     p.add_argument("--version", action="version", version=f"fedmosaic {fedmosaic.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -470,7 +451,6 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 def _on_sigint(signum: int, frame: Any) -> None:
     """First Ctrl-C: stop after the round in progress (checkpoint written); second: now."""
-    from fedmosaic.core.rounds import stop_requested
 
     if stop_requested.is_set():
         raise KeyboardInterrupt
@@ -484,11 +464,6 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
-    import threading
-
-    from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
-
     args = build_parser().parse_args(argv)
     setup_logging(args)
     stop_requested.clear()
@@ -518,8 +493,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `fedmosaic list ... | head`: the reader left; nothing to say
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:  # a read-only or full disk, a path that is a file, ...

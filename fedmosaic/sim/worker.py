@@ -17,15 +17,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fedmosaic.sim.processes import recv, send
+import torch
+
+from fedmosaic.sim.processes import recv, send, worker_setup
 
 
 def _serve(conn: Connection) -> None:
-    import torch
-
     torch.set_num_threads(int(os.environ.get("FEDMOSAIC_WORKER_THREADS", "1")))
-    from fedmosaic.sim.processes import worker_setup
-
     host = None
     while True:
         try:

@@ -1,0 +1,199 @@
+"""The package's import structure: no cycles, layers point downward, function-level imports only
+where they keep an optional dependency optional.
+
+Read from the source with ``ast`` (nothing is imported): every ``import`` of every module, at
+module level and inside functions. ``if TYPE_CHECKING:`` imports never run; they may name a
+sibling of the same package (core's contracts name each other's types) but nothing above it.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "fedmosaic"
+
+# Third-party packages that are optional extras (or need a compiler): imported where used, so the
+# package works without them.
+OPTIONAL = {"flwr", "matplotlib", "wandb", "tensorboard", "pyarrow", "PIL", "sklearn", "scipy"}
+
+# Function-level imports of other kinds, each with its reason. Anything else is hoisted.
+ALLOWED_LAZY: dict[tuple[str, str], str] = {
+    # importing fedmosaic.config must not pull torch and the model zoo: configs are read (and
+    # TOML checked) by tools that never train; validate() needs the registries
+    ("fedmosaic.config", "fedmosaic.algorithms"): "registries for validate()",
+    ("fedmosaic.config", "fedmosaic.models"): "registries for validate()",
+    # Flower starts a ClientApp process per message in deployment: keep its imports light
+    ("fedmosaic.flower.app", "*"): "per-message ClientApp processes",
+    # the native kernels' builder (torch.utils.cpp_extension) is only reached when compiling
+    ("fedmosaic.kernels", "torch"): "compiler toolchain only when building",
+    # numpy moved numpy.core to numpy._core in 2.0: the pickle allow-list takes whichever exists
+    ("fedmosaic.data.datasets", "numpy"): "numpy 1/2 compatibility",
+    # torch.utils.tensorboard needs the optional tensorboard package
+    ("fedmosaic.report.sinks", "torch"): "tensorboard extra",
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> list[tuple[str, str, int]]:
+    """(target, kind, line) of every import in module ``name``; kind: top | function | typing.
+    A target inside the package is reduced to the module it names (``from pkg import sub``
+    names ``pkg.sub`` when that is a module, else ``pkg``)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    kinds: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in ast.walk(node):
+                kinds[id(inner)] = "typing"
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                kinds.setdefault(id(inner), "function")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            out.append((target, kinds.get(id(node), "top"), node.lineno))
+    return out
+
+
+def _owner(target: str) -> str | None:
+    """The package module an import lands in, or None outside the package."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _graph(kinds: set[str]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for name in MODULES:
+        for target, kind, _ in _imports(name):
+            owner = _owner(target)
+            if kind in kinds and owner is not None and owner != name:
+                graph[name].add(owner)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    # The test must be able to fail: a two-module and a three-module loop, and a tree.
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_reader_sees_function_level_and_typing_imports():
+    kinds = {(t, k) for t, k, _ in _imports("fedmosaic.flower.app")}
+    assert ("fedmosaic.federation", "function") in kinds
+    assert any(k == "typing" for _, k, _ in _imports("fedmosaic.core.algorithm"))
+    assert "fedmosaic.sim.processes" in _graph({"top"})["fedmosaic.sim.backend"]
+
+
+def test_no_import_cycles():
+    """Every import that runs, module level or inside a function."""
+    assert cycles(_graph({"top", "function"})) == []
+
+
+def test_typing_imports_close_no_cycle_across_packages():
+    """With the TYPE_CHECKING imports too, modules that import each other share one package
+    (core's contracts name each other's types); across packages the arrows still point one way."""
+    for comp in cycles(_graph({"top", "function", "typing"})):
+        packages = {m.rpartition(".")[0] for m in comp}
+        assert len(packages) == 1, f"an import cycle across packages: {comp}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "may_import"),
+    [
+        # metrics.py: a leaf of pure functions (accuracy aggregates); kernels: the native fast path
+        ("fedmosaic.core", ("fedmosaic.core", "fedmosaic.kernels", "fedmosaic.metrics")),
+        ("fedmosaic.algorithms", ("fedmosaic.core", "fedmosaic.algorithms", "fedmosaic.models")),
+        ("fedmosaic.models", ("fedmosaic.core", "fedmosaic.models")),
+    ],
+)
+def test_lower_layers_import_only_downward(layer: str, may_import: tuple[str, ...]):
+    for name in MODULES:
+        if name != layer and not name.startswith(layer + "."):
+            continue
+        for target, _, line in _imports(name):
+            owner = _owner(target)
+            if owner is None or owner == "fedmosaic":
+                continue
+            assert any(owner == m or owner.startswith(m + ".") for m in may_import), (
+                f"{MODULES[name]}:{line}: {layer} imports {owner}"
+            )
+
+
+def test_function_level_imports_only_keep_optional_dependencies_optional():
+    stdlib = set(sys.stdlib_module_names)
+    for name in MODULES:
+        for target, kind, line in _imports(name):
+            if kind != "function":
+                continue
+            root = target.split(".")[0]
+            if root in OPTIONAL or root in stdlib and root != "fedmosaic":
+                continue
+            key = target if _owner(target) is None else _owner(target)
+            ok = (name, "*") in ALLOWED_LAZY or any((name, m) in ALLOWED_LAZY for m in (root, key))
+            assert ok, f"{MODULES[name]}:{line}: function-level import of {target}: hoist it"
