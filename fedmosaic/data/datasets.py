@@ -220,9 +220,10 @@ def _read_bytes(path: Path) -> bytes:
 MAX_DECOMPRESSED = 2**31  # no dataset file here decompresses to 2 GiB (EMNIST byclass: ~0.6 GB)
 
 
-def _gunzip_bounded(path: Path, raw: bytes, limit: int = MAX_DECOMPRESSED) -> bytes:
-    """gunzip in chunks, refusing output beyond ``limit`` bytes (a gzip bomb stops there,
-    before it is all in memory)."""
+def _gunzip_bounded(path: Path, raw: bytes, limit: int | None = None) -> bytes:
+    """gunzip in chunks, refusing output beyond ``limit`` bytes (default ``MAX_DECOMPRESSED``,
+    read at call time) (a gzip bomb stops there, before it is all in memory)."""
+    limit = MAX_DECOMPRESSED if limit is None else limit
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     out = bytearray()
     data = raw
@@ -564,7 +565,7 @@ def _decode_jpeg(path: Path) -> np.ndarray:
     try:
         with Image.open(path) as im:
             arr = np.asarray(im.convert("RGB"))  # [H, W, 3]
-    except (OSError, UnidentifiedImageError) as exc:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"{path}: cannot decode image ({exc})") from exc
     if arr.shape != (TINY_SIZE, TINY_SIZE, 3):
         raise DatasetError(f"{path}: image is {arr.shape[1]}x{arr.shape[0]}, expected 64x64")

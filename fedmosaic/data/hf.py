@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -157,13 +158,12 @@ def _to_pil(value: Any, where: str, root: Path) -> Any:
             if value.get("bytes") is not None:
                 return Image.open(io.BytesIO(value["bytes"]))
             if value.get("path"):
-                p = Path(value["path"])
-                return Image.open(p if p.is_absolute() else root / p)
+                return Image.open(_inside(root, Path(value["path"]), where))
             raise DatasetError(f"{where}: image value has neither bytes nor path")
         if isinstance(value, (bytes, bytearray)):
             return Image.open(io.BytesIO(value))
         if isinstance(value, (str, Path)):
-            return Image.open(value)
+            return Image.open(_inside(root, Path(value), where))
         arr = np.asarray(value)
         if arr.ndim not in (2, 3) or not np.issubdtype(arr.dtype, np.number):
             raise DatasetError(f"{where}: image array of shape {arr.shape}, expected [H, W(, C)]")
@@ -172,17 +172,33 @@ def _to_pil(value: Any, where: str, root: Path) -> Any:
                 raise DatasetError(f"{where}: pixel values outside 0..255")
             arr = arr.astype(np.uint8)
         return Image.fromarray(arr)
-    except (OSError, UnidentifiedImageError) as exc:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise DatasetError(f"{where}: cannot decode image ({exc})") from exc
+
+
+def _inside(root: Path, p: Path, where: str) -> Path:
+    """``p`` (relative to ``root``) when it stays inside ``root``: a table naming
+    ``../../etc/...`` or an absolute path elsewhere is refused, never read."""
+    # Lexical (no symlink resolution): the table's strings are what may be hostile, not the
+    # links the root's owner made.
+    full = Path(os.path.normpath(p if p.is_absolute() else root.absolute() / p))
+    if not full.is_relative_to(Path(os.path.normpath(root.absolute()))):
+        raise DatasetError(f"{where}: image path {str(p)!r} points outside {root}")
+    return full
 
 
 def _stack(images: list[Any], wheres: list[str]) -> torch.Tensor:
     """PIL images -> uint8 [N, C, H, W]; one channel when every image is grayscale."""
+    from PIL import Image
+
     gray = all(im.mode in ("L", "1", "I;16", "I", "F") for im in images)
     arrays = []
     size = None
     for im, where in zip(images, wheres):
-        a = np.asarray(im.convert("L" if gray else "RGB"))
+        try:  # Image.open is lazy: a truncated file or a pixel bomb shows up here
+            a = np.asarray(im.convert("L" if gray else "RGB"))
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            raise DatasetError(f"{where}: cannot decode image ({exc})") from exc
         if size is None:
             size = a.shape
         elif a.shape != size:
