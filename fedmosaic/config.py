@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.robust import RobustRule
 from fedmosaic.core.typed import build_dataclass, type_ok
 
 
@@ -134,6 +135,9 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # the server's aggregation: robust aggregators, update clipping, magnitude sanity
+    # (``core/robust.py``): aggregator, trim, f, clip_update_norm, max_norm_ratio
+    server: RobustRule = field(default_factory=RobustRule)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +150,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "sim": SimConfig,
     "eval": EvalConfig,
+    "server": RobustRule,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -108,6 +108,8 @@ def make_spec(
         public=public,
         device=cfg.train.device,
         projection=model_projection(cfg),
+        robust=cfg.server,
+        class_counts=tuple(tuple(c.class_counts("train").tolist()) for c in clients),
     )
 
 

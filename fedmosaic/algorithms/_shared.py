@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -16,11 +17,16 @@ from fedmosaic.core.payload import Payload, PayloadError
 
 
 def weighted_average(
-    states: Sequence[dict[str, Tensor]], weights: Sequence[float]
+    states: Sequence[dict[str, Tensor]],
+    weights: Sequence[float],
+    reference: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """Sample-weighted mean of state dicts.
+    """Sample-weighted mean of state dicts, under the server's robust rule (``core/robust.py``).
 
-    Floating tensors: ``sum_k (w_k / sum w) * x_k`` in float32. Integer buffers (BatchNorm's
+    With the default rule (plain mean, no clipping): floating tensors ``sum_k (w_k / sum w) *
+    x_k`` in float32. Otherwise ``robust.average_states``: updates against ``reference`` (what
+    the server broadcast; the states themselves without it) clipped and aggregated by the
+    configured median / trimmed mean / Krum. Integer buffers (BatchNorm's
     ``num_batches_tracked``) are not averaged; the maximum is kept.
     """
     if not states:
@@ -28,6 +34,9 @@ def weighted_average(
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weighted_average: weights sum to zero")
+    rule = robust.rule()
+    if not rule.plain:
+        return robust.average_states(states, weights, rule, reference)
     out: dict[str, Tensor] = {}
     for k, first in states[0].items():
         if first.is_floating_point():
@@ -157,12 +166,14 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     def aggregate(
         self, state: dict[str, Tensor], uploads: Sequence[Weighted[SharedState]], round_num: int
     ) -> dict[str, Tensor]:
-        return weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+        states = [u.payload.state for u in uploads]
+        return weighted_average(states, [u.weight for u in uploads], reference=state)
 
     def validate_upload(
         self, state: dict[str, Tensor], upload: SharedState, client_id: int
     ) -> None:
         check_state_like(upload.state, state, f"client {client_id} {self.shared} state")
+        robust.check_update(upload.state, state, client_id, f"{self.shared} state")
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
         self.load_shared(model, msg.state)

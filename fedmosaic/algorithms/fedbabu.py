@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights, check_state_like
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import FederationSpec, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -123,6 +124,7 @@ class FedBABU(SharedWeights):
 
     def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
         check_state_like(upload.state, state, f"client {client_id} body state")
+        robust.check_update(upload.state, state, client_id, "body state")
         if upload.train_macs < 0 or upload.paper_cost < 0:
             raise PayloadError(
                 f"client {client_id}: negative compute "

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import kl_rows
 from fedmosaic.algorithms._shared import class_means
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -198,6 +199,14 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
         known = torch.stack([u.payload.known.cpu() for u in uploads])  # [K, C]
         client_logits = torch.zeros_like(state.client_logits)  # this round's uploads only
         client_known = torch.zeros_like(state.client_known)
+        rule = robust.rule()
+        if not rule.plain:
+            # Leave-one-out means of the raw uploads would let a poisoned row through: every
+            # client gets the robust all-client aggregate (no per-client rows are kept).
+            robust_mean = robust.class_average(
+                logits, known, known.double(), rule, state.logits, state.known
+            )
+            return FDState(*robust_mean, client_logits, client_known)
         for u, lg, kn in zip(uploads, logits, known, strict=True):
             client_logits[u.client_id] = torch.where(kn.unsqueeze(1), lg, 0.0)
             client_known[u.client_id] = kn
@@ -215,6 +224,10 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
                 f"client {client_id} known is {upload.known.dtype}{tuple(upload.known.shape)}, "
                 f"expected torch.bool{(c,)}"
             )
+        robust.check_claimed_classes(upload.known, client_id, "known")  # where the server knows
+        classes = upload.known.nonzero().flatten()
+        rows = upload.logits[upload.known]
+        robust.check_rows(rows, classes, state.logits, state.known, client_id, "logits")
 
     # ---- client half ---------------------------------------------------------------------
     def loss(

@@ -59,7 +59,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core import seeding
+from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -285,6 +285,7 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
 
     def validate_upload(self, state: FedGenState, upload: FedGenUpload, client_id: int) -> None:
         check_state_like(upload.head, state.head, f"client {client_id} head")
+        robust.check_update(upload.head, state.head, client_id, "head")
         c = state.label_probs.shape[0]
         counts = upload.counts
         if counts.dtype != torch.int64 or tuple(counts.shape) != (c,):
@@ -296,12 +297,13 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
             raise PayloadError(
                 f"client {client_id} counts must be >= 0 and sum to at most {MAX_EXAMPLES}"
             )
+        robust.check_class_counts(counts, client_id, "counts")
 
     def aggregate(
         self, state: FedGenState, uploads: Sequence[Weighted[FedGenUpload]], round_num: int
     ) -> FedGenState:
         heads = [u.payload.head for u in uploads]
-        head = weighted_average(heads, [u.weight for u in uploads])
+        head = weighted_average(heads, [u.weight for u in uploads], reference=state.head)
         counts = torch.stack([u.payload.counts for u in uploads])  # [K, C]
         total = counts.sum(0).to(torch.float32)  # [C]
         if float(total.sum()) <= 0:  # no labels to train on: keep the previous generator

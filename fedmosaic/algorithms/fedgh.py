@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core import seeding
+from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
@@ -217,6 +217,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
             )
         if not bool(torch.isfinite(p).all()):
             raise PayloadError(f"client {client_id}: protos has NaN or Inf values")
+        claimed = torch.zeros(c, dtype=torch.bool)
+        claimed[cls] = True
+        robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
 
     def aggregate(
         self, state: FedGHState, uploads: Sequence[Weighted[ClassMeans]], round_num: int
@@ -232,7 +235,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
                 server_step_batches(sizes, self.server_batch_size, gen, self.server_step)
                 for _ in range(self.server_epochs)
             ]
-            train_global_head(head, torch.cat(protos), torch.cat(labels), epochs, self.eta_g)
+            # The server has no class means of its own: clipping bounds the LARs themselves.
+            points = robust.robust_points(torch.cat(protos), torch.cat(labels), robust.rule())
+            train_global_head(head, points, torch.cat(labels), epochs, self.eta_g)
         head.eval()
         return FedGHState(head, state.seed)
 

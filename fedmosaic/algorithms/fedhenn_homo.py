@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -115,11 +116,13 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
 
     def validate_upload(self, state: HomoState, upload: SharedState, client_id: int) -> None:
         check_state_like(upload.state, state.weights, f"client {client_id} model state")
+        robust.check_update(upload.state, state.weights, client_id, "model state")
 
     def aggregate(
         self, state: HomoState, uploads: Sequence[Weighted[SharedState]], round_num: int
     ) -> HomoState:
-        weights = weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+        states = [u.payload.state for u in uploads]
+        weights = weighted_average(states, [u.weight for u in uploads], reference=state.weights)
         return HomoState(weights, state.public, state.seed, state.rad_size, state._rads)
 
     # ---- client half ---------------------------------------------------------------------

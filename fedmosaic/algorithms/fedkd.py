@@ -310,7 +310,9 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
         self, state: FedKDState, uploads: Sequence[Weighted[MenteeUpload]], round_num: int
     ) -> FedKDState:
         dense = [decompress(u.payload.tensors, state.mentee) for u in uploads]
-        avg = weighted_average(dense, [u.weight for u in uploads])
+        # "update" uploads are already deltas; "weights" ones are aggregated against the mentee.
+        reference = None if self.upload_mode == "update" else state.mentee
+        avg = weighted_average(dense, [u.weight for u in uploads], reference=reference)
         if self.upload_mode == "update":
             # Float entries are updates relative to the mentee every client received.
             avg = {k: state.mentee[k] + v if v.is_floating_point() else v for k, v in avg.items()}

@@ -91,7 +91,8 @@ class FedOpt(SharedWeights):
     def aggregate(  # type: ignore[override]
         self, state: FedOptState, uploads: Sequence[Weighted[SharedState]], round_num: int
     ) -> FedOptState:
-        mean = weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+        states = [u.payload.state for u in uploads]
+        mean = weighted_average(states, [u.weight for u in uploads], reference=state.model)
         model = dict(mean)  # buffers: FedAvg's mean (integer ones: the maximum)
         m, v = dict(state.m), dict(state.v)
         for k in state.params:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import class_means
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -191,13 +192,24 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
             raise PayloadError(f"client {client_id} counts out of range: {n.tolist()}")
         if not bool(torch.isfinite(p).all()):
             raise PayloadError(f"client {client_id} protos has NaN or Inf values")
+        robust.check_class_counts(n, client_id, "counts")  # vs. the partition, where known
+        has = n > 0
+        classes = has.nonzero().flatten()
+        robust.check_rows(p[has], classes, state.protos, state.known, client_id, "protos")
 
     def aggregate(
         self, state: ProtoState, uploads: Sequence[Weighted[ProtoUpload]], round_num: int
     ) -> ProtoState:
         protos = torch.stack([u.payload.protos.cpu() for u in uploads])  # [K, C, d]
         counts = torch.stack([u.payload.counts.cpu() for u in uploads])  # [K, C]
-        mean, known = aggregate_prototypes(protos, counts, self.weighting)
+        rule = robust.rule()
+        if rule.plain:
+            mean, known = aggregate_prototypes(protos, counts, self.weighting)
+        else:  # clipped deviations from the global prototypes, median / trimmed mean / Krum
+            w = counts if self.weighting == "count" else (counts > 0)
+            mean, known = robust.class_average(
+                protos, counts > 0, w.double(), rule, state.protos, state.known
+            )
         return ProtoState(protos=mean, known=known)
 
     # ---- client half ---------------------------------------------------------------------

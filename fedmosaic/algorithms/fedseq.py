@@ -54,6 +54,7 @@ from fedmosaic.algorithms.fedbabu import (
     finetune_phase,
     start_from_server_init,
 )
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -248,6 +249,7 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         keys = _active_keys(state.block_keys, upload.num_active, self.order)
         template = {k: state.body[k] for k in keys}
         check_state_like(upload.state, template, f"client {client_id} unfrozen blocks")
+        robust.check_update(upload.state, template, client_id, "unfrozen blocks")
         if upload.train_macs < 0 or upload.paper_cost < 0:
             raise PayloadError(
                 f"client {client_id}: negative compute "
@@ -266,7 +268,9 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
             )
         if not fresh:
             return state
-        avg = weighted_average([u.payload.state for u in fresh], [u.weight for u in fresh])
+        states = [u.payload.state for u in fresh]
+        reference = {k: state.body[k] for k in states[0]}
+        avg = weighted_average(states, [u.weight for u in fresh], reference=reference)
         body = dict(state.body)
         body.update(avg)  # frozen blocks keep their (initial) values
         return dataclasses.replace(state, body=body)

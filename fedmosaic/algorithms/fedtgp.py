@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import class_means
-from fedmosaic.core import seeding
+from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -282,6 +282,12 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
             raise PayloadError(
                 f"client {client_id}: classes must be strictly increasing ids in [0, {c})"
             )
+        claimed = torch.zeros(c, dtype=torch.bool)
+        claimed[cls] = True
+        robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
+        with torch.no_grad():
+            glob = state.prototypes().detach().float()  # [C, d]
+        robust.check_rows(p, cls, glob, state.known, client_id, "protos")
 
     def margin_for(self, points: Tensor, labels: Tensor, num_classes: int) -> float:
         """delta(t) for this round's uploads, per the ``margin`` setting."""
@@ -298,6 +304,11 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         labels = torch.cat([u.payload.classes for u in uploads])  # [N]
         if points.shape[0] == 0:
             return state
+        rule = robust.rule()
+        if not rule.plain:  # clipped deviations from the global prototypes, robust per class
+            with torch.no_grad():
+                glob = state.prototypes().detach().float()  # [C, d]
+            points = robust.robust_points(points, labels, rule, glob, state.known)
         num_classes = state.known.numel()
         delta = self.margin_for(points, labels, num_classes)
         module = copy.deepcopy(state.prototypes)

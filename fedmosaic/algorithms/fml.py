@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch.nn.functional as F
+from fedmosaic.core import robust
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -111,12 +112,14 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     def aggregate(
         self, state: dict[str, Tensor], uploads: Sequence[Weighted[SharedState]], round_num: int
     ) -> dict[str, Tensor]:
-        return weighted_average([u.payload.state for u in uploads], [u.weight for u in uploads])
+        states = [u.payload.state for u in uploads]
+        return weighted_average(states, [u.weight for u in uploads], reference=state)
 
     def validate_upload(
         self, state: dict[str, Tensor], upload: SharedState, client_id: int
     ) -> None:
         check_state_like(upload.state, state, f"client {client_id} meme state")
+        robust.check_update(upload.state, state, client_id, "meme state")
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
+from fedmosaic.core.robust import RobustRule
 
 if TYPE_CHECKING:
     from fedmosaic.core.client import ClientData
@@ -71,6 +72,13 @@ class FederationSpec:
     # How ``build_model`` maps encoders to ``feature_dim`` (``models.build``): every other model a
     # client builds (FML's meme, FedKD's mentee) is built the same way.
     projection: str = "linear"
+    # The server's aggregation rule (``[server]``: robust aggregators, clipping, magnitude
+    # sanity; ``core/robust.py``), applied by the round loop.
+    robust: RobustRule = field(default_factory=RobustRule)
+    # Training examples per client and class, where the server reproduces the partition (the
+    # simulator; Flower apps rebuild it from the config): claimed classes and per-class counts
+    # in uploads are checked against it. None: unknown, those checks are skipped.
+    class_counts: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def homogeneous(self) -> bool:

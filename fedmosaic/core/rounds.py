@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedmosaic.core import seeding
+from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.metrics import aggregate_accuracy
@@ -223,6 +223,9 @@ def run_rounds(
     evaluated round where ``plateaued`` holds; that round's record has ``"plateau": True``.
     """
     state = algo.init_server(spec)
+    # The server's robust rule and what it knows of the partition, in force while uploads are
+    # screened and aggregated (``core/robust.py``).
+    view = robust.ServerView(spec.robust, spec.num_train, spec.class_counts)
     history = History()
     last_eval: list[EvalResult] = []
     start = 1
@@ -252,7 +255,13 @@ def run_rounds(
                     raise PayloadError(r.error or "no upload")
                 if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
                     raise PayloadError(f"implausible example count {r.num_examples}")
-                algo.validate_upload(state, r.upload, r.client_id)
+                held = spec.num_train[r.client_id] if r.client_id < len(spec.num_train) else None
+                if held is not None and r.num_examples > held:
+                    raise PayloadError(
+                        f"claims {r.num_examples} training examples; its partition has {held}"
+                    )
+                with robust.serving(view):
+                    algo.validate_upload(state, r.upload, r.client_id)
             except PayloadError as exc:
                 log.warning("round %d: dropped the reply of client %d: %s", t, r.client_id, exc)
                 rejected.append(r.client_id)
@@ -264,7 +273,18 @@ def run_rounds(
                 rec[k] = rec.get(k, 0) + v
         rec["aggregated"] = len(uploads) >= max(plan.min_replies, 1)
         if rec["aggregated"]:
-            state = algo.aggregate(state, uploads, t)
+            with robust.serving(view):
+                new_state = algo.aggregate(state, uploads, t)
+            if robust.all_finite(new_state):
+                state = new_state
+            else:  # never broadcast NaN: this round's aggregation is refused
+                rec["aggregated"] = False
+                log.warning(
+                    "round %d: refused the aggregate of clients %s: the new server state has "
+                    "NaN or Inf values; the previous state is kept",
+                    t,
+                    [u.client_id for u in uploads],
+                )
         else:
             log.warning(
                 "round %d: skipped: %d valid replies, fewer than the minimum of %d; "

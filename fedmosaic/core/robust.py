@@ -1,0 +1,437 @@
+"""Robust aggregation, norm bounding and magnitude sanity: a server layer every method shares.
+
+The server's rule (``[server]`` in the config, :class:`RobustRule`) travels on the
+``FederationSpec``. The round loop makes it current (:func:`serving`) while it validates the
+round's uploads and aggregates them, so a method's ``aggregate(state, uploads, round)`` keeps its
+signature and reaches the rule through the helpers here (``_shared.weighted_average``,
+:func:`class_average`, :func:`robust_points`, :func:`check_update`). Outside ``serving`` (unit
+tests calling ``aggregate`` directly) the rule is the default: the plain mean, bitwise the numbers
+of a federation without this layer.
+
+Aggregators over the ``K`` clients of a round (each client's contribution one vector):
+- ``mean``: the sample-weighted mean (the default; bitwise the historical numbers);
+- ``median``: coordinate-wise median (Yin et al., ICML 2018), unweighted;
+- ``trimmed_mean``: per coordinate, the ``floor(trim K)`` largest and smallest values dropped,
+  the rest averaged (Yin et al. 2018), unweighted;
+- ``krum``: the one contribution whose summed squared distance to its ``K - f - 2`` nearest
+  others is smallest (Blanchard et al., NeurIPS 2017);
+- ``multi_krum``: the ``K - f`` best Krum scores, sample-weighted mean of those.
+
+Norm bounding (``clip_update_norm``, Sun et al., "Can You Really Backdoor Federated Learning?",
+2019): each client's update (its upload minus the broadcast it received; for per-class vectors the
+deviation from the current global row, or the row itself where the server has none) is scaled
+to norm at most the bound before aggregation.
+
+Magnitude sanity (``max_norm_ratio``): an upload whose update norm exceeds the ratio times the
+norm of what the server broadcast is rejected with a logged reason (``PayloadError``), before any
+aggregation. Where the server has broadcast nothing to compare with (prototypes in round 1) the
+check cannot apply; clipping and the robust aggregators still do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedmosaic.core.payload import PayloadError
+
+AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """The server's aggregation rule: the ``[server]`` config table."""
+
+    aggregator: str = "mean"  # mean | median | trimmed_mean | krum | multi_krum
+    trim: float = 0.1  # trimmed_mean: fraction cut at each end of every coordinate, in [0, 0.5)
+    f: int = 1  # krum / multi_krum: number of Byzantine clients tolerated
+    clip_update_norm: float = 0.0  # > 0: every client update scaled to at most this L2 norm
+    # reject an upload whose update norm exceeds this many times the broadcast's norm; 0 = off
+    max_norm_ratio: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(
+                f"server.aggregator = {self.aggregator!r}; choose one of {', '.join(AGGREGATORS)}"
+            )
+        _number("trim", self.trim, float)
+        _number("f", self.f, int)
+        _number("clip_update_norm", self.clip_update_norm, float)
+        _number("max_norm_ratio", self.max_norm_ratio, float)
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"server.trim = {self.trim} must be in [0, 0.5)")
+        if self.f < 0:
+            raise ValueError(f"server.f = {self.f} must be >= 0")
+        if self.clip_update_norm < 0:
+            raise ValueError(f"server.clip_update_norm = {self.clip_update_norm} must be >= 0")
+        if self.max_norm_ratio < 0:
+            raise ValueError(f"server.max_norm_ratio = {self.max_norm_ratio} must be >= 0")
+
+    @property
+    def plain(self) -> bool:
+        """The plain mean without clipping: every helper takes the historical code path."""
+        return self.aggregator == "mean" and self.clip_update_norm == 0
+
+
+def _number(key: str, value: Any, tp: type) -> None:
+    ok = isinstance(value, (int, float)) if tp is float else isinstance(value, int)
+    if isinstance(value, bool) or not ok:
+        raise ValueError(
+            f"server.{key} = {value!r} must be {'an int' if tp is int else 'a number'}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"server.{key} = {value} must be a finite number")
+
+
+@dataclass(frozen=True)
+class ServerView:
+    """What the server applies and knows while it screens and aggregates a round."""
+
+    rule: RobustRule = RobustRule()
+    num_train: tuple[int, ...] | None = None  # training examples per client (the partition)
+    class_counts: tuple[tuple[int, ...], ...] | None = None  # per client, per class
+
+    def held(self, client_id: int) -> Tensor | None:
+        """``[C]`` bool: the classes client ``client_id``'s partition holds (None: unknown)."""
+        if self.class_counts is None or not 0 <= client_id < len(self.class_counts):
+            return None
+        return torch.tensor(self.class_counts[client_id]) > 0
+
+    def counts(self, client_id: int) -> Tensor | None:
+        """``[C]`` int64: client ``client_id``'s training examples per class (None: unknown)."""
+        if self.class_counts is None or not 0 <= client_id < len(self.class_counts):
+            return None
+        return torch.tensor(self.class_counts[client_id], dtype=torch.int64)
+
+
+_DEFAULT = ServerView()
+_CURRENT: contextvars.ContextVar[ServerView | None] = contextvars.ContextVar(
+    "fedmosaic_server_view", default=None
+)
+
+
+@contextlib.contextmanager
+def serving(view: ServerView) -> Iterator[ServerView]:
+    """Make ``view`` current for the block (the round loop: validation and aggregation)."""
+    token = _CURRENT.set(view)
+    try:
+        yield view
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> ServerView:
+    """The server view in force (the default rule outside :func:`serving`)."""
+    return _CURRENT.get() or _DEFAULT
+
+
+def rule() -> RobustRule:
+    """The robust rule in force (the plain mean outside :func:`serving`)."""
+    return current().rule
+
+
+# ---- aggregators over rows ------------------------------------------------------------------
+def krum_scores(x: Tensor, f: int) -> Tensor:
+    """Krum score per row of ``x [K, D]``: summed squared distance to its nearest ``K - f - 2``
+    other rows (at least 1, at most ``K - 1``; Blanchard et al. 2017). ``[K]`` float64."""
+    k = x.shape[0]
+    if k == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    return _krum_from_distances(_sq_distances(x.to(torch.float64)), f)
+
+
+def _sq_distances(x: Tensor) -> Tensor:
+    diff = x.unsqueeze(0) - x.unsqueeze(1)  # [K, K, D]; K is a round's clients: small
+    return diff.pow(2).flatten(2).sum(2)
+
+
+def _krum_from_distances(d2: Tensor, f: int) -> Tensor:
+    k = d2.shape[0]
+    if k == 1:
+        return torch.zeros(1, dtype=torch.float64)
+    closest = min(max(1, k - f - 2), k - 1)
+    others = d2 + torch.diag(torch.full((k,), math.inf, dtype=d2.dtype))  # not itself
+    return others.sort(1).values[:, :closest].sum(1)
+
+
+def krum_select(scores: Tensor, multi: bool, f: int) -> Tensor:
+    """Indices kept: the best score (``krum``) or the ``K - f`` best (``multi_krum``), sorted.
+    Ties go to the lower index (a stable sort), so the choice is deterministic."""
+    k = scores.numel()
+    m = max(1, k - f) if multi else 1
+    return torch.sort(torch.sort(scores, stable=True).indices[:m]).values
+
+
+def trim_count(k: int, trim: float) -> int:
+    """Values cut at each end of a coordinate for ``k`` rows: ``floor(trim k)``, leaving >= 1."""
+    return min(math.floor(trim * k + 1e-9), (k - 1) // 2)
+
+
+def aggregate_rows(x: Tensor, w: Tensor, r: RobustRule, selected: Tensor | None = None) -> Tensor:
+    """Aggregate ``x [K, ...]`` over its first dimension with weights ``w [K]`` under rule ``r``.
+
+    Computed in float64. ``selected`` are Krum's chosen rows when the caller scored the rows over
+    more than ``x`` (a state dict's tensors are scored together, aggregated one by one).
+    """
+    x = x.to(torch.float64)
+    w = w.to(torch.float64)
+    k = x.shape[0]
+    if r.aggregator == "median":
+        s = x.sort(0).values
+        return s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
+    if r.aggregator == "trimmed_mean":
+        c = trim_count(k, r.trim)
+        return x.sort(0).values[c : k - c].mean(0)
+    if r.aggregator in ("krum", "multi_krum"):
+        if selected is None:
+            scores = krum_scores(x.flatten(1), r.f)
+            selected = krum_select(scores, r.aggregator == "multi_krum", r.f)
+        x, w = x[selected], w[selected]
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    return (x * w.view(shape)).sum(0) / w.sum().clamp(min=1e-300)
+
+
+def clip_scales(sq_norms: Tensor, bound: float) -> Tensor:
+    """Per-row factor ``min(1, bound / ||u||)`` from squared norms (1 where the bound is 0)."""
+    if bound <= 0:
+        return torch.ones_like(sq_norms, dtype=torch.float64)
+    norms = sq_norms.to(torch.float64).sqrt()
+    return torch.where(norms > bound, bound / norms.clamp(min=1e-300), torch.ones_like(norms))
+
+
+# ---- model states ---------------------------------------------------------------------------
+def average_states(
+    states: Sequence[dict[str, Tensor]],
+    weights: Sequence[float],
+    r: RobustRule,
+    reference: dict[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Robust counterpart of a weighted state-dict average.
+
+    Floating tensors are aggregated as updates ``state - reference`` (the state itself without a
+    reference), clipped to ``r.clip_update_norm`` over all of a client's tensors together, then
+    aggregated per ``r`` and added back to the reference. Krum scores a client on all its
+    tensors. Integer buffers keep the maximum, as in the plain average.
+    """
+    keys = [k for k, t in states[0].items() if t.is_floating_point()]
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+
+    def updates(key: str) -> Tensor:  # [K, ...] float64
+        x = torch.stack([s[key].detach().cpu().to(torch.float64) for s in states])
+        if reference is not None:
+            x = x - reference[key].detach().cpu().to(torch.float64)
+        return x
+
+    k = len(states)
+    scales = torch.ones(k, dtype=torch.float64)
+    if r.clip_update_norm > 0:
+        sq = torch.zeros(k, dtype=torch.float64)
+        for key in keys:
+            sq += updates(key).flatten(1).pow(2).sum(1)
+        scales = clip_scales(sq, r.clip_update_norm)
+    selected = None
+    if r.aggregator in ("krum", "multi_krum"):
+        d2 = torch.zeros(k, k, dtype=torch.float64)
+        for key in keys:
+            u = updates(key).flatten(1) * scales.unsqueeze(1)
+            d2 += _sq_distances(u)
+        selected = krum_select(_krum_from_distances(d2, r.f), r.aggregator == "multi_krum", r.f)
+    out: dict[str, Tensor] = {}
+    for key, first in states[0].items():
+        if not first.is_floating_point():
+            out[key] = torch.stack([s[key] for s in states]).amax(0)
+            continue
+        u = updates(key)
+        u = u * scales.view((-1,) + (1,) * (u.dim() - 1))
+        agg = aggregate_rows(u, w, r, selected)
+        if reference is not None:
+            agg = agg + reference[key].detach().cpu().to(torch.float64)
+        out[key] = agg.to(first.dtype).to(first.device)
+    return out
+
+
+def update_norm(state: dict[str, Tensor], reference: dict[str, Tensor]) -> tuple[float, float]:
+    """``(||state - reference||, ||reference||)`` over the floating tensors, in float64."""
+    du, dr = 0.0, 0.0
+    for key, ref in reference.items():
+        if not ref.is_floating_point() or key not in state:
+            continue
+        r64 = ref.detach().cpu().to(torch.float64)
+        du += float((state[key].detach().cpu().to(torch.float64) - r64).pow(2).sum())
+        dr += float(r64.pow(2).sum())
+    return math.sqrt(du), math.sqrt(dr)
+
+
+def check_update(
+    state: dict[str, Tensor], reference: dict[str, Tensor], client_id: int, what: str
+) -> None:
+    """Magnitude sanity of a model upload: ``||state - reference|| <= ratio * ||reference||``."""
+    ratio = rule().max_norm_ratio
+    if ratio <= 0:
+        return
+    du, dr = update_norm(state, reference)
+    if dr > 0 and not du <= ratio * dr:  # ``not <=``: a NaN norm is rejected too
+        raise PayloadError(
+            f"client {client_id} {what}: update norm {du:.3g} exceeds {ratio:g} x the "
+            f"broadcast's norm {dr:.3g} (server.max_norm_ratio)"
+        )
+
+
+# ---- per-class vectors (prototypes, class means, logits) -------------------------------------
+def _known_rows(reference: Tensor, ref_known: Tensor | None) -> Tensor:
+    """``reference [C, d]`` in float64 with the rows the server has nothing for set to zero."""
+    ref = reference.detach().cpu().to(torch.float64)
+    if ref_known is None:
+        return ref
+    return torch.where(ref_known.cpu().unsqueeze(1), ref, torch.zeros_like(ref))
+
+
+def check_rows(
+    rows: Tensor,
+    classes: Tensor,
+    reference: Tensor,
+    ref_known: Tensor,
+    client_id: int,
+    what: str,
+) -> None:
+    """Magnitude sanity of per-class vectors ``rows [k, d]`` of ``classes [k]``.
+
+    A row of a class the server has a global vector for must stay within ``ratio x`` the largest
+    global row norm of that global (``reference [C, d]``, ``ref_known [C]``). Rows of classes
+    the server has nothing for are not bounded here (nothing to derive a bound from).
+    """
+    ratio = rule().max_norm_ratio
+    if ratio <= 0 or not bool(ref_known.any()) or classes.numel() == 0:
+        return
+    ref = reference.to(torch.float64)
+    scale = float(ref[ref_known].norm(dim=1).max())
+    if scale <= 0:
+        return
+    known = ref_known[classes]  # [k]
+    dev = (rows.to(torch.float64) - ref[classes]).norm(dim=1)[known]  # [k'] deviations
+    if dev.numel() and not bool((dev <= ratio * scale).all()):
+        worst = float(dev.nan_to_num(math.inf).max())
+        raise PayloadError(
+            f"client {client_id} {what}: a row deviates by {worst:.3g} from the global one, more "
+            f"than {ratio:g} x the largest global norm {scale:.3g} (server.max_norm_ratio)"
+        )
+
+
+def check_claimed_classes(present: Tensor, client_id: int, what: str) -> None:
+    """Reject an upload claiming classes (``present [C]`` bool) its client's partition lacks."""
+    held = current().held(client_id)
+    if held is None or held.numel() != present.numel():
+        return
+    extra = (present.cpu() & ~held).nonzero().flatten().tolist()
+    if extra:
+        raise PayloadError(
+            f"client {client_id} {what}: claims classes {extra[:10]} its partition does not hold"
+        )
+
+
+def check_class_counts(counts: Tensor, client_id: int, what: str) -> None:
+    """Reject per-class counts above what the client's partition holds (per class where the
+    server knows it, else in total)."""
+    view = current()
+    held = view.counts(client_id)
+    if held is not None and held.numel() == counts.numel():
+        over = (counts.cpu() > held).nonzero().flatten().tolist()
+        if over:
+            raise PayloadError(
+                f"client {client_id} {what}: counts of classes {over[:10]} exceed the "
+                f"partition's ({counts[over[0]]} > {int(held[over[0]])})"
+            )
+    elif view.num_train is not None and 0 <= client_id < len(view.num_train):
+        total = int(counts.sum())
+        if total > view.num_train[client_id]:
+            raise PayloadError(
+                f"client {client_id} {what}: counts sum to {total}, the partition holds "
+                f"{view.num_train[client_id]}"
+            )
+
+
+def class_average(
+    vectors: Tensor,
+    present: Tensor,
+    weights: Tensor,
+    r: RobustRule,
+    reference: Tensor | None = None,
+    ref_known: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per class, the robust aggregate of the rows of the clients that hold it.
+
+    ``vectors [K, C, d]``, ``present [K, C]`` bool, ``weights [K, C]`` (the mean's and
+    multi-Krum's weights). Each row is first taken as its deviation from the known reference row
+    (``reference [C, d]``, ``ref_known [C]``) and clipped to ``r.clip_update_norm``. Returns
+    ``[C, d]`` float32 (zero rows where no client holds the class) and ``known [C]``.
+    """
+    k, c, d = vectors.shape
+    base = torch.zeros(c, d, dtype=torch.float64)
+    if reference is not None:
+        base = _known_rows(reference, ref_known)  # [C, d]
+    dev = vectors.to(torch.float64) - base  # [K, C, d]
+    if r.clip_update_norm > 0:
+        dev = dev * clip_scales(dev.pow(2).sum(2), r.clip_update_norm).unsqueeze(2)
+    out = torch.zeros(c, d, dtype=torch.float64)
+    known = present.any(0)
+    for j in known.nonzero().flatten().tolist():
+        rows = present[:, j]
+        out[j] = aggregate_rows(dev[rows, j], weights[rows, j], r)
+    out = torch.where(known.unsqueeze(1), out + base, out)
+    return out.to(torch.float32), known
+
+
+def robust_points(
+    points: Tensor,
+    labels: Tensor,
+    r: RobustRule,
+    reference: Tensor | None = None,
+    ref_known: Tensor | None = None,
+) -> Tensor:
+    """For servers that learn from the uploaded per-class points (FedTGP, FedGH).
+
+    ``points [N, d]`` with class ``labels [N]`` (one point per client and class). Every point is
+    clipped like :func:`class_average`'s rows; under an aggregator other than the mean each point
+    is then replaced by its class's robust aggregate (uniform weights), so the server trains on
+    the robust centre with the class's multiplicity unchanged. Returns ``[N, d]`` float32.
+    """
+    if r.plain:
+        return points
+    base = torch.zeros(points.shape, dtype=torch.float64)
+    if reference is not None:
+        base = _known_rows(reference, ref_known)[labels]  # [N, d]
+    dev = points.detach().cpu().to(torch.float64) - base
+    if r.clip_update_norm > 0:
+        dev = dev * clip_scales(dev.pow(2).sum(1), r.clip_update_norm).unsqueeze(1)
+    if r.aggregator != "mean":
+        centre = dev.clone()
+        for j in labels.unique().tolist():
+            rows = labels == j
+            centre[rows] = aggregate_rows(dev[rows], torch.ones(int(rows.sum())), r)
+        dev = centre
+    return (dev + base).to(torch.float32)
+
+
+# ---- the server's own state ------------------------------------------------------------------
+def all_finite(obj: Any) -> bool:
+    """Whether every floating tensor of a server state is finite (tensors, modules, containers,
+    dataclasses). Python floats are diagnostics (a loss may be NaN by design) and not checked."""
+    if isinstance(obj, Tensor):
+        return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+    if isinstance(obj, nn.Module):
+        return all(all_finite(t) for t in obj.state_dict().values())
+    if isinstance(obj, dict):
+        return all(all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(all_finite(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return all(all_finite(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return True
