@@ -25,6 +25,7 @@ from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
 from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
 from fedmosaic.experiment import run_experiment
+from fedmosaic.federation import check_runs
 from fedmosaic.flower.project import write_app
 from fedmosaic.models import build_client_model, count_params, flops_per_image
 from fedmosaic.report.results import format_table, plot_curves, write_results
@@ -74,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             _check_out(target, run_cfg, args.overwrite)
         plans.append((name, run_cfg, target))
+    # Each method against its federation (public split, heads, ...), still before anything runs.
+    check_runs([(f"--baseline {n}" if i else f"run {n}", c) for i, (n, c, _) in enumerate(plans)])
     docs: dict[str, dict[str, Any]] = {}
     for name, run_cfg, target in plans:
         print(
@@ -188,6 +191,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         methods=split(args.methods),
         settings=split(args.settings),
         seeds=[int(x) for x in split(args.seeds)] if args.seeds else None,
+        check=not args.list,  # listing needs no data
     )
     out = Path(args.out or f"runs/compare-{suite.name}")
     if args.list:

@@ -58,6 +58,7 @@ from fedmosaic.checkpoint import CheckpointError, config_hash, peek
 from fedmosaic.config import ConfigError, apply_overrides, from_dict, read_toml
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.experiment import run_experiment
+from fedmosaic.federation import check_runs
 from fedmosaic.report.compare import write_report
 from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
 from fedmosaic.report.results import write_results
@@ -186,8 +187,11 @@ def build_cells(
     settings: list[str] | None = None,
     seeds: list[int] | None = None,
     converged: bool = False,
+    check: bool = True,
 ) -> list[Cell]:
-    """Every cell's validated config, before anything runs (errors name the cell)."""
+    """Every cell's validated config, before anything runs (errors name the cell). With
+    ``check``, each cell's method is also checked against its federation (``Algorithm.check``:
+    data loaded, no model built), so one bad cell fails the suite before the first cell runs."""
     if quick and converged:
         raise ConfigError("--quick and --converged are two budgets: pick one")
     if converged and not suite.converged:
@@ -221,6 +225,8 @@ def build_cells(
                 except ConfigError as exc:
                     raise ConfigError(f"{where}: {exc}") from exc
                 cells.append(Cell(method, setting, seed, cfg, config_hash(cfg.to_dict())))
+    if check:
+        check_runs([(f"cell {c.key}", c.cfg) for c in cells])
     return cells
 
 

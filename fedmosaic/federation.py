@@ -8,7 +8,7 @@ function of (config, seed, client id), so the same client is built identically i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -143,11 +143,11 @@ def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
     )
 
 
-def build_federation(
-    cfg: ExperimentConfig, with_clients: bool = True, fed: FederatedData | None = None
-) -> Federation:
-    """Load data (unless given: a worker's view of the shared images), build the algorithm, check
-    it against the spec and (unless a worker backend owns them) build every client."""
+def _assemble(
+    cfg: ExperimentConfig, fed: FederatedData | None
+) -> tuple[Algorithm, FederatedData, list[ClientData], FederationSpec]:
+    """Everything up to (and including) the method's own check against the federation: the
+    device, the algorithm's hyperparameters, the data and ``Algorithm.check(spec)``."""
     if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"train.device = {cfg.train.device!r} but CUDA is not available")
     algo = build_algorithm(cfg.algorithm)
@@ -156,6 +156,32 @@ def build_federation(
     clients = client_data(fed, cfg.train.device)
     spec = make_spec(cfg, fed, clients)
     algo.check(spec)
+    return algo, fed, clients, spec
+
+
+def check_runs(runs: Sequence[tuple[str, ExperimentConfig]]) -> None:
+    """Check every run against its federation before the first one starts: a method that cannot
+    run there (no public split, different heads, ...) fails now, as a ``ConfigError`` naming the
+    run, not after earlier runs have trained and written. Builds no client model; runs with the
+    same data table and seed share one partition (the dataset files are cached per process)."""
+    shared: dict[str, FederatedData] = {}
+    for label, cfg in runs:
+        key = repr((cfg.data, cfg.seed))
+        try:
+            _, fed, _, _ = _assemble(cfg, shared.get(key))
+        except ConfigError as exc:
+            raise ConfigError(f"{label}: {exc}") from exc
+        shared[key] = fed
+        if len(shared) > 4:  # bounded: a suite's cells come setting by setting
+            del shared[next(iter(shared))]
+
+
+def build_federation(
+    cfg: ExperimentConfig, with_clients: bool = True, fed: FederatedData | None = None
+) -> Federation:
+    """Load data (unless given: a worker's view of the shared images), build the algorithm, check
+    it against the spec and (unless a worker backend owns them) build every client."""
+    algo, fed, clients, spec = _assemble(cfg, fed)
     models: list[ClientModel] = []
     extras: list[nn.Module] = []
     if with_clients:
