@@ -34,6 +34,12 @@ the torch path (``FEDMOSAIC_KERNELS=0``), and a ``kernel`` line gives their rati
 shape of the workloads' families and of the gray CNNs' first convolution at batch 10 on one
 thread, torch path vs kernel, in GFLOP/s.
 
+``--device cpu|cuda`` times the batched path (``train.batched_clients``, ``core/batched.py``):
+each workload on the serial backend on that device (one thread on CPU), clients one at a time
+vs the round's clients of one layout as one ``torch.func`` computation, and the ratio. With
+``cuda`` "ours" and the reference loop also run on the GPU (serial backend, batched clients on),
+and the FedTGP line projects Table 10 (16 cells x 1,000 rounds) at the measured round time.
+
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
 
@@ -75,11 +81,17 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "k": 20,
     },
     "fedavg": {"algorithm": {"name": "fedavg"}, "family": "fedavgcnn", "clients": 100, "k": 10},
+    # one layout, every client every round: the batched path's best case (one group of 20)
+    "fedavg20": {"algorithm": {"name": "fedavg"}, "family": "fedavgcnn", "clients": 20, "k": 20},
 }
+TABLE10_ROUNDS = 16 * 1000  # FedTGP Table 10: 16 cells x 1,000 rounds (one trial each)
 
 
-def raw_config(name: str, subsample: float, rounds: int, workers: int, **data: Any) -> dict:
+def raw_config(
+    name: str, subsample: float, rounds: int, workers: int, device: str = "cpu", **data: Any
+) -> dict:
     w = WORKLOADS[name]
+    gpu = device.startswith("cuda")
     return {
         "seed": 0,
         "data": {
@@ -100,8 +112,12 @@ def raw_config(name: str, subsample: float, rounds: int, workers: int, **data: A
             "lr": 0.01,
             "optimizer": "sgd",
             "eval_every": 1,
+            "device": device,
         },
-        "sim": {"backend": "processes", "workers": workers, "progress": False},
+        # one GPU: the serial backend (one process, one CUDA context), clients batched on it
+        "sim": {"backend": "serial", "progress": False}
+        if gpu
+        else {"backend": "processes", "workers": workers, "progress": False},
         "algorithm": dict(w["algorithm"]),
     }
 
@@ -126,6 +142,23 @@ def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> float:
         return best
     finally:
         torch.set_num_threads(before)
+
+
+def cuda_matmul_gflops(n: int = 8192, seconds: float = 1.5) -> float:
+    """Sustained fp32 GFLOP/s of square matmuls on the current GPU (TF32 as torch's default)."""
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    c = torch.empty(n, n, device="cuda")
+    torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b, out=c)
+        torch.cuda.synchronize()
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 # ---- FLOPs of a round -----------------------------------------------------------------------------
@@ -198,6 +231,7 @@ class Reference:
     """Research-library-style execution of the same rounds (see module doc)."""
 
     fed: Federation
+    device: str = "cpu"
     train_sets: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     test_sets: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
@@ -205,8 +239,8 @@ class Reference:
         fd = self.fed.fed
         for c in self.fed.clients:  # per-client copies of normalized floats, as from .npz files
             for split, out in (("train", self.train_sets), ("test", self.test_sets)):
-                x = fd.batch(c.rows(split)).contiguous()
-                out.append(list(zip(x, c.targets(split))))
+                x = fd.batch(c.rows(split), self.device).contiguous()
+                out.append(list(zip(x, c.targets(split).to(self.device))))
 
     def run(self, rounds: int) -> list[dict[str, float]]:
         fed, algo = self.fed, self.fed.algo
@@ -285,14 +319,46 @@ class Reference:
         from fedmosaic.algorithms.fedtgp import ClientPrototypes
 
         c, d = self.fed.spec.num_classes, self.fed.spec.feature_dim
-        sums, counts = torch.zeros(c, d), torch.zeros(c)
+        sums = torch.zeros(c, d, device=self.device)
+        counts = torch.zeros(c, device=self.device)
         with torch.no_grad():  # a separate pass over the training data, batch 10
             for x, y in DataLoader(self.train_sets[cid], batch_size=10):
                 sums.index_add_(0, y, model.features(x))
                 counts.index_add_(0, y, torch.ones(len(y)))
         has = counts > 0
         return ClientPrototypes(
-            (sums[has] / counts[has].unsqueeze(1)).contiguous(), has.nonzero().flatten()
+            (sums[has] / counts[has].unsqueeze(1)).cpu().contiguous(), has.nonzero().flatten().cpu()
+        )
+
+
+# ---- batched clients -----------------------------------------------------------------------------
+def batched_comparison(names: list[str], subsample: float, rounds: int, device: str) -> None:
+    """Serial backend on ``device`` (one thread on CPU): one client at a time vs batched."""
+    print(f"\n== batched clients on {device} (serial backend, last of {rounds} rounds timed)")
+    threads = torch.get_num_threads()
+    for name in names:
+        data = {"min_size": 2} if WORKLOADS[name]["clients"] > 20 else {}
+        raw = raw_config(name, subsample, rounds, 0, device, **data)
+        raw["sim"] = {
+            "backend": "serial",
+            "threads": 1 if device == "cpu" else 0,
+            "progress": False,
+        }
+        got = {}
+        for flag in (False, True):
+            raw["train"]["batched_clients"] = flag
+            got[flag] = run_ours(raw)
+        torch.set_num_threads(threads)
+        w = WORKLOADS[name]
+        print(f"{name} ({w['clients']} clients, {w['k']} per round, {w['family']}):")
+        for flag, o in got.items():
+            print(
+                f"  {'batched' if flag else 'one at a time':13} {o['seconds']:7.2f} s/round "
+                f"(train {o['train']:.2f}, eval {o['eval']:.2f})  acc {o['acc']:.4f}"
+            )
+        print(
+            f"  batched   {got[False]['seconds'] / got[True]['seconds']:7.2f}x  (one-at-a-time "
+            f"s/round / batched s/round; training {got[False]['train'] / got[True]['train']:.2f}x)"
         )
 
 
@@ -450,7 +516,21 @@ def main() -> None:
         help="ours with the native kernel, on the torch path, or both (default; ratio line)",
     )
     p.add_argument("--layers", action="store_true", help="also the per-layer Linear table")
+    p.add_argument(
+        "--batched-only",
+        action="store_true",
+        help="with --device: only the batched vs one-at-a-time comparison",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="also time batched vs one-at-a-time clients on this device; cuda: everything on "
+        "the GPU",
+    )
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
     subsample = args.subsample if args.subsample is not None else (0.05 if args.quick else 1.0)
     if args.memory_child:
         memory_child(args.memory_child, args.rounds, subsample)
@@ -469,21 +549,27 @@ def main() -> None:
     modes = {"both": [True, False], "on": [True], "off": [False]}[args.kernel]
     if kernels.load() is None:
         modes = [False]
+    gpu = args.device == "cuda"
+    device = "cuda" if gpu else "cpu"
+    if gpu:
+        modes = [False]  # the native kernel is CPU-only
+        peak = cuda_matmul_gflops()
+        print(f"GPU: {torch.cuda.get_device_name(0)}, fp32 matmul {peak:.0f} GFLOP/s (peak below)")
 
     names = [n for n in args.workloads.split(",") if n]
     if "fedtgp" in names:  # its summary line must come last
         names = [n for n in names if n != "fedtgp"] + ["fedtgp"]
     last = ""
-    for name in names:
+    for name in [] if (args.batched_only and args.device) else names:
         data = {"min_size": 2} if (args.quick and WORKLOADS[name]["clients"] > 20) else {}
-        raw = raw_config(name, subsample, args.rounds, args.workers, **data)
+        raw = raw_config(name, subsample, args.rounds, args.workers, device, **data)
         by_mode = {}
         for on in modes:
             set_kernel(on)
             by_mode[on] = run_ours(raw)
         ours = by_mode[modes[0]]  # the kernel when it is built
         fed = build_federation(from_dict(raw))
-        ref = Reference(fed).run(args.rounds)[-1]
+        ref = Reference(fed, device).run(args.rounds)[-1]
         fl = round_flops(fed, name, args.rounds)
         speedup = ref["seconds"] / ours["seconds"]
         train_rate = fl.train / ours["train"] / 1e9
@@ -520,8 +606,14 @@ def main() -> None:
             f"whole round {round_rate:.1f} GFLOP/s ({round_rate / peak:.2f} of peak)"
         )
         if name == "fedtgp":
+            print(
+                f"Table 10  {ours['seconds'] * TABLE10_ROUNDS / 3600:7.1f} h projected "
+                f"(16 cells x 1,000 rounds at {ours['seconds']:.2f} s/round, {device})"
+            )
             last = f"speedup={speedup:.2f} peak_fraction={round_rate / peak:.2f}"
     set_kernel(modes[0])
+    if args.device is not None:
+        batched_comparison(names, subsample, args.rounds, device)
     if args.layers:
         layer_table(sorted({WORKLOADS[n]["family"] for n in names}))
     if args.memory:

@@ -1,0 +1,104 @@
+"""The CUDA path: batched clients, the device map, bf16 and a FedTGP round on a GPU.
+
+Skipped where CUDA is absent (the CPU versions of these checks live in ``test_batched.py``,
+``test_precision.py`` and ``sim/test_devices.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_raw
+
+from fedmosaic.config import from_dict
+from fedmosaic.core import batched
+from fedmosaic.core import client as client_ops
+from fedmosaic.experiment import build_federation, run_experiment
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
+
+
+def _fed(family, algo, **train):
+    raw = tiny_raw(
+        model={"family": family, "feature_dim": 16},
+        algorithm={"name": algo},
+        train={"device": "cuda", **train},
+    )
+    return build_federation(from_dict(raw))
+
+
+def _state_diff(a_fed, b_fed):
+    worst = 0.0
+    for a_mod, b_mod in zip(a_fed.models + a_fed.extras, b_fed.models + b_fed.extras):
+        for a, b in zip(a_mod.state_dict().values(), b_mod.state_dict().values()):
+            if a.is_floating_point() and a.numel():
+                worst = max(worst, float((a - b).abs().max()))
+            elif not a.is_floating_point():
+                assert torch.equal(a, b)
+    return worst
+
+
+@pytest.mark.parametrize(
+    ("family", "algo", "train"),
+    [
+        ("cnn1", "fedavg", {}),
+        ("cnn1", "fedavg", {"momentum": 0.9, "weight_decay": 1e-3}),
+        ("resnet4", "fedavg", {}),
+        ("cnn1", "fedtgp", {}),
+    ],
+    ids=str,
+)
+def test_batched_equals_one_at_a_time_on_cuda(family, algo, train):
+    one, many = _fed(family, algo, **train), _fed(family, algo, **train)
+    assert next(one.models[0].parameters()).is_cuda
+    state = one.algo.init_server(one.spec)
+    msgs = [one.algo.broadcast(state, c, 1) for c in range(len(one.clients))]
+    seq = [
+        client_ops.fit(one.algo, m, e, msg, d, one.settings, 0, 1, 1)
+        for m, e, msg, d in zip(one.models, one.extras, msgs, one.clients)
+    ]
+    grp = batched.fit_group(
+        many.algo, many.models, many.extras, msgs, many.clients, many.settings, 0, 1, 1
+    )
+    # TF32 matmuls/convs (torch's CUDA default for convs) round more coarsely than CPU fp32
+    assert _state_diff(one, many) < 1e-3
+    for a, b in zip(seq, grp):
+        assert b.stats.steps == a.stats.steps
+        assert b.stats.mean_loss == pytest.approx(a.stats.mean_loss, abs=1e-3)
+
+
+def _rounds(sim=None, family="htfe8-gray", algo="fedtgp", **train):
+    raw = tiny_raw(
+        data={"synthetic_shape": [1, 16, 16], "num_clients": 8},
+        model={"family": family, "feature_dim": 16},
+        algorithm={"name": algo},
+        train={"device": "cuda", **train},
+        sim=sim or {},
+    )
+    doc = run_experiment(from_dict(raw), progress=False)
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
+
+
+def test_fedtgp_rounds_on_cuda_learn_and_match_cpu():
+    gpu = _rounds()  # batched_clients = "auto": on for CUDA
+    cpu = _rounds(device="cpu", sim={"threads": 1})
+    assert gpu[-1]["acc_weighted"] > 0.25  # 4 classes (CPU, same config: 0.30)
+    for a, b in zip(cpu, gpu):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=2e-2)
+        assert b["acc_weighted"] == pytest.approx(a["acc_weighted"], abs=0.05)
+
+
+def test_device_map_on_cuda():
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mapped = _rounds({"backend": "processes", "devices": devices}, "cnn1", "lg_fedavg")
+    serial = _rounds({"backend": "serial"}, "cnn1", "lg_fedavg")
+    for a, b in zip(serial, mapped):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-3)
+        assert b["acc_weighted"] == pytest.approx(a["acc_weighted"], abs=0.02)
+
+
+def test_bf16_on_cuda_learns():
+    rounds = _rounds(None, "cnn1", "fedavg", precision="bf16", lr=0.1)
+    assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]
