@@ -7,6 +7,7 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +98,6 @@ class TrainConfig:
     # for CUDA devices, off on CPU (measured slower there); true | false force it
     batched_clients: bool | str = "auto"
     precision: str = "fp32"  # fp32 | bf16 (autocast of the local training forward; off by default)
-
 
 
 @dataclass
@@ -268,9 +268,11 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"{what} {str(p)!r} does not exist")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 by definition
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text: {exc}") from exc
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -290,8 +292,34 @@ def _device_ok(dev: str) -> bool:
     return dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
 
 
+# No setting of this project means anything beyond these magnitudes (counts, sizes, rates,
+# weights); a value past them is a typo or an attack (2**70 overflows int64 later, 1e300 turns
+# every loss into inf), so it is refused by name before anything runs. ``seed`` has its own range.
+MAX_INT = 10**9
+MAX_FLOAT = 1e6
+MAX_FEATURE_DIM = 1 << 16
+MAX_SYNTHETIC_BYTES = 1 << 31  # data.synthetic_size x C x H x W uint8 pixels held in memory
+
+
+def _check_magnitudes(where: str, obj: Any) -> None:
+    """Every int/float field of the dataclass ``obj`` (lists too) within +-MAX_INT / MAX_FLOAT."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            top = MAX_INT if isinstance(v, int) else MAX_FLOAT
+            if abs(v) > top:
+                raise ConfigError(
+                    f"{where}.{f.name} = {value!r} is out of range (|value| <= {top:g})"
+                )
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
+    for section in SECTIONS:
+        _check_magnitudes(section, getattr(cfg, section))
     for dotted, choices in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -355,6 +383,16 @@ def validate(cfg: ExperimentConfig) -> None:
     for k, (v, low) in at_least.items():
         if v < low:
             raise ConfigError(f"{k} = {v} must be >= {low}")
+    if not 1 <= cfg.model.feature_dim <= MAX_FEATURE_DIM:
+        raise ConfigError(
+            f"model.feature_dim = {cfg.model.feature_dim} must be in [1, {MAX_FEATURE_DIM}]"
+        )
+    pixels = d.synthetic_size * math.prod(d.synthetic_shape)
+    if d.dataset == "synthetic" and pixels > MAX_SYNTHETIC_BYTES:
+        raise ConfigError(
+            f"data.synthetic_size x data.synthetic_shape = {pixels} pixels is more than "
+            f"{MAX_SYNTHETIC_BYTES} (2 GiB of images)"
+        )
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed = {cfg.seed} must be in [0, 2**63)")
     if not 0.0 <= t.momentum < 1.0:
@@ -405,6 +443,7 @@ def validate(cfg: ExperimentConfig) -> None:
     from fedmosaic.models import family_members
 
     algo = build_algorithm(cfg.algorithm)
+    _check_magnitudes("algorithm", algo)
     try:
         members = family_members(cfg.model.family)
     except KeyError as exc:

@@ -166,3 +166,25 @@ def _write_unverified(ck, path: Path, meta: dict, tensors: dict) -> None:
     meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
     header = {"format": ck.FORMAT, "meta": meta_json, "digest": ck._digest(meta_json, tensors)}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=header)
+
+
+def test_clients_without_training_data_are_refused(tmp_path: Path, capsys):
+    """200 clients over 200 samples with min_size 0: most hold nothing to train on (this ran)."""
+    cfg = _toml(tmp_path / "c.toml", algorithm={"name": "local"}, train={"rounds": 1})
+    out = tmp_path / "out"
+    sets = ["data.num_clients=200", "data.min_size=0", "data.alpha=0.05", "data.public_size=0"]
+    args = ["run", str(cfg), "--out", str(out), "--quiet"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "of 200 clients hold no training examples" in err[0], err
+    assert not out.exists()
+
+
+def test_a_non_utf8_config_names_the_file(tmp_path: Path, capsys):
+    cfg = tmp_path / "latin1.toml"
+    cfg.write_bytes("seed = 0\n# caf\xe9\n".encode("latin-1"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(cfg) in err[0], err

@@ -179,6 +179,14 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     )
     split_rng = np.random.default_rng([seed, 3])
     clients = [_client_split(rows[share], cfg, split_rng) for share in shares]
+    empty = [i for i, cs in enumerate(clients) if cs.train.numel() == 0]
+    if empty:  # such a client can neither train nor count in a weighted mean: a wrong setup
+        shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
+        raise DatasetError(
+            f"{len(empty)} of {len(clients)} clients hold no training examples (clients "
+            f"{shown}); lower data.num_clients or raise data.min_size ({rows.size} samples "
+            f"to share)"
+        )
     shifts: list[dict[str, float]] = []
     if shift_enabled(cfg):
         shifts = draw_domains(cfg, seed, len(clients))
