@@ -1,0 +1,178 @@
+"""Finite poisoning end to end: 1 of 10 clients attacks FedAvg and FedTGP on the simulator.
+
+The attacker (client 0) trains honestly, then replaces its upload: ``huge`` sends 1e30 in every
+value; ``flip`` sends ``broadcast - 10 x update`` (prototypes: ``-10 x`` its own). The plain mean
+does not survive either attack; the robust aggregators and clipping (``[server]``,
+``core/robust.py``) keep accuracy near the honest run; magnitude sanity rejects the 1e30 model
+upload, and a server whose aggregate would be non-finite keeps its previous state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_raw
+
+from fedmosaic.algorithms._shared import SharedState
+from fedmosaic.config import from_dict
+from fedmosaic.core import robust
+from fedmosaic.core.rounds import Diverged, run_rounds
+from fedmosaic.federation import build_federation
+from fedmosaic.sim.simulator import SimTransport
+
+ROUNDS = 8
+ATTACKER = 0
+
+
+class Attacker(SimTransport):
+    """Client ``ATTACKER`` replaces its trained upload by a poisoned one."""
+
+    attack = "none"
+
+    def fit(self, round_num, messages):
+        out = super().fit(round_num, messages)
+        for r in out:
+            if self.attack == "none" or r.client_id != ATTACKER or r.upload is None:
+                continue
+            up, msg = r.upload, messages[r.client_id]
+            if isinstance(up, SharedState):
+                r.upload = dataclasses.replace(
+                    up, state=poison_state(up.state, msg.state, self.attack)
+                )
+            else:  # prototypes
+                p = torch.full_like(up.protos, 1e30) if self.attack == "huge" else -10 * up.protos
+                r.upload = dataclasses.replace(up, protos=p)
+        return out
+
+
+def poison_state(state: dict, sent: dict, attack: str) -> dict:
+    out = {}
+    for k, v in state.items():
+        if not v.is_floating_point():
+            out[k] = v
+        elif attack == "huge":
+            out[k] = torch.full_like(v, 1e30)
+        else:  # sign-flipped update, x10
+            out[k] = sent[k] - 10 * (v - sent[k])
+    return out
+
+
+def raw(name: str, server: dict[str, Any]) -> dict[str, Any]:
+    """10 clients, IID digits, cnn1, ROUNDS rounds, serial."""
+    algorithm = {"name": name, **({"server_epochs": 20} if name == "fedtgp" else {})}
+    r = tiny_raw(
+        data={"dataset": "digits", "num_clients": 10, "partition": "iid"},
+        model={"family": "cnn1"},
+        algorithm=algorithm,
+        sim={"backend": "serial", "threads": 1, "check_wire": False, "progress": False},
+        train={"rounds": ROUNDS},
+        server=server,
+    )
+    for key in ("synthetic_size", "synthetic_classes", "synthetic_shape"):
+        del r["data"][key]
+    return r
+
+
+@cache
+def outcome(name: str, attack: str, **server: Any) -> dict[str, Any]:
+    """Final accuracy (NaN if the run diverged), rejections, refusals and the final state."""
+    fed = build_federation(from_dict(raw(name, server)))
+    t = Attacker(
+        fed.algo, fed.models, fed.extras, fed.clients, fed.settings, fed.cfg.seed,
+        fed.cfg.train.local_epochs,
+    )  # fmt: skip
+    t.attack = attack
+    try:
+        history, state = run_rounds(fed.algo, fed.spec, t, fed.plan)
+    except Diverged:
+        return {"acc": math.nan, "diverged": True}
+    return {
+        "acc": history.rounds[-1]["acc_weighted"],
+        "rejected": [r["rejected"] for r in history.rounds],
+        "aggregated": [r["aggregated"] for r in history.rounds],
+        "state": state,
+        "diverged": False,
+    }
+
+
+def honest(name: str) -> float:
+    return outcome(name, "none")["acc"]
+
+
+# ---- FedAvg -------------------------------------------------------------------------------------
+
+
+def test_fedavg_learns_honestly():
+    assert honest("fedavg") >= 0.65
+
+
+def test_fedavg_plain_mean_is_destroyed_by_one_huge_upload():
+    # Magnitude sanity off: the 1e30 enters the mean, every client's next loss is non-finite.
+    assert outcome("fedavg", "huge", max_norm_ratio=0.0)["diverged"]
+
+
+def test_fedavg_magnitude_sanity_rejects_the_huge_upload(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        out = outcome.__wrapped__("fedavg", "huge")
+    assert out["rejected"] == [[ATTACKER]] * ROUNDS
+    assert "server.max_norm_ratio" in caplog.text and f"client {ATTACKER}" in caplog.text
+    assert out["acc"] >= honest("fedavg") - 0.03
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        {"aggregator": "median"},
+        {"aggregator": "trimmed_mean"},
+        {"aggregator": "multi_krum"},
+        {"aggregator": "krum"},
+        {"clip_update_norm": 1.0},
+    ],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_fedavg_robust_rules_survive_the_huge_upload(server):
+    out = outcome("fedavg", "huge", max_norm_ratio=0.0, **server)
+    assert out["rejected"] == [[]] * ROUNDS  # nothing rejected: the rule alone defends
+    # Krum keeps one client's update per round: it learns slower even without an attack.
+    slack = 0.1 if server.get("aggregator") == "krum" else 0.03
+    assert out["acc"] >= honest("fedavg") - slack, out["acc"]
+
+
+def test_fedavg_sign_flip_x10_plain_mean_vs_robust():
+    mean = outcome("fedavg", "flip")["acc"]  # passes magnitude sanity: 10x is a plausible norm
+    assert mean <= 0.2
+    for aggregator in ("median", "trimmed_mean", "multi_krum"):
+        acc = outcome("fedavg", "flip", aggregator=aggregator)["acc"]
+        assert acc >= honest("fedavg") - 0.05, (aggregator, acc)
+    # Clipping alone bounds the damage but does not remove the wrong direction.
+    assert outcome("fedavg", "flip", clip_update_norm=1.0)["acc"] >= mean + 0.3
+
+
+# ---- FedTGP prototypes --------------------------------------------------------------------------
+
+
+def test_fedtgp_plain_mean_never_broadcasts_nan():
+    # The 1e30 prototypes would make the server's prototypes non-finite: every aggregation is
+    # refused and the previous (initial) state kept, so no client ever receives NaN.
+    out = outcome("fedtgp", "huge", max_norm_ratio=0.0)
+    assert out["aggregated"] == [False] * ROUNDS
+    assert robust.all_finite(out["state"])
+    assert not bool(out["state"].known.any())  # the federation learned nothing from its server
+
+
+@pytest.mark.parametrize(
+    "server",
+    [{"aggregator": "median"}, {"aggregator": "trimmed_mean"}, {"clip_update_norm": 5.0}],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_fedtgp_robust_rules_survive_huge_prototypes(server):
+    out = outcome("fedtgp", "huge", max_norm_ratio=0.0, **server)
+    assert out["aggregated"] == [True] * ROUNDS
+    assert robust.all_finite(out["state"]) and bool(out["state"].known.all())
+    assert out["acc"] >= honest("fedtgp") - 0.1, (out["acc"], honest("fedtgp"))
