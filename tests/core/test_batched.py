@@ -196,7 +196,15 @@ def test_two_round_federation_history(family, algo):
         )
         return _numbers(run_experiment(from_dict(raw), progress=False))
 
-    off, on = run(False), run(True)
+    calls = []
+    real = batched.fit_group
+    batched_fit = lambda *a, **k: calls.append(len(a[1])) or real(*a, **k)  # noqa: E731
+    off = run(False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batched, "fit_group", batched_fit)
+        on = run(True)
+    groups = {MIXED: [3, 3, 3, 3], "cnn1": [6, 6]}[family]  # group sizes, two rounds
+    assert calls == groups
     assert len(on) == len(off) == 2
     for a, b in zip(off, on):
         assert a.keys() == b.keys()
@@ -206,6 +214,50 @@ def test_two_round_federation_history(family, algo):
             else:
                 assert b[k] == v, k
     assert off[-1]["acc_weighted"] > 0.3  # it learned something (4 classes)
+
+
+BATCHABLE = [n for n in ALGORITHMS.names() if getattr(ALGORITHMS.get(n), "batchable", False)]
+
+
+def test_the_declared_methods():
+    expected = {"fedavg", "local", "lg_fedavg", "fedper", "fedrep", "fedtgp", "fedproto"}
+    assert expected <= set(BATCHABLE)
+    assert "fedprox" not in BATCHABLE and "ktpfl" not in BATCHABLE  # losses with more state
+
+
+@pytest.mark.parametrize("algo", BATCHABLE)
+def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
+    """Registry-wide: a method that declares ``batchable`` gets this test without writing one.
+    Partial participation, a check_wire round trip and a momentum optimizer on top."""
+    calls = []
+    real = batched.fit_group
+    monkeypatch.setattr(batched, "fit_group", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(flag):
+        raw = tiny_raw(
+            data={"synthetic_shape": [1, 16, 16], "num_clients": 6},
+            model={"family": "cnn1", "feature_dim": 16},
+            algorithm={"name": algo},
+            train={
+                "rounds": 2,
+                "participation": 0.5,
+                "momentum": 0.5,
+                "batched_clients": flag,
+            },
+            sim={"threads": 1},
+        )
+        return _numbers(run_experiment(from_dict(raw), progress=False))
+
+    off = run(False)
+    assert not calls
+    on = run(True)
+    assert len(calls) == 2  # one group (three clients) per round
+    for a, b in zip(off, on, strict=True):
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, abs=1e-5), k
+            else:
+                assert b[k] == v, k
 
 
 def test_settings_switch():
