@@ -51,14 +51,19 @@ Heads must be identical across clients (``check_same_heads``); encoders may diff
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedmosaic.algorithms._shared import check_state_like, weighted_average
+from fedmosaic.algorithms.lg_fedavg import check_same_heads
 from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
@@ -66,11 +71,7 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.rounds import MAX_EXAMPLES
-from torch import Tensor, nn
-from torch.func import functional_call
-
-from fedmosaic.algorithms._shared import check_state_like, weighted_average
-from fedmosaic.algorithms.lg_fedavg import check_same_heads
+from fedmosaic.models.build import build_head, split_member
 
 TEACHERS = ("logits", "losses")
 
@@ -131,14 +132,16 @@ class FedGenUpload(Payload):
 
 @dataclass
 class FedGenState:
-    """Server state (CPU): the global head, the persistent generator and its label distribution."""
+    """Server state (CPU), plain data: the global head, the persistent generator's state dict and
+    its label distribution; both are evaluated with ``functional_call`` on an architecture-only
+    (meta-device) module rebuilt from the shapes and ``head_arch``."""
 
     head: dict[str, Tensor]
-    generator: FeatureGenerator
+    generator: dict[str, Tensor]  # FeatureGenerator state dict (parameters + BatchNorm buffers)
     label_probs: Tensor  # [C] float32
     trained: bool
     seed: int
-    head_module: nn.Module  # a head of the shared architecture, evaluated functionally
+    head_arch: str  # the clients' (shared) head spec, e.g. "linear" or "mlp512"
 
 
 Broadcast = FedGenBroadcast
@@ -172,8 +175,33 @@ def diversity_loss(noise: Tensor, features: Tensor) -> Tensor:
     return torch.exp(-(d_z * d_g).mean())
 
 
+@functools.lru_cache(maxsize=8)
+def _generator_skeleton(
+    noise_dim: int, num_classes: int, hidden_dim: int, feature_dim: int
+) -> FeatureGenerator:
+    with torch.device("meta"):  # architecture only: no weights drawn, no RNG touched
+        return FeatureGenerator(noise_dim, num_classes, hidden_dim, feature_dim)
+
+
+@functools.lru_cache(maxsize=8)
+def _head_skeleton(head_arch: str, feature_dim: int, num_classes: int) -> nn.Module:
+    with torch.device("meta"):
+        return build_head(head_arch, feature_dim, num_classes).eval()
+
+
+def generator_module(
+    state: dict[str, Tensor], num_classes: int, training: bool = False
+) -> FeatureGenerator:
+    """The architecture of a generator state dict (``functional_call`` supplies its tensors);
+    ``training``: BatchNorm on batch statistics, updating the state's running ones in place."""
+    hidden, inputs = state["fc1.weight"].shape
+    feature_dim = state["fc.weight"].shape[0]
+    skeleton = _generator_skeleton(inputs - num_classes, num_classes, hidden, feature_dim)
+    return skeleton.train(training)
+
+
 def generator_loss(
-    generator: FeatureGenerator,
+    generator: Callable[[Tensor, Tensor], Tensor],
     head_module: nn.Module,
     heads: Sequence[dict[str, Tensor]],
     weights: Tensor,
@@ -263,24 +291,25 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> FedGenState:
-        head_module = copy.deepcopy(spec.build_model(0).head).cpu().eval()
-        head = {k: v.detach().clone() for k, v in head_module.state_dict().items()}
+        head = {
+            k: v.detach().cpu().clone() for k, v in spec.build_model(0).head.state_dict().items()
+        }
         # The generator's initial weights come from their own server stream; the caller's global
         # RNG state is left as it was.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seeding.derive(spec.seed, 0, seeding.SERVER, "fedgen-init"))
-            generator = self._generator(spec)
+            generator = self._generator(spec).state_dict()
         return FedGenState(
             head=head,
-            generator=generator,
+            generator={k: v.detach().clone() for k, v in generator.items()},
             label_probs=torch.zeros(spec.num_classes),
             trained=False,
             seed=spec.seed,
-            head_module=head_module,
+            head_arch=split_member(spec.members[0])[1],  # one head for all (check_same_heads)
         )
 
     def broadcast(self, state: FedGenState, client_id: int, round_num: int) -> FedGenBroadcast:
-        gen_state = {k: v.detach().clone() for k, v in state.generator.state_dict().items()}
+        gen_state = {k: v.clone() for k, v in state.generator.items()}
         return FedGenBroadcast(state.head, gen_state, state.label_probs, state.trained)
 
     def validate_upload(self, state: FedGenState, upload: FedGenUpload, client_id: int) -> None:
@@ -309,11 +338,12 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         if float(total.sum()) <= 0:  # no labels to train on: keep the previous generator
             return dataclasses.replace(state, head=head)
         label_probs = total / total.sum()  # [C]
-        generator = copy.deepcopy(state.generator)  # continue from last round's generator
+        # Continue from last round's generator (copies: the previous state stays as it was).
+        generator = {k: v.clone() for k, v in state.generator.items()}
         trained = state.trained
         if self.generator_steps > 0:
             gen = seeding.torch_generator(state.seed, round_num, seeding.SERVER, "fedgen")
-            self.train_generator(generator, state.head_module, heads, counts, label_probs, gen)
+            self.train_generator(generator, state.head_arch, heads, counts, label_probs, gen)
             trained = True
         return dataclasses.replace(
             state, head=head, generator=generator, label_probs=label_probs, trained=trained
@@ -321,30 +351,39 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
 
     def train_generator(
         self,
-        generator: FeatureGenerator,
-        head_module: nn.Module,
+        generator: dict[str, Tensor],
+        head_arch: str,
         heads: Sequence[dict[str, Tensor]],
         counts: Tensor,
         label_probs: Tensor,
         gen: torch.Generator,
     ) -> None:
-        """``generator_steps`` Adam steps on the teacher + diversity objective, in place."""
+        """``generator_steps`` Adam steps on the teacher + diversity objective, on the generator's
+        state dict in place (BatchNorm running statistics included); a fresh Adam each round."""
         weights = teacher_weights(counts)  # [K, C]
         heads = [{k: v.detach() for k, v in h.items()} for h in heads]
-        opt = torch.optim.Adam(generator.parameters(), lr=self.generator_lr)
-        generator.train()
-        head_module.eval()
+        c = label_probs.shape[0]
+        module = generator_module(generator, c, training=True)
+        params = [generator[k].requires_grad_(True) for k, _ in module.named_parameters()]
+        head = _head_skeleton(head_arch, generator["fc.weight"].shape[0], c)
+
+        def forward(z: Tensor, y: Tensor) -> Tensor:
+            return functional_call(module, generator, (z, y))
+
+        opt = torch.optim.Adam(params, lr=self.generator_lr)
         b = self.generator_batch_size
-        for _ in range(self.generator_steps):
-            y = torch.multinomial(label_probs, b, replacement=True, generator=gen)  # [b]
-            z = seeding.randn(b, self.noise_dim, generator=gen)  # [b, noise_dim]
-            loss = generator_loss(
-                generator, head_module, heads, weights, z, y, self.eta, self.teacher
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        generator.eval()
+        with torch.enable_grad():
+            for _ in range(self.generator_steps):
+                y = torch.multinomial(label_probs, b, replacement=True, generator=gen)  # [b]
+                z = seeding.randn(b, self.noise_dim, generator=gen)  # [b, noise_dim]
+                loss = generator_loss(forward, head, heads, weights, z, y, self.eta, self.teacher)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        module.eval()
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

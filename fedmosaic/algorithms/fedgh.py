@@ -37,13 +37,16 @@ Where we differ from the reference code (HtFLlib ``servergh.py``/``clientgh.py``
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedmosaic.algorithms._shared import SharedState, class_means
 from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -51,10 +54,6 @@ from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
-from torch import Tensor, nn
-from torch.func import functional_call
-
-from fedmosaic.algorithms._shared import SharedState, class_means
 
 if TYPE_CHECKING:
     from fedmosaic.core.training import TrainSettings
@@ -75,7 +74,7 @@ class ClassMeans(Payload):
 class FedGHState:
     """The server's persistent global head (on CPU) and the seed of its shuffling streams."""
 
-    head: nn.Linear
+    head: dict[str, Tensor]  # the global header Linear(d, C): weight [C, d], bias [C]
     seed: int
 
 
@@ -128,26 +127,30 @@ def server_step_batches(
 
 
 def train_global_head(
-    head: nn.Linear,
+    head: dict[str, Tensor],
     protos: Tensor,
     labels: Tensor,
     batches_per_epoch: Sequence[Sequence[Tensor]],
     eta_g: float,
 ) -> None:
-    """SGD on ``CE(head(protos[b]), labels[b])`` over the given batches (in place).
+    """SGD on ``CE(linear(protos[b]), labels[b])`` over the given batches, on the head's
+    ``weight [C, d]`` and ``bias [C]`` in place (leaf tensors; the caller passes copies).
 
     ``protos [N, d]`` are the pooled class means, ``labels [N]`` their classes; one list of index
     batches per server epoch.
     """
-    opt = torch.optim.SGD(head.parameters(), lr=eta_g)
-    head.train()
+    w, bias = head["weight"].requires_grad_(True), head["bias"].requires_grad_(True)
+    opt = torch.optim.SGD([w, bias], lr=eta_g)
     with torch.enable_grad():
         for batches in batches_per_epoch:
             for b in batches:
-                loss = F.cross_entropy(head(protos[b]), labels[b])
+                loss = F.cross_entropy(F.linear(protos[b], w, bias), labels[b])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+    for p in (w, bias):
+        p.requires_grad_(False)
+        p.grad = None
 
 
 @ALGORITHMS.register("fedgh")
@@ -189,15 +192,14 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     def init_server(self, spec: FederationSpec) -> FedGHState:
         start = spec.build_model(0).head
         check_linear_head(start, spec.feature_dim, spec.num_classes, "client 0")
-        head = nn.Linear(spec.feature_dim, spec.num_classes)
-        head.load_state_dict({k: v.detach().cpu() for k, v in start.state_dict().items()})
+        head = {k: v.detach().cpu().clone() for k, v in start.state_dict().items()}
         return FedGHState(head, spec.seed)
 
     def broadcast(self, state: FedGHState, client_id: int, round_num: int) -> SharedState:
-        return SharedState({k: v.detach().clone() for k, v in state.head.state_dict().items()})
+        return SharedState({k: v.clone() for k, v in state.head.items()})
 
     def validate_upload(self, state: FedGHState, upload: ClassMeans, client_id: int) -> None:
-        c, d = state.head.out_features, state.head.in_features
+        c, d = state.head["weight"].shape
         p, cls = upload.protos, upload.classes
         if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
             raise PayloadError(
@@ -228,7 +230,7 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         protos = [u.payload.protos.float() for u in uploads]  # [k, d] each
         labels = [u.payload.classes for u in uploads]  # [k] each
         sizes = [int(cls.numel()) for cls in labels]
-        head = copy.deepcopy(state.head)  # the previous state stays untouched
+        head = {k: v.clone() for k, v in state.head.items()}  # the previous state stays as is
         if sum(sizes) > 0 and self.server_epochs > 0:
             gen = seeding.torch_generator(state.seed, round_num, seeding.SERVER, "fedgh")
             epochs = [
@@ -238,7 +240,6 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
             # The server has no class means of its own: clipping bounds the LARs themselves.
             points = robust.robust_points(torch.cat(protos), torch.cat(labels), robust.rule())
             train_global_head(head, points, torch.cat(labels), epochs, self.eta_g)
-        head.eval()
         return FedGHState(head, state.seed)
 
     # ---- client half ---------------------------------------------------------------------

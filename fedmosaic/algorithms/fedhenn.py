@@ -54,11 +54,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -66,7 +68,6 @@ from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
-from torch import Tensor, nn
 
 KERNELS = ("linear", "rbf")
 SCHEDULES = ("sqrt", "constant", "linear")
@@ -104,7 +105,6 @@ class HeNNState:
     rad_size: int  # L (capped to P)
     kernel: Tensor  # [L, L] K_bar; [0, 0] before any upload
     kernel_round: int = 0  # K_bar lives on the RAD of this round (0: none yet)
-    _rads: dict[int, Tensor] = field(default_factory=dict, repr=False)  # per-round RAD cache
 
 
 ServerState = HeNNState
@@ -172,16 +172,10 @@ def sample_rad(num_public: int, rad_size: int, seed: int, round_num: int) -> Ten
     return torch.randperm(num_public, generator=gen)[: min(rad_size, num_public)]
 
 
-def rad_inputs(
-    public: Tensor, rad_size: int, seed: int, round_num: int, cache: dict[int, Tensor]
-) -> Tensor:
-    """The RAD of ``round_num`` as inputs ``[L, C, H, W]``, built once per round (``cache``)."""
-    if round_num not in cache:
-        while len(cache) > 2:  # keep the last few rounds: K_bar's RAD and the current one
-            cache.pop(min(cache))
-        idx = sample_rad(public.shape[0], rad_size, seed, round_num)
-        cache[round_num] = public[idx].contiguous()
-    return cache[round_num]
+def rad_inputs(public: Tensor, rad_size: int, seed: int, round_num: int) -> Tensor:
+    """The RAD of ``round_num`` as inputs ``[L, C, H, W]``, re-derived from the seed each time
+    (a gather of L rows: no cache in the state, so the state stays plain data)."""
+    return public[sample_rad(public.shape[0], rad_size, seed, round_num)].contiguous()
 
 
 @contextmanager
@@ -267,11 +261,9 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
         return HeNNState(public, spec.seed, min(self.rad_size, public.shape[0]), torch.zeros(0, 0))
 
     def broadcast(self, state: HeNNState, client_id: int, round_num: int) -> HeNNBroadcast:
-        next_rad = rad_inputs(state.public, state.rad_size, state.seed, round_num, state._rads)
+        next_rad = rad_inputs(state.public, state.rad_size, state.seed, round_num)
         if state.kernel_round > 0:
-            rad = rad_inputs(
-                state.public, state.rad_size, state.seed, state.kernel_round, state._rads
-            )
+            rad = rad_inputs(state.public, state.rad_size, state.seed, state.kernel_round)
         else:
             rad = next_rad[:0]  # [0, C, H, W]: no K_bar yet
         return HeNNBroadcast(
@@ -303,7 +295,7 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
         for wj, u in zip(w, uploads, strict=True):
             kbar.add_(u.payload.kernel, alpha=wj)
         # The uploads were computed on this round's RAD (the broadcast's next_rad).
-        return HeNNState(state.public, state.seed, state.rad_size, kbar, round_num, state._rads)
+        return HeNNState(state.public, state.seed, state.rad_size, kbar, round_num)
 
     # ---- client half ---------------------------------------------------------------------
     def loss(

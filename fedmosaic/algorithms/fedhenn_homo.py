@@ -23,18 +23,11 @@ paper's Table 1 "FedHeNN global".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core import robust
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload
-from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
@@ -46,6 +39,13 @@ from fedmosaic.algorithms.fedhenn import (
     rad_inputs,
     representation_kernel,
 )
+from fedmosaic.core import robust
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.training import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,6 @@ class HomoState:
     public: Tensor  # [P, C, H, W] normalized float, server-held
     seed: int
     rad_size: int  # L (capped to P)
-    _rads: dict[int, Tensor] = field(default_factory=dict, repr=False)  # per-round RAD cache
 
 
 ServerState = HomoState
@@ -109,7 +108,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         return HomoState(weights, public, spec.seed, min(self.rad_size, public.shape[0]))
 
     def broadcast(self, state: HomoState, client_id: int, round_num: int) -> HomoBroadcast:
-        rad = rad_inputs(state.public, state.rad_size, state.seed, round_num, state._rads)
+        rad = rad_inputs(state.public, state.rad_size, state.seed, round_num)
         return HomoBroadcast(
             state.weights, rad, eta_at(self.eta0, self.schedule, round_num), round_num
         )
@@ -123,7 +122,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     ) -> HomoState:
         states = [u.payload.state for u in uploads]
         weights = weighted_average(states, [u.weight for u in uploads], reference=state.weights)
-        return HomoState(weights, state.public, state.seed, state.rad_size, state._rads)
+        return HomoState(weights, state.public, state.seed, state.rad_size)
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

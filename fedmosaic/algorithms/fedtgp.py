@@ -34,7 +34,7 @@ Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``cl
 
 from __future__ import annotations
 
-import copy
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import class_means
 from fedmosaic.core import robust, seeding
@@ -102,11 +103,25 @@ class TrainablePrototypes(nn.Module):
         return self.mlp(self.embedding.weight)  # [C, d]
 
 
+@functools.lru_cache(maxsize=8)
+def _skeleton(num_classes: int, feature_dim: int, mlp: bool) -> TrainablePrototypes:
+    with torch.device("meta"):  # architecture only: no weights drawn, no RNG touched
+        return TrainablePrototypes(num_classes, feature_dim, mlp)
+
+
+def global_prototypes(params: dict[str, Tensor]) -> Tensor:
+    """``P_hat [C, d]`` from the trainable prototypes' parameters (``embedding.weight [C, d]``
+    and, with the MLP, ``mlp.0.*`` / ``mlp.2.*``), through :class:`TrainablePrototypes`."""
+    c, d = params["embedding.weight"].shape
+    return functional_call(_skeleton(c, d, "mlp.0.weight" in params), params, ())
+
+
 @dataclass
 class TGPState:
-    """Server state: the trainable prototypes (persistent across rounds) and bookkeeping."""
+    """Server state: the trainable prototypes' parameters (persistent across rounds) and
+    bookkeeping; plain tensors, so the state is a checkpoint as it is."""
 
-    prototypes: TrainablePrototypes
+    params: dict[str, Tensor]  # TrainablePrototypes' parameters by name
     known: Tensor  # [C] bool: classes some client has uploaded so far
     seed: int
     margin: float = 0.0  # delta(t) of the last aggregation
@@ -160,7 +175,7 @@ def acl_loss(points: Tensor, labels: Tensor, protos: Tensor, delta: float) -> Te
 
 
 def train_prototypes(
-    module: TrainablePrototypes,
+    params: dict[str, Tensor],
     points: Tensor,
     labels: Tensor,
     delta: float,
@@ -169,23 +184,27 @@ def train_prototypes(
     lr: float,
     gen: torch.Generator,
 ) -> float:
-    """``epochs`` passes of SGD over shuffled minibatches of (prototype, class) pairs.
+    """``epochs`` passes of SGD over shuffled minibatches of (prototype, class) pairs, on ``params``
+    in place (leaf tensors; the caller passes copies).
 
     Every step recomputes all ``C`` global prototypes (all of them enter the denominator of Eq. 10,
     as in the paper). Returns the loss of the last step (NaN when there was nothing to train).
     """
-    opt = torch.optim.SGD(module.parameters(), lr=lr)
-    module.train()
+    leaves = [p.requires_grad_(True) for p in params.values()]
+    opt = torch.optim.SGD(leaves, lr=lr)
     last = math.nan
     n = points.shape[0]
-    for _ in range(epochs):
-        for pos in torch.randperm(n, generator=gen).split(batch_size):
-            loss = acl_loss(points[pos], labels[pos], module(), delta)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            last = float(loss.detach())
-    module.eval()
+    with torch.enable_grad():
+        for _ in range(epochs):
+            for pos in torch.randperm(n, generator=gen).split(batch_size):
+                loss = acl_loss(points[pos], labels[pos], global_prototypes(params), delta)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                last = float(loss.detach())
+    for p in leaves:
+        p.requires_grad_(False)
+        p.grad = None
     return last
 
 
@@ -254,17 +273,17 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seeding.derive(spec.seed, 0, seeding.SERVER, "fedtgp-init"))
             module = TrainablePrototypes(spec.num_classes, spec.feature_dim, self.mlp)
-        module.eval()
-        return TGPState(module, torch.zeros(spec.num_classes, dtype=torch.bool), spec.seed)
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        return TGPState(params, torch.zeros(spec.num_classes, dtype=torch.bool), spec.seed)
 
     def broadcast(self, state: TGPState, client_id: int, round_num: int) -> Prototypes:
         with torch.no_grad():
-            protos = state.prototypes().detach().float()  # [C, d]
+            protos = global_prototypes(state.params).float()  # [C, d]
         protos = protos.masked_fill(~state.known.unsqueeze(1), 0.0)
         return Prototypes(protos.contiguous(), state.known.clone())
 
     def validate_upload(self, state: TGPState, upload: ClientPrototypes, client_id: int) -> None:
-        c, d = state.prototypes.embedding.weight.shape
+        c, d = state.params["embedding.weight"].shape
         p, cls = upload.protos, upload.classes
         if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
             raise PayloadError(
@@ -286,7 +305,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         claimed[cls] = True
         robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
         with torch.no_grad():
-            glob = state.prototypes().detach().float()  # [C, d]
+            glob = global_prototypes(state.params).float()  # [C, d]
         robust.check_rows(p, cls, glob, state.known, client_id, "protos")
 
     def margin_for(self, points: Tensor, labels: Tensor, num_classes: int) -> float:
@@ -307,14 +326,14 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         rule = robust.rule()
         if not rule.plain:  # clipped deviations from the global prototypes, robust per class
             with torch.no_grad():
-                glob = state.prototypes().detach().float()  # [C, d]
+                glob = global_prototypes(state.params).float()  # [C, d]
             points = robust.robust_points(points, labels, rule, glob, state.known)
         num_classes = state.known.numel()
         delta = self.margin_for(points, labels, num_classes)
-        module = copy.deepcopy(state.prototypes)
+        params = {k: v.clone() for k, v in state.params.items()}  # the previous state stays as is
         gen = seeding.torch_generator(state.seed, round_num, seeding.SERVER, "fedtgp-server")
         loss = train_prototypes(
-            module,
+            params,
             points,
             labels,
             delta,
@@ -325,7 +344,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         )
         known = state.known.clone()
         known[labels] = True
-        return TGPState(module, known, state.seed, delta, loss, int(points.shape[0]))
+        return TGPState(params, known, state.seed, delta, loss, int(points.shape[0]))
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

@@ -32,11 +32,7 @@ from fedmosaic.core.training import TrainSettings
 
 
 def _state(c: int, d: int = 2) -> FedGHState:
-    head = nn.Linear(d, c)
-    with torch.no_grad():
-        head.weight.zero_()
-        head.bias.zero_()
-    return FedGHState(head, seed=0)
+    return FedGHState({"weight": torch.zeros(c, d), "bias": torch.zeros(c)}, seed=0)
 
 
 def _up(cid: int, protos: list[list[float]], classes: list[int]) -> Weighted[ClassMeans]:
@@ -53,9 +49,9 @@ def test_server_step_per_client_hand_computed(step, batch_size):
     state = _state(2)
     algo = FedGH(eta_g=0.5, server_epochs=1, server_step=step, server_batch_size=batch_size)
     new = algo.aggregate(state, [_up(0, [[1.0, 0.0], [0.0, 1.0]], [0, 1])], round_num=1)
-    assert torch.allclose(new.head.weight, torch.tensor([[0.125, -0.125], [-0.125, 0.125]]))
-    assert torch.allclose(new.head.bias, torch.zeros(2))
-    assert bool((state.head.weight == 0).all())  # the previous state is left untouched
+    assert torch.allclose(new.head["weight"], torch.tensor([[0.125, -0.125], [-0.125, 0.125]]))
+    assert torch.allclose(new.head["bias"], torch.zeros(2))
+    assert bool((state.head["weight"] == 0).all())  # the previous state is left untouched
 
 
 def test_server_step_per_pair_hand_computed():
@@ -70,8 +66,8 @@ def test_server_step_per_pair_hand_computed():
     assert algo.server_step == "pair" and algo.server_batch_size == 0
     new = algo.aggregate(_state(2), [_up(0, [[1.0, 0.0], [0.0, 1.0]], [0, 1])], round_num=1)
     h = 0.5 / (1.0 + math.exp(-0.5))  # p0 / 2 = 0.31122966...
-    assert torch.allclose(new.head.weight, torch.tensor([[0.25, -h], [-0.25, h]]), atol=1e-6)
-    assert torch.allclose(new.head.bias, torch.tensor([0.25 - h, -0.25 + h]), atol=1e-6)
+    assert torch.allclose(new.head["weight"], torch.tensor([[0.25, -h], [-0.25, h]]), atol=1e-6)
+    assert torch.allclose(new.head["bias"], torch.tensor([0.25 - h, -0.25 + h]), atol=1e-6)
 
 
 def test_classes_not_held_are_not_trained_on():
@@ -83,8 +79,8 @@ def test_classes_not_held_are_not_trained_on():
     up = _up(0, [[1.0, 0.0], [0.0, 1.0]], [0, 1])
     new = algo.aggregate(_state(3), [up], round_num=1)
     want_w = torch.tensor([[0.2, -0.1], [-0.1, 0.2], [-0.1, -0.1]])
-    assert torch.allclose(new.head.weight, want_w, atol=1e-6)
-    assert torch.allclose(new.head.bias, torch.tensor([0.1, 0.1, -0.2]), atol=1e-6)
+    assert torch.allclose(new.head["weight"], want_w, atol=1e-6)
+    assert torch.allclose(new.head["bias"], torch.tensor([0.1, 0.1, -0.2]), atol=1e-6)
 
 
 @pytest.mark.parametrize("step", ["pair", "client"])
@@ -111,8 +107,8 @@ def test_clients_in_the_seeded_order(step):
     for k in range(2):
         w[k][c] = -g2[k] / 2
         b[k] -= g2[k] / 2
-    assert torch.allclose(new.head.weight, torch.tensor(w), atol=1e-6)
-    assert torch.allclose(new.head.bias, torch.tensor(b), atol=1e-6)
+    assert torch.allclose(new.head["weight"], torch.tensor(w), atol=1e-6)
+    assert torch.allclose(new.head["bias"], torch.tensor(b), atol=1e-6)
     # The other order gives a different head: the order really is the seeded one.
     assert abs(b[c] - b[a]) > 0.1
 
@@ -145,8 +141,8 @@ def test_aggregate_is_deterministic_per_round():
     for algo in (FedGH(eta_g=0.1, server_epochs=3, server_batch_size=1), FedGH(server_epochs=3)):
         a = algo.aggregate(_state(2), ups, 1)
         b = algo.aggregate(_state(2), ups, 1)
-        assert torch.equal(a.head.weight, b.head.weight)
-        assert torch.equal(a.head.bias, b.head.bias)
+        assert torch.equal(a.head["weight"], b.head["weight"])
+        assert torch.equal(a.head["bias"], b.head["bias"])
 
 
 def test_validate_upload_rejects_wrong_shapes_and_dtypes():
@@ -218,7 +214,7 @@ def test_client_receives_head_and_uploads_exact_class_means():
         rows = [i for i in range(7) if int(labels[i]) == c]
         want = sum(feats[i] for i in rows) / len(rows)
         assert torch.allclose(up.protos[row], want, atol=1e-6)
-    algo.validate_upload(FedGHState(nn.Linear(4, 3), 0), up, 0)
+    algo.validate_upload(FedGHState(nn.Linear(4, 3).state_dict(), 0), up, 0)
 
 
 def _two_class_client() -> tuple[ClientModel, ClientData]:
@@ -291,7 +287,7 @@ def test_handmade_two_rounds_with_wire_check_and_bytes():
         assert c * d * 4 + c * 8 < r["bytes_up_per_client"] < c * d * 4 + c * 8 + 400
         assert 0.0 <= r["acc_global_weighted"] <= 1.0
         assert (d + 1) * c * 4 < r["bytes_down_per_client"] < (d + 1) * c * 4 + 400
-    assert isinstance(state, FedGHState) and state.head.weight.shape == (c, d)
+    assert isinstance(state, FedGHState) and state.head["weight"].shape == (c, d)
 
 
 def test_two_rounds_on_zoo_family_with_wire_check():

@@ -16,11 +16,11 @@ from fedmosaic.algorithms.fedtgp import (
     FedTGP,
     Prototypes,
     TGPState,
-    TrainablePrototypes,
     acl_loss,
     adaptive_margin,
     alignment_loss,
     euclidean_distances,
+    global_prototypes,
     nearest_prototype_scores,
     train_prototypes,
 )
@@ -89,18 +89,17 @@ def test_one_acl_step_matches_hand_computation():
     delta, lr = 0.5, 0.1
     want_loss, want_p = _numpy_acl_step(p0, x, y, delta, lr)
 
-    module = TrainablePrototypes(3, 2, mlp=False)
-    with torch.no_grad():
-        module.embedding.weight.copy_(torch.tensor(p0, dtype=torch.float32))
+    params = {"embedding.weight": torch.tensor(p0, dtype=torch.float32)}  # mlp=False
     points = torch.tensor(x, dtype=torch.float32)
     labels = torch.tensor(y)
-    assert float(acl_loss(points, labels, module(), delta).detach()) == pytest.approx(
+    assert float(acl_loss(points, labels, global_prototypes(params), delta)) == pytest.approx(
         want_loss, rel=1e-5
     )
     gen = torch.Generator().manual_seed(0)
-    last = train_prototypes(module, points, labels, delta, 1, 10, lr, gen)  # one full batch
+    last = train_prototypes(params, points, labels, delta, 1, 10, lr, gen)  # one full batch
     assert last == pytest.approx(want_loss, rel=1e-5)
-    assert torch.allclose(module().detach().double(), torch.tensor(want_p), atol=1e-6)
+    assert torch.allclose(global_prototypes(params).double(), torch.tensor(want_p), atol=1e-6)
+    assert not params["embedding.weight"].requires_grad  # plain data again after training
 
 
 def test_server_distance_is_finite_when_a_prototype_equals_a_point():
@@ -116,26 +115,32 @@ def test_server_distance_is_finite_when_a_prototype_equals_a_point():
 def test_trainable_prototypes_structure_and_seeded_init():
     algo = FedTGP()
     s1, s2 = algo.init_server(_spec(seed=5)), algo.init_server(_spec(seed=5))
-    m = s1.prototypes
-    assert isinstance(m.embedding, torch.nn.Embedding) and m.embedding.weight.shape == (C, D)
-    kinds = [type(x).__name__ for x in m.mlp]
-    assert kinds == ["Linear", "ReLU", "Linear"]
-    assert all(lin.weight.shape == (D, D) for lin in (m.mlp[0], m.mlp[2]))
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(m.state_dict().values(), s2.prototypes.state_dict().values())
-    )
-    other = algo.init_server(_spec(seed=6)).prototypes
-    assert not torch.equal(m.embedding.weight, other.embedding.weight)
-    bare = FedTGP(mlp=False).init_server(_spec()).prototypes
-    assert isinstance(bare.mlp, torch.nn.Identity)
-    assert torch.equal(bare(), bare.embedding.weight)
+    # Plain data: Embedding(C, d) -> Linear(d, d) -> ReLU -> Linear(d, d), as parameters.
+    m = s1.params
+    shapes = {k: tuple(v.shape) for k, v in m.items()}
+    assert shapes == {
+        "embedding.weight": (C, D),
+        "mlp.0.weight": (D, D),
+        "mlp.0.bias": (D,),
+        "mlp.2.weight": (D, D),
+        "mlp.2.bias": (D,),
+    }
+    assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in m.values())
+    assert all(torch.equal(m[k], s2.params[k]) for k in m)
+    other = algo.init_server(_spec(seed=6)).params
+    assert not torch.equal(m["embedding.weight"], other["embedding.weight"])
+    w0, b0, w2, b2 = (m[k] for k in ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"))
+    by_hand = torch.relu(m["embedding.weight"] @ w0.T + b0) @ w2.T + b2
+    assert torch.allclose(global_prototypes(m), by_hand, atol=1e-6)
+    bare = FedTGP(mlp=False).init_server(_spec()).params
+    assert list(bare) == ["embedding.weight"]
+    assert torch.equal(global_prototypes(bare), bare["embedding.weight"])
 
 
 def test_aggregate_trains_persistent_prototypes_deterministically():
     algo = FedTGP(server_epochs=3)
     state = algo.init_server(_spec())
-    before = copy.deepcopy(state.prototypes.state_dict())
+    before = copy.deepcopy(state.params)
     up = ClientPrototypes(torch.tensor([[1.0, 0, 0, 0], [0, 1.0, 0, 0]]), torch.tensor([0, 1]))
     up2 = ClientPrototypes(
         torch.tensor([[0.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 3.0, 0]]), torch.tensor([0, 1, 2])
@@ -144,14 +149,9 @@ def test_aggregate_trains_persistent_prototypes_deterministically():
     new = algo.aggregate(state, uploads, 1)
     again = algo.aggregate(state, uploads, 1)
     # The input state is untouched; the output is a pure function of (state, uploads, round).
-    assert all(torch.equal(before[k], v) for k, v in state.prototypes.state_dict().items())
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(
-            new.prototypes.state_dict().values(), again.prototypes.state_dict().values()
-        )
-    )
-    assert not torch.equal(new.prototypes.embedding.weight, state.prototypes.embedding.weight)
+    assert all(torch.equal(before[k], v) for k, v in state.params.items())
+    assert all(torch.equal(new.params[k], again.params[k]) for k in new.params)
+    assert not torch.equal(new.params["embedding.weight"], state.params["embedding.weight"])
     assert new.known.tolist() == [True, True, True] and new.num_points == 5
     # Q0 = (0.5, 0, 0, 0), Q1 = (0, 1.5, 0, 0), Q2 = (0, 0, 3, 0): nearest-other-class distances
     # |Q0 Q1| = 1.58, |Q1 Q0| = 1.58, |Q2 Q0| = sqrt(0.25 + 9) = 3.04 -> the margin is 3.04.
@@ -162,10 +162,10 @@ def test_aggregate_trains_persistent_prototypes_deterministically():
     assert msg.known.tolist() == [True, True, False]
     assert torch.equal(msg.protos[2], torch.zeros(D))
     with torch.no_grad():
-        assert torch.allclose(msg.protos[:2], only0.prototypes()[:2])
+        assert torch.allclose(msg.protos[:2], global_prototypes(only0.params)[:2])
     # A second round keeps training the same module (persistent across rounds).
     third = algo.aggregate(new, uploads, 2)
-    assert not torch.equal(third.prototypes.embedding.weight, new.prototypes.embedding.weight)
+    assert not torch.equal(third.params["embedding.weight"], new.params["embedding.weight"])
 
 
 # ---- client side ------------------------------------------------------------------------------
