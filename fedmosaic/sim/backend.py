@@ -20,10 +20,11 @@ def default_workers() -> int:
 
 
 def workers(fed: Federation) -> int:
-    """Processes that train clients: 1 serially, ``sim.workers`` (0 = one per core) otherwise."""
+    """Processes that train clients: 1 serially, ``sim.workers`` otherwise (0 = one per entry of
+    ``sim.devices``, else one per core)."""
     if fed.cfg.sim.backend != "processes":
         return 1
-    return fed.cfg.sim.workers or default_workers()
+    return fed.cfg.sim.workers or len(fed.cfg.sim.devices) or default_workers()
 
 
 def make_transport(fed: Federation) -> Transport:

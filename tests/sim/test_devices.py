@@ -31,10 +31,11 @@ def _rounds(sim, family="htfe8-gray", **train):
 
 
 def test_cpu_devices_equal_the_serial_backend():
-    """Two ``cpu`` devices: two workers (sim.workers unset), bitwise the serial numbers."""
-    on_devices, _ = _rounds({"backend": "processes", "devices": ["cpu", "cpu"]})
+    """Three ``cpu`` devices: three workers (sim.workers unset), bitwise the serial numbers."""
+    on_devices, doc = _rounds({"backend": "processes", "devices": ["cpu", "cpu", "cpu"]})
     serial, _ = _rounds({"backend": "serial", "threads": 1})
     assert on_devices == serial
+    assert doc["provenance"]["workers"] == 3  # one per device, not one per core
     assert serial[-1]["acc_weighted"] > 0
 
 
