@@ -51,6 +51,7 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -68,6 +69,8 @@ from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
+
+log = logging.getLogger("fedmosaic")
 
 KERNELS = ("linear", "rbf")
 SCHEDULES = ("sqrt", "constant", "linear")
@@ -258,6 +261,15 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> HeNNState:
         public = need_public(spec, "fedhenn")
+        if self.rad_size > public.shape[0]:
+            # Said, not silent: suites' quick budgets shrink the public split under the paper's L.
+            log.warning(
+                "fedhenn: rad_size = %d is above the public split (data.public_size = %d): "
+                "each round's RAD holds all %d public inputs",
+                self.rad_size,
+                public.shape[0],
+                public.shape[0],
+            )
         return HeNNState(public, spec.seed, min(self.rad_size, public.shape[0]), torch.zeros(0, 0))
 
     def broadcast(self, state: HeNNState, client_id: int, round_num: int) -> HeNNBroadcast:

@@ -1,5 +1,6 @@
 """FedHeNN: CKA properties, kernels, eta schedule, RAD sampling, protocol, end to end."""
 
+import logging
 import math
 
 import pytest
@@ -116,7 +117,7 @@ def test_eta_schedule_values():
         FedHeNN(kernel="poly")
 
 
-def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds():
+def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds(caplog):
     a, b = sample_rad(100, 20, seed=0, round_num=3), sample_rad(100, 20, seed=0, round_num=3)
     assert torch.equal(a, b) and a.unique().numel() == 20 and int(a.max()) < 100
     assert not torch.equal(a, sample_rad(100, 20, seed=0, round_num=4))
@@ -128,7 +129,11 @@ def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds():
     msg = algo.broadcast(state, 1, 2)
     assert torch.equal(msg.next_rad, public[sample_rad(30, 8, 0, 2)])
     assert torch.equal(algo.broadcast(state, 2, 2).next_rad, msg.next_rad)  # same for all clients
-    assert FedHeNN(rad_size=1000).init_server(_spec(public)).rad_size == 30
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        assert FedHeNN(rad_size=8).init_server(_spec(public)).rad_size == 8
+        assert not caplog.records
+        assert FedHeNN(rad_size=1000).init_server(_spec(public)).rad_size == 30
+    assert "rad_size = 1000 is above the public split (data.public_size = 30)" in caplog.text
 
 
 def test_public_split_is_required():
