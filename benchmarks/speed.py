@@ -66,7 +66,7 @@ if ROOT not in sys.path:
 from fedmosaic import kernels  # noqa: E402
 from fedmosaic.config import from_dict  # noqa: E402
 from fedmosaic.core import seeding  # noqa: E402
-from fedmosaic.core.algorithm import Weighted  # noqa: E402
+from fedmosaic.core.algorithm import Weighted, payload_to  # noqa: E402
 from fedmosaic.core.rounds import sample_clients  # noqa: E402
 from fedmosaic.experiment import Federation, build_federation, run_experiment  # noqa: E402
 from fedmosaic.models import _layers, flops_per_image, trainable_flops  # noqa: E402
@@ -258,7 +258,7 @@ class Reference:
                 )
                 uploads = []
                 for cid in sampled:
-                    msg = algo.broadcast(state, cid, t)
+                    msg = payload_to(algo.broadcast(state, cid, t), self.device)
                     model = copy.deepcopy(models[cid])  # the client's model, loaded afresh
                     ext = copy.deepcopy(extras[cid])
                     algo.receive(model, ext, msg)
@@ -290,7 +290,7 @@ class Reference:
                 t2 = time.perf_counter()
                 correct = total = 0
                 for cid in range(fed.plan.num_clients):
-                    msg = algo.broadcast(state, cid, t + 1)
+                    msg = payload_to(algo.broadcast(state, cid, t + 1), self.device)
                     model, ext = models[cid], extras[cid]
                     algo.receive(model, ext, msg)
                     model.eval()
@@ -315,7 +315,8 @@ class Reference:
 
     def _upload(self, model: Any, ext: Any, cid: int, msg: Any) -> Any:
         if type(self.fed.algo).__name__ != "FedTGP":
-            return self.fed.algo.upload(model, ext, self.fed.clients[cid], msg)  # weights only
+            up = self.fed.algo.upload(model, ext, self.fed.clients[cid], msg)  # weights only
+            return payload_to(up, "cpu")  # the server aggregates on the CPU
         from fedmosaic.algorithms.fedtgp import ClientPrototypes
 
         c, d = self.fed.spec.num_classes, self.fed.spec.feature_dim
