@@ -16,12 +16,13 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import FederationSpec
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.models import build_client_model, family_members
-from torch import Tensor
 
 
 def kl_rows(student_logits: Tensor, teacher_logits: Tensor, T: float = 1.0) -> Tensor:
@@ -97,9 +98,10 @@ def initial_shared_state(member: str, spec: FederationSpec, purpose: str) -> dic
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def check_member(member: str, key: str) -> None:
-    """Raise ``ConfigError`` if an explicitly chosen shared architecture is not in the zoo."""
-    if not member:
+def check_member(member: str, key: str, spec: FederationSpec) -> None:
+    """Raise ``ConfigError`` if an explicitly chosen shared architecture is neither one of the
+    federation's members nor in the zoo (a plugin's encoder is in the zoo once registered)."""
+    if not member or member in spec.members:
         return
     try:
         family_members(member)

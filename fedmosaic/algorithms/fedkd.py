@@ -66,11 +66,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
-from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import (
@@ -81,6 +76,11 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import weighted_average
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.registry import ALGORITHMS
 
 UPLOADS = ("update", "state")
 FIRST_BROADCASTS = ("full", "svd")
@@ -286,7 +286,9 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
                 f"first_broadcast = {self.first_broadcast!r}; "
                 f"choose one of {', '.join(FIRST_BROADCASTS)}"
             )
-        check_member(self.mentee_arch, "mentee_arch")
+
+    def check(self, spec: FederationSpec) -> None:
+        check_member(self.mentee_arch, "mentee_arch", spec)
 
     def threshold(self, round_num: int, rounds: int) -> float:
         return energy_threshold(round_num, rounds, self.T_start, self.T_end)

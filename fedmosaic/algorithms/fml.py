@@ -35,12 +35,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch.nn.functional as F
-from fedmosaic.core import robust
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload
-from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import (
@@ -51,6 +45,12 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
+from fedmosaic.core import robust
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
+from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
 Upload = SharedState
@@ -100,7 +100,9 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} = {v} must be in [0, 1]")
-        check_member(self.meme_arch, "meme_arch")
+
+    def check(self, spec: FederationSpec) -> None:
+        check_member(self.meme_arch, "meme_arch", spec)
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> dict[str, Tensor]:

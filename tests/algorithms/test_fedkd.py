@@ -251,3 +251,11 @@ def test_first_broadcast_is_the_full_mentee_by_default():
     assert not torch.equal(s2.mentee["encoder.1.weight"], state.mentee["encoder.1.weight"])
     with pytest.raises(ConfigError, match="first_broadcast"):
         build_algorithm({"name": "fedkd", "first_broadcast": "dense"})
+
+
+def test_mentee_arch_must_be_a_member_or_in_the_zoo():
+    spec = tiny_spec(("wide", "narrow"), rounds=1)
+    FedKD(mentee_arch="wide").check(spec)  # one of the federation's members
+    FedKD(mentee_arch="cnn1").check(spec)  # in the zoo
+    with pytest.raises(ConfigError, match="algorithm.mentee_arch = 'nope'"):
+        FedKD(mentee_arch="nope").check(spec)
