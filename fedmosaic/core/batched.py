@@ -299,7 +299,8 @@ def _train(
                 continue  # train_epochs draws no batches then
             ids = {id(p) for p in params}
             trainable = [n for n, p in template.named_parameters() if id(p) in ids]
-            rest = [n for n in names_p + names_b if n not in set(trainable)]
+            train_set = set(trainable)
+            rest = [n for n in names_p + names_b if n not in train_set]  # frozen + buffers
             plans = []
             for c in clients:
                 steps: list[Tensor] = []
