@@ -2,18 +2,18 @@
 
 One file, ``checkpoint.safetensors``, holds every tensor of the run (server state, each client's
 model and extras state dicts, torch's RNG state) and, in its JSON header, the structure that puts
-them back together: the server state's tree (dataclasses, dicts, lists, modules, scalars), the
+them back together: the server state's tree (dataclasses, dicts, lists, scalars), the
 history so far, the last evaluation, the Python/NumPy RNG states, the round number, the config
 and a digest over all of it.
 
-Server state of any algorithm is saved by a generic flattener (:func:`flatten_tree`) and restored
-*into a template*: the freshly initialised state of the same algorithm on the same config
-(``algo.init_server(spec)``). Classes are never imported by name from the file, so loading a
-checkpoint runs no code from it; a file whose structure does not match the template is rejected
-as foreign. Supported leaves: ``None``, ``bool``, ``int``, ``float`` (NaN/Inf included), ``str``,
-tensors, NumPy arrays and scalars, ``torch.Generator``; containers: ``dict`` (str/int/float/bool
-keys), ``list``, ``tuple``, dataclass instances, ``nn.Module`` (its ``state_dict``). Anything else
-fails at save time with the path of the offending value.
+Server states are plain data (dataclasses of tensors, dicts and scalars: no modules, generators or
+caches), saved by a small flattener (:func:`flatten_tree`) and restored *into a template*: the
+freshly initialised state of the same algorithm on the same config (``algo.init_server(spec)``).
+Classes are never imported by name from the file, so loading a checkpoint runs no code from it; a
+file whose structure does not match the template is rejected as foreign. Leaves: ``None``,
+``bool``, ``int``, ``float`` (NaN/Inf included), ``str``, tensors; containers: ``dict``
+(str/int/float/bool keys), ``list``, ``tuple``, dataclass instances. Anything else fails at save
+time with the path of the offending value.
 
 Writes go to a temporary file that is read back and verified before it replaces the previous
 checkpoint (write-then-rename), so a crash or a full disk never destroys the last good one.
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import Tensor
 
 import fedmosaic
 from fedmosaic.core.errors import ConfigError
@@ -85,20 +85,6 @@ def flatten_tree(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
             keep.append(x)
             tensors[key] = x.detach().to("cpu").contiguous().clone()
             return {"t": "tensor", "key": key, "grad": bool(x.requires_grad)}
-        if isinstance(x, np.ndarray):
-            return {"t": "ndarray", "v": walk(torch.from_numpy(np.ascontiguousarray(x)), path)}
-        if isinstance(x, np.generic):
-            return walk(x.item(), path)
-        if isinstance(x, torch.Generator):
-            return {"t": "generator", "v": walk(x.get_state(), path)}
-        if isinstance(x, nn.Module):
-            state = x.state_dict()
-            return {
-                "t": "module",
-                "cls": type(x).__qualname__,
-                "training": bool(x.training),
-                "state": {k: walk(v, f"{path}.{k}") for k, v in state.items()},
-            }
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return {
                 "t": "dataclass",
@@ -122,8 +108,8 @@ def flatten_tree(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
             return {"t": kind, "items": [walk(v, f"{path}[{i}]") for i, v in enumerate(x)]}
         raise CheckpointError(
             f"{path}: cannot checkpoint a value of type {type(x).__module__}.{type(x).__qualname__}"
-            " (supported: tensors, numbers, strings, None, dicts, lists, tuples, dataclasses, "
-            "nn.Modules, NumPy arrays, torch.Generator)"
+            " (server states are plain data: tensors, numbers, strings, None, dicts, lists, "
+            "tuples, dataclasses)"
         )
 
     return walk(obj, prefix)
@@ -132,7 +118,7 @@ def flatten_tree(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
 def restore_tree(node: Any, tensors: dict[str, Tensor], template: Any, path: str = "state") -> Any:
     """Rebuild the object described by ``node``, reusing ``template``'s classes and modules.
 
-    Dataclasses and modules must exist in the template at the same place with the same class
+    Dataclasses must exist in the template at the same place with the same class
     (nothing is imported from the file); plain containers and leaves may differ in content.
     """
     cache: dict[str, Tensor] = {}
@@ -161,25 +147,6 @@ def restore_tree(node: Any, tensors: dict[str, Tensor], template: Any, path: str
             if isinstance(tmpl, Tensor) and tmpl.device.type != "cpu":
                 out = out.to(tmpl.device)
             return out
-        if t == "ndarray":
-            return walk(n["v"], None, p).numpy()
-        if t == "generator":
-            g = torch.Generator()
-            g.set_state(walk(n["v"], None, p))
-            return g
-        if t == "module":
-            if not isinstance(tmpl, nn.Module) or type(tmpl).__qualname__ != n.get("cls"):
-                raise CheckpointError(
-                    f"{p}: the checkpoint has a module {n.get('cls')!r} where this run has "
-                    f"{type(tmpl).__qualname__!r} (a checkpoint of another algorithm or version?)"
-                )
-            state = {k: walk(v, None, f"{p}.{k}") for k, v in n["state"].items()}
-            try:
-                tmpl.load_state_dict(state, strict=True)
-            except (RuntimeError, KeyError) as exc:
-                raise CheckpointError(f"{p}: module state does not fit this run: {exc}") from exc
-            tmpl.train(bool(n.get("training", False)))
-            return tmpl
         if t == "dataclass":
             if not (dataclasses.is_dataclass(tmpl) and type(tmpl).__qualname__ == n.get("cls")):
                 raise CheckpointError(
