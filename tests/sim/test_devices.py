@@ -39,16 +39,19 @@ def test_cpu_devices_equal_the_serial_backend():
     assert serial[-1]["acc_weighted"] > 0
 
 
-def test_cpu_devices_with_batched_clients():
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_cpu_devices_with_batched_clients(participation):
     """Workers group their clients of one layout (``ClientHost.fit_many``): the numbers of one
-    client at a time to float tolerance."""
+    client at a time to float tolerance; with partial participation clients also move through
+    the state store (offload) between rounds."""
+    train = {"fused_sgd": False, "participation": participation, "rounds": 3}
     grouped, _ = _rounds(
         {"backend": "processes", "devices": ["cpu", "cpu"]},
-        "cnn1",  # three clients of one layout per worker
+        "cnn1",  # clients of one layout on each worker
         batched_clients=True,
-        fused_sgd=False,
+        **train,
     )
-    plain, _ = _rounds({"backend": "serial", "threads": 1}, "cnn1", fused_sgd=False)
+    plain, _ = _rounds({"backend": "serial", "threads": 1}, "cnn1", **train)
     for a, b in zip(plain, grouped, strict=True):
         for k, v in a.items():
             if isinstance(v, float):
