@@ -20,7 +20,15 @@ import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.checkpoint import Checkpointer, CheckpointError, config_fingerprint
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
-from fedmosaic.config import ConfigError, ExperimentConfig, load, parse_value, validate
+from fedmosaic.config import (
+    ConfigError,
+    ExperimentConfig,
+    add_plugins,
+    load,
+    load_entry_points,
+    parse_value,
+    validate,
+)
 from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
 from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
@@ -298,7 +306,19 @@ def _logging_options() -> argparse.ArgumentParser:
         "warning with --quiet",
     )
     common.add_argument("--log-file", metavar="PATH", help="also write the log to this file")
+    _plugin_option(common)
     return common
+
+
+def _plugin_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a module or .py file that registers algorithms, models, datasets or "
+        "partitioners (repeatable; recorded in the config, so workers and Flower apps load it)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--input-shape", default="1x28x28", help="CxHxW for models (default 1x28x28)")
     ls.add_argument("--num-classes", type=int, default=10)
     ls.add_argument("--feature-dim", type=int, default=512)
+    _plugin_option(ls)
     ls.set_defaults(func=cmd_list)
 
     pa = sub.add_parser(
@@ -424,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="app run config, e.g. round-timeout=120 min-replies=2 (see docs/flower.md)",
     )
+    _plugin_option(fa)
     fa.set_defaults(func=cmd_flower_app)
     return p
 
@@ -475,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
+        load_entry_points()
+        add_plugins(getattr(args, "plugin", None) or [])
         return int(args.func(args))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)

@@ -73,9 +73,11 @@ class TrainConfig:
     # example every epoch (FedHeNN, FedGH's authors, FedBABU, layer expansion)
     drop_last: bool = False
     # plain SGD: update Linear weights inside their backward (faster, same maths; ``.grad`` of
-    # those weights is then never filled). false for losses that need it: gradient penalties,
-    # torch.autograd.grad(..., create_graph=True), gradient hooks
-    fused_sgd: bool = True
+    # those weights is then never filled, so losses that differentiate twice (gradient
+    # penalties, torch.autograd.grad(..., create_graph=True), gradient hooks) need it off).
+    # "auto": on for the built-in methods and classes declaring ``fused_sgd_safe = True``, off
+    # for any other (a user's method works unchanged); true / false force it.
+    fused_sgd: bool | str = "auto"
     lr: float = 0.01
     optimizer: str = "sgd"  # sgd | adam
     momentum: float = 0.0
@@ -198,6 +200,55 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 _PLUGINS: dict[str, Any] = {}
+# --plugin on the command line: imported at once and recorded in every config this process
+# builds (so the simulator's workers and the Flower apps import them too).
+_CLI_PLUGINS: list[str] = []
+# Installed packages extend fedmosaic through these entry-point groups (each entry point names
+# a module that registers its algorithms / encoders and families / datasets / partitioners).
+ENTRY_POINT_GROUPS = (
+    "fedmosaic.algorithms",
+    "fedmosaic.models",
+    "fedmosaic.datasets",
+    "fedmosaic.partitioners",
+)
+_entry_points_loaded = False
+
+
+def resolve_plugin(name: str, base: Path) -> str:
+    """A ``.py`` plugin as an absolute path (relative ones against ``base``); modules as named."""
+    if not name.endswith(".py"):
+        return name
+    path = Path(name).expanduser()
+    return str((path if path.is_absolute() else base / path).resolve())
+
+
+def add_plugins(names: list[str]) -> None:
+    """``--plugin``: import each now (relative paths against the working folder) and record it
+    in every config built afterwards in this process."""
+    for name in names:
+        resolved = resolve_plugin(name, Path.cwd())
+        load_plugins([resolved])
+        if resolved not in _CLI_PLUGINS:
+            _CLI_PLUGINS.append(resolved)
+
+
+def load_entry_points() -> None:
+    """Import every installed package's ``fedmosaic.*`` entry points, once per process."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True  # set first: a failing plugin is reported once, not retried
+    from importlib.metadata import entry_points
+
+    for group in ENTRY_POINT_GROUPS:
+        for ep in entry_points(group=group):
+            try:
+                ep.load()
+            except Exception as exc:  # the package's own error: name the entry point
+                raise ConfigError(
+                    f"entry point {group}:{ep.name} = {ep.value!r} cannot be imported: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
 
 
 def load_plugins(names: list[str]) -> None:
@@ -247,6 +298,8 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     plugins = raw.get("plugins", [])
     if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
         raise ConfigError(f"plugins = {plugins!r} must be a list of module names or .py paths")
+    plugins = [*plugins, *(p for p in _CLI_PLUGINS if p not in plugins)]
+    load_entry_points()
     load_plugins(plugins)  # before the algorithm/model names are looked up
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
@@ -277,6 +330,17 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     raw = read_toml(path) if path is not None else {}
+    plugins = raw.get("plugins")
+    if path is not None and isinstance(plugins, list):
+        # A relative .py plugin sits beside its config (else it is taken from the working
+        # folder); recorded as an absolute path, so workers started elsewhere find it too.
+        base = Path(path).parent
+        raw["plugins"] = [
+            resolve_plugin(p, base)
+            if isinstance(p, str) and p.endswith(".py") and (base / p).is_file()
+            else p
+            for p in plugins
+        ]
     return from_dict(apply_overrides(raw, list(overrides or [])))
 
 
@@ -405,6 +469,8 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"train.plateau_window = {t.plateau_window} must be in (0, 1)")
     if t.plateau_min_rounds < 1:
         raise ConfigError(f"train.plateau_min_rounds = {t.plateau_min_rounds} must be >= 1")
+    if not isinstance(t.fused_sgd, bool) and t.fused_sgd != "auto":
+        raise ConfigError(f'train.fused_sgd = {t.fused_sgd!r} must be true, false or "auto"')
     if t.plateau_delta > 0 and d.val_fraction == 0 and d.split != "8_1_1":
         raise ConfigError(
             f"train.plateau_delta = {t.plateau_delta} stops on validation accuracy: set "

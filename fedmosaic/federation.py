@@ -189,6 +189,6 @@ def build_federation(
             m, e = make_client(cfg, algo, spec, c)
             models.append(m)
             extras.append(e)
-    settings = TrainSettings.from_config(cfg.train)
+    settings = TrainSettings.from_config(cfg.train, algo)
     plan = round_plan(cfg, fed.num_clients)
     return Federation(cfg, fed, algo, spec, clients, models, extras, settings, plan)

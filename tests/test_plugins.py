@@ -97,3 +97,81 @@ def test_a_broken_plugin_is_a_config_error_naming_it(tmp_path: Path):
     raw["plugins"] = ["no_such_module_xyz"]
     with pytest.raises(ConfigError, match="no_such_module_xyz"):
         from_dict(raw)
+
+
+@pytest.fixture
+def fresh_cli_plugins(monkeypatch):
+    """``--plugin`` records plugins for the rest of the process: each test starts without."""
+    from fedmosaic import config
+
+    monkeypatch.setattr(config, "_CLI_PLUGINS", [])
+
+
+def _toml(raw: dict, with_plugins: bool) -> str:
+    lines = ["seed = 0"]
+    if with_plugins:
+        lines.append(f"plugins = {json.dumps(raw['plugins'])}")
+    for section in ("data", "model", "train", "sim", "algorithm"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_plugin_option_on_the_command_line(plugin: Path, tmp_path: Path, fresh_cli_plugins):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(_toml(_raw(plugin, "processes"), with_plugins=False))
+    out = tmp_path / "o"
+    # The workers are fresh interpreters: they know the method only through the recorded option.
+    args = ["run", str(cfg), "--out", str(out), "--quiet", "--plugin", str(plugin)]
+    assert main(args) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["plugins"] == [str(plugin.resolve())]
+
+
+def test_list_shows_what_a_plugin_registers(plugin: Path, capsys, fresh_cli_plugins):
+    assert main(["list", "algorithms", "--plugin", str(plugin)]) == 0
+    assert "user_fedavgm" in capsys.readouterr().out
+
+
+def test_a_relative_plugin_path_is_taken_beside_its_config(
+    plugin: Path, tmp_path: Path, monkeypatch
+):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "mine.py").write_text(PLUGIN.replace("user_", "beside_"))
+    raw = _raw(plugin, "serial")
+    raw["plugins"] = ["mine.py"]
+    raw["algorithm"]["name"] = "beside_fedavgm"
+    raw["model"]["family"] = "beside_family"
+    (folder / "c.toml").write_text(_toml(raw, with_plugins=True))
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    from fedmosaic.config import load
+
+    cfg = load(folder / "c.toml")
+    assert cfg.plugins == [str((folder / "mine.py").resolve())]
+
+
+def test_installed_packages_register_through_entry_points(tmp_path: Path, monkeypatch):
+    from fedmosaic import config
+    from fedmosaic.algorithms import ALGORITHMS
+
+    (tmp_path / "ep_user_pkg.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from fedmosaic.algorithms.fedavg import FedAvg\n"
+        "from fedmosaic.api import ALGORITHMS\n"
+        "ALGORITHMS.register('ep_fedavg')(dataclass(frozen=True)(type('EP', (FedAvg,), {})))\n"
+    )
+    info = tmp_path / "ep_user_pkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-user-pkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fedmosaic.algorithms]\nmine = ep_user_pkg\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(config, "_entry_points_loaded", False)
+    monkeypatch.setattr(ALGORITHMS, "_items", dict(ALGORITHMS._items))  # undone after the test
+    assert "ep_fedavg" not in ALGORITHMS
+    raw = tiny_raw(algorithm={"name": "ep_fedavg"}, model={"family": "cnn1"})
+    assert from_dict(raw).algorithm["name"] == "ep_fedavg"  # loaded before names are looked up
+    (info / "entry_points.txt").write_text("[fedmosaic.models]\nbad = no_such_module_ep\n")
+    monkeypatch.setattr(config, "_entry_points_loaded", False)
+    with pytest.raises(ConfigError, match="entry point fedmosaic.models:bad"):
+        config.load_entry_points()

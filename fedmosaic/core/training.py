@@ -33,13 +33,20 @@ class TrainSettings:
     eval_batch_size: int = 1000
     device: str = "cpu"
     fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (see below)
+    # (``from_config`` resolves the config's "auto" against the algorithm: ``fused_sgd_safe``)
     drop_last: bool = False  # drop each epoch's ragged last batch (PFLlib/HtFLlib loaders)
     batched_clients: bool | str = "auto"  # see ``batched_enabled``
     precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
 
     @classmethod
-    def from_config(cls, t: Any) -> TrainSettings:
-        """From the ``[train]`` table (``config.TrainConfig``; core does not import config)."""
+    def from_config(cls, t: Any, algo: Any = None) -> TrainSettings:
+        """From the ``[train]`` table (``config.TrainConfig``; core does not import config).
+
+        ``train.fused_sgd = "auto"`` fuses only for ``algo`` when ``fused_sgd_safe(algo)``.
+        """
+        fused = t.fused_sgd
+        if not isinstance(fused, bool):  # "auto"
+            fused = algo is not None and fused_sgd_safe(algo)
         return cls(
             batch_size=t.batch_size,
             lr=t.lr,
@@ -49,7 +56,7 @@ class TrainSettings:
             betas=(float(t.betas[0]), float(t.betas[1])),
             eval_batch_size=t.eval_batch_size,
             device=t.device,
-            fused_sgd=t.fused_sgd,
+            fused_sgd=fused,
             drop_last=t.drop_last,
             batched_clients=t.batched_clients,
             precision=t.precision,
@@ -158,6 +165,23 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 # ---- plain SGD fused into the Linear layers' backward ------------------------------------------
+
+
+def fused_sgd_safe(algo: Any) -> bool:
+    """Whether the fused plain-SGD path provably equals autograd + SGD for ``algo``'s losses.
+
+    It fills no ``.grad`` (the weights are updated inside the backward), so a loss that
+    differentiates twice (``torch.autograd.grad(..., create_graph=True)``, a gradient penalty,
+    hooks) breaks under it. The built-in methods' losses do not; a class says so for itself with
+    ``fused_sgd_safe = True`` in its own body. A user's subclass of a built-in does not inherit
+    it (its ``loss`` may be new), so ``train.fused_sgd = "auto"`` leaves user code unfused.
+    """
+    declared = type(algo).__dict__.get("fused_sgd_safe")
+    if declared is not None:
+        return bool(declared)
+    return type(algo).__module__.startswith("fedmosaic.algorithms.")
+
+
 # With plain SGD (no momentum, no weight decay) a Linear layer's update is
 # ``W -= lr * g^T x``: it can be applied inside the layer's backward with one in-place ``addmm_``
 # right after the input gradient ``g W`` is computed, so ``dW`` is never materialised, written,

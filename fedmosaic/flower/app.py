@@ -77,12 +77,13 @@ def _federation(run_config: Any) -> _Federation:
         clients = client_data(fed, cfg.train.device)
         spec = make_spec(cfg, fed, clients)
         _FEDERATIONS.clear()  # one experiment per process
+        algo = build_algorithm(cfg.algorithm)
         _FEDERATIONS[key] = _Federation(
             cfg,
-            build_algorithm(cfg.algorithm),
+            algo,
             clients,
             spec,
-            TrainSettings.from_config(cfg.train),
+            TrainSettings.from_config(cfg.train, algo),
             eval_splits(clients),
         )
     return _FEDERATIONS[key]

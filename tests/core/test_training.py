@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_raw
 
-from fedmosaic.config import from_dict
+from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core.rounds import clients_per_round
 from fedmosaic.core.training import TrainSettings, batch_order
 from fedmosaic.experiment import build_federation
@@ -94,3 +94,22 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
     # The config key reaches the settings.
     cfg = from_dict({"train": {"fused_sgd": False}, "data": {"dataset": "synthetic"}})
     assert TrainSettings.from_config(cfg.train).fused_sgd is False
+    # "auto" (the default): this user class is not fused, with no flag, and trains; a built-in is.
+    auto = from_dict({"data": {"dataset": "synthetic"}}).train
+    assert auto.fused_sgd == "auto"
+    settings = TrainSettings.from_config(auto, GradientPenalty())
+    assert settings.fused_sgd is False and TrainSettings.from_config(auto, FedAvg()).fused_sgd
+    before = model.head.weight.detach().clone()
+    client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, settings, 0, 1, 1)
+    assert not torch.equal(model.head.weight, before)
+
+    class Declared(GradientPenalty):
+        fused_sgd_safe = True  # the class vouches for its loss: fused under "auto"
+
+    assert TrainSettings.from_config(auto, Declared()).fused_sgd
+    # Forced on, the penalty cannot differentiate through the fused layers.
+    forced = TrainSettings(batch_size=4, lr=0.1, fused_sgd=True)
+    with pytest.raises(RuntimeError):
+        client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, forced, 0, 1, 1)
+    with pytest.raises(ConfigError, match="train.fused_sgd"):
+        from_dict({"train": {"fused_sgd": "yes"}, "data": {"dataset": "synthetic"}})
