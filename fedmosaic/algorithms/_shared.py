@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from fedmosaic.core import robust
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -89,7 +89,7 @@ def class_means(
 class SharedState(Payload):
     """A state dict of the shared part (parameters and buffers)."""
 
-    state: dict[str, Tensor]
+    state: Annotated[dict[str, Tensor], "like shared"]  # shared: what the server holds of it
 
 
 BN_MODES = ("average", "local_stats", "local")
@@ -172,7 +172,7 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     def validate_upload(
         self, state: dict[str, Tensor], upload: SharedState, client_id: int
     ) -> None:
-        check_state_like(upload.state, state, f"client {client_id} {self.shared} state")
+        schema.check(upload, client_id, shared=state)
         robust.check_update(upload.state, state, client_id, f"{self.shared} state")
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:

@@ -24,19 +24,19 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._flops import paper_cost, training_macs
-from fedmosaic.algorithms._shared import SharedState, SharedWeights, check_state_like
-from fedmosaic.core import robust
+from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import FederationSpec, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings
 
@@ -48,11 +48,10 @@ BODY = ("encoder",)  # what trains during the federated rounds: the body only
 class BodyUpload(Payload):
     """A client's body after local training, and what that training cost."""
 
-    state: dict[str, Tensor]  # encoder state dict (parameters and buffers)
-    train_macs: int  # this round's forward + backward MACs (_flops.training_macs)
-    paper_cost: (
-        int  # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
-    )
+    state: Annotated[dict[str, Tensor], "like body"]  # encoder state dict (params and buffers)
+    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
+    # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    paper_cost: Annotated[int, "int >= 0"]
 
 
 Broadcast = SharedState
@@ -123,13 +122,8 @@ class FedBABU(SharedWeights):
         return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
     def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
-        check_state_like(upload.state, state, f"client {client_id} body state")
+        schema.check(upload, client_id, body=state)
         robust.check_update(upload.state, state, client_id, "body state")
-        if upload.train_macs < 0 or upload.paper_cost < 0:
-            raise PayloadError(
-                f"client {client_id}: negative compute "
-                f"(train_macs = {upload.train_macs}, paper_cost = {upload.paper_cost})"
-            )
 
     # ---- client half -------------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

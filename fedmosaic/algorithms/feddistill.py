@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +51,11 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import kl_rows
 from fedmosaic.algorithms._shared import class_means
-from fedmosaic.core import robust
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
 DISTILLS = ("mse", "kl")
@@ -66,8 +66,8 @@ AVERAGES = ("others", "all")
 class ClassLogits(Payload):
     """Per-class mean logits; ``known[c]`` is False where the class has no examples (row is 0)."""
 
-    logits: Tensor  # [C, C] float32: row c = mean logit vector of class-c examples
-    known: Tensor  # [C] bool
+    logits: Annotated[Tensor, "[C, C] float32"]  # row c = mean logit vector of class-c examples
+    known: Annotated[Tensor, "[C] bool"]
 
 
 @dataclass
@@ -213,17 +213,7 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
         return FDState(*aggregate_logits(logits, known), client_logits, client_known)
 
     def validate_upload(self, state: FDState, upload: ClassLogits, client_id: int) -> None:
-        c = state.known.numel()
-        if upload.logits.dtype != torch.float32 or tuple(upload.logits.shape) != (c, c):
-            raise PayloadError(
-                f"client {client_id} logits are {upload.logits.dtype}{tuple(upload.logits.shape)}, "
-                f"expected torch.float32{(c, c)}"
-            )
-        if upload.known.dtype != torch.bool or tuple(upload.known.shape) != (c,):
-            raise PayloadError(
-                f"client {client_id} known is {upload.known.dtype}{tuple(upload.known.shape)}, "
-                f"expected torch.bool{(c,)}"
-            )
+        schema.check(upload, client_id, C=state.known.numel())
         robust.check_claimed_classes(upload.known, client_id, "known")  # where the server knows
         classes = upload.known.nonzero().flatten()
         rows = upload.logits[upload.known]

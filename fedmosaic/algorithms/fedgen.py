@@ -55,22 +55,21 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import check_state_like, weighted_average
+from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
-from fedmosaic.core import robust, seeding
+from fedmosaic.core import robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.rounds import MAX_EXAMPLES
 from fedmosaic.models.build import build_head, split_member
 
 TEACHERS = ("logits", "losses")
@@ -126,8 +125,8 @@ class FedGenBroadcast(Payload):
 class FedGenUpload(Payload):
     """A client's head after local training and its training label counts."""
 
-    head: dict[str, Tensor]
-    counts: Tensor  # [C] int64
+    head: Annotated[dict[str, Tensor], "like head"]  # like the server's global head
+    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES"]  # training label counts
 
 
 @dataclass
@@ -313,20 +312,9 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         return FedGenBroadcast(state.head, gen_state, state.label_probs, state.trained)
 
     def validate_upload(self, state: FedGenState, upload: FedGenUpload, client_id: int) -> None:
-        check_state_like(upload.head, state.head, f"client {client_id} head")
+        schema.check(upload, client_id, C=state.label_probs.shape[0], head=state.head)
         robust.check_update(upload.head, state.head, client_id, "head")
-        c = state.label_probs.shape[0]
-        counts = upload.counts
-        if counts.dtype != torch.int64 or tuple(counts.shape) != (c,):
-            raise PayloadError(
-                f"client {client_id} counts is {counts.dtype}{tuple(counts.shape)}, "
-                f"expected torch.int64({c},)"
-            )
-        if bool((counts < 0).any()) or int(counts.sum()) > MAX_EXAMPLES:
-            raise PayloadError(
-                f"client {client_id} counts must be >= 0 and sum to at most {MAX_EXAMPLES}"
-            )
-        robust.check_class_counts(counts, client_id, "counts")
+        robust.check_class_counts(upload.counts, client_id, "counts")
 
     def aggregate(
         self, state: FedGenState, uploads: Sequence[Weighted[FedGenUpload]], round_num: int

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +47,12 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
-from fedmosaic.core import robust, seeding
+from fedmosaic.core import robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
 if TYPE_CHECKING:
@@ -66,8 +66,8 @@ SERVER_STEPS = ("pair", "client")
 class ClassMeans(Payload):
     """A client's local averaged representations (LARs) of the classes it holds, with labels."""
 
-    protos: Tensor  # [k, d] float32, k = |C_k|; row i is the LAR of class classes[i]
-    classes: Tensor  # [k] int64, strictly increasing class ids
+    protos: Annotated[Tensor, "[k, d] float32"]  # k = |C_k|; row i: the LAR of class classes[i]
+    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
 
 
 @dataclass
@@ -200,27 +200,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     def validate_upload(self, state: FedGHState, upload: ClassMeans, client_id: int) -> None:
         c, d = state.head["weight"].shape
-        p, cls = upload.protos, upload.classes
-        if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
-            raise PayloadError(
-                f"client {client_id}: protos is {p.dtype}{tuple(p.shape)}, expected "
-                f"torch.float32 (k <= {c}, {d})"
-            )
-        if cls.dtype != torch.int64 or tuple(cls.shape) != (p.shape[0],):
-            raise PayloadError(
-                f"client {client_id}: classes is {cls.dtype}{tuple(cls.shape)}, expected "
-                f"torch.int64{(p.shape[0],)} (one class id per protos row)"
-            )
-        if cls.numel() and (
-            int(cls.min()) < 0 or int(cls.max()) >= c or bool((cls.diff() <= 0).any())
-        ):
-            raise PayloadError(
-                f"client {client_id}: classes must be strictly increasing ids in [0, {c})"
-            )
-        if not bool(torch.isfinite(p).all()):
-            raise PayloadError(f"client {client_id}: protos has NaN or Inf values")
+        schema.check(upload, client_id, C=c, d=d)
         claimed = torch.zeros(c, dtype=torch.bool)
-        claimed[cls] = True
+        claimed[upload.classes] = True
         robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
 
     def aggregate(

@@ -56,18 +56,18 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.core import seeding
+from fedmosaic.core import schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
 log = logging.getLogger("fedmosaic")
@@ -92,7 +92,8 @@ class HeNNBroadcast(Payload):
 
 @dataclass(frozen=True)
 class HeNNUpload(Payload):
-    kernel: Tensor  # [L, L] K_j = kernel(A_j, A_j) on next_rad, after training, eval mode
+    # K_j = kernel(A_j, A_j) on next_rad (L = the RAD's size), after training, eval mode
+    kernel: Annotated[Tensor, "[L, L] float32"]
 
 
 Broadcast = HeNNBroadcast
@@ -287,13 +288,7 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
         )
 
     def validate_upload(self, state: HeNNState, upload: HeNNUpload, client_id: int) -> None:
-        k = upload.kernel
-        n = state.rad_size
-        if k.dtype != torch.float32 or tuple(k.shape) != (n, n):
-            raise PayloadError(
-                f"client {client_id}: kernel is {k.dtype}{tuple(k.shape)}, "
-                f"expected torch.float32{(n, n)}"
-            )
+        schema.check(upload, client_id, L=state.rad_size)
 
     def aggregate(
         self, state: HeNNState, uploads: Sequence[Weighted[HeNNUpload]], round_num: int

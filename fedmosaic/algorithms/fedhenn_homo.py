@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
+from fedmosaic.algorithms._shared import SharedState, weighted_average
 from fedmosaic.algorithms.fedhenn import (
     check_hyperparameters,
     cka_distance,
@@ -39,7 +39,7 @@ from fedmosaic.algorithms.fedhenn import (
     rad_inputs,
     representation_kernel,
 )
-from fedmosaic.core import robust
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -114,7 +114,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         )
 
     def validate_upload(self, state: HomoState, upload: SharedState, client_id: int) -> None:
-        check_state_like(upload.state, state.weights, f"client {client_id} model state")
+        schema.check(upload, client_id, shared=state.weights)
         robust.check_update(upload.state, state.weights, client_id, "model state")
 
     def aggregate(

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,7 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import weighted_average
+from fedmosaic.core import schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -101,7 +102,8 @@ class MenteeBroadcast(Payload):
 class MenteeUpload(Payload):
     """A client's mentee update (or state), SVD-compressed like the broadcast."""
 
-    tensors: dict[str, Tensor]  # same naming as MenteeBroadcast.tensors
+    # the mentee's entries, each dense or as U/S/V factors (``check_compressed``)
+    tensors: Annotated[dict[str, Tensor], "like mentee"]
 
 
 @dataclass
@@ -321,7 +323,7 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
         return self._publish(avg, self.threshold(round_num + 1, state.rounds), state.rounds)
 
     def validate_upload(self, state: FedKDState, upload: MenteeUpload, client_id: int) -> None:
-        check_compressed(upload.tensors, state.mentee, f"client {client_id} mentee upload")
+        schema.check(upload, client_id, mentee=lambda x, w: check_compressed(x, state.mentee, w))
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

@@ -40,31 +40,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import class_means
-from fedmosaic.core import robust
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
 WEIGHTINGS = ("uniform", "count")
 INFERENCES = ("all", "own")
-MAX_COUNT = 10**9  # a client claiming more examples than this is not a real client
 
 
 @dataclass(frozen=True)
 class ProtoUpload(Payload):
     """A client's local prototypes and how many training examples each one averages."""
 
-    protos: Tensor  # [C, d] float32; zero rows for classes the client does not have
-    counts: Tensor  # [C] int64
+    protos: Annotated[Tensor, "[C, d] float32"]  # zero rows for classes the client does not have
+    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES"]
 
 
 @dataclass(frozen=True)
@@ -179,19 +178,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
 
     def validate_upload(self, state: ProtoState, upload: ProtoUpload, client_id: int) -> None:
         c, d = state.protos.shape
+        schema.check(upload, client_id, C=c, d=d)
         p, n = upload.protos, upload.counts
-        if p.dtype != torch.float32 or tuple(p.shape) != (c, d):
-            raise PayloadError(
-                f"client {client_id} protos is {p.dtype}{tuple(p.shape)}, expected float32{(c, d)}"
-            )
-        if n.dtype != torch.int64 or tuple(n.shape) != (c,):
-            raise PayloadError(
-                f"client {client_id} counts is {n.dtype}{tuple(n.shape)}, expected int64{(c,)}"
-            )
-        if bool((n < 0).any()) or int(n.sum()) > MAX_COUNT:
-            raise PayloadError(f"client {client_id} counts out of range: {n.tolist()}")
-        if not bool(torch.isfinite(p).all()):
-            raise PayloadError(f"client {client_id} protos has NaN or Inf values")
         robust.check_class_counts(n, client_id, "counts")  # vs. the partition, where known
         has = n > 0
         classes = has.nonzero().flatten()

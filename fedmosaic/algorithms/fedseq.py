@@ -39,14 +39,14 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._flops import paper_cost, training_macs
-from fedmosaic.algorithms._shared import check_state_like, weighted_average
+from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.fedbabu import (
     BODY,
     RoundCounter,
@@ -54,11 +54,11 @@ from fedmosaic.algorithms.fedbabu import (
     finetune_phase,
     start_from_server_init,
 )
-from fedmosaic.core import robust
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings
 
@@ -88,12 +88,11 @@ class ExpansionBroadcast(Payload):
 
 @dataclass(frozen=True)
 class ExpansionUpload(Payload):
-    state: dict[str, Tensor]  # client body state of the unfrozen blocks only
-    num_active: int  # the broadcast's num_active: which blocks these are
-    train_macs: int  # this round's forward + backward MACs (_flops.training_macs)
-    paper_cost: (
-        int  # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
-    )
+    state: Annotated[dict[str, Tensor], "like blocks"]  # the unfrozen blocks' body state only
+    num_active: Annotated[int, "int in [1, B]"]  # the broadcast's num_active: which blocks
+    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
+    # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    paper_cost: Annotated[int, "int >= 0"]
 
 
 @dataclass
@@ -241,20 +240,13 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
     def validate_upload(
         self, state: ExpansionState, upload: ExpansionUpload, client_id: int
     ) -> None:
-        num_blocks = len(state.block_keys)
-        if not 1 <= upload.num_active <= num_blocks:
-            raise PayloadError(
-                f"client {client_id}: num_active = {upload.num_active} not in [1, {num_blocks}]"
-            )
-        keys = _active_keys(state.block_keys, upload.num_active, self.order)
-        template = {k: state.body[k] for k in keys}
-        check_state_like(upload.state, template, f"client {client_id} unfrozen blocks")
-        robust.check_update(upload.state, template, client_id, "unfrozen blocks")
-        if upload.train_macs < 0 or upload.paper_cost < 0:
-            raise PayloadError(
-                f"client {client_id}: negative compute "
-                f"(train_macs = {upload.train_macs}, paper_cost = {upload.paper_cost})"
-            )
+        def blocks(x: dict[str, Tensor], where: str) -> None:  # num_active (a scalar) is checked
+            keys = _active_keys(state.block_keys, upload.num_active, self.order)
+            schema.check_like(x, {k: state.body[k] for k in keys}, where)
+
+        schema.check(upload, client_id, B=len(state.block_keys), blocks=blocks)
+        # Against the uploaded blocks only: check_update skips the body's keys the upload lacks.
+        robust.check_update(upload.state, state.body, client_id, "unfrozen blocks")
 
     def aggregate(
         self, state: ExpansionState, uploads: Sequence[Weighted[ExpansionUpload]], round_num: int

@@ -38,7 +38,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +46,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import class_means
-from fedmosaic.core import robust, seeding
+from fedmosaic.core import robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings
 
@@ -72,8 +72,8 @@ class Prototypes(Payload):
 class ClientPrototypes(Payload):
     """A client's prototypes of the classes it holds only: ``k = |C_i|`` rows, sorted classes."""
 
-    protos: Tensor  # [k, d] float32
-    classes: Tensor  # [k] int64, strictly increasing class ids
+    protos: Annotated[Tensor, "[k, d] float32"]
+    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
 
 
 Broadcast = Prototypes
@@ -284,23 +284,8 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
 
     def validate_upload(self, state: TGPState, upload: ClientPrototypes, client_id: int) -> None:
         c, d = state.params["embedding.weight"].shape
+        schema.check(upload, client_id, C=c, d=d)
         p, cls = upload.protos, upload.classes
-        if p.dtype != torch.float32 or p.dim() != 2 or p.shape[1] != d or p.shape[0] > c:
-            raise PayloadError(
-                f"client {client_id}: protos is {p.dtype}{tuple(p.shape)},"
-                f" expected torch.float32 (k <= {c}, {d})"
-            )
-        if cls.dtype != torch.int64 or tuple(cls.shape) != (p.shape[0],):
-            raise PayloadError(
-                f"client {client_id}: classes is {cls.dtype}{tuple(cls.shape)},"
-                f" expected torch.int64{(p.shape[0],)}"
-            )
-        if cls.numel() and (
-            int(cls.min()) < 0 or int(cls.max()) >= c or bool((cls.diff() <= 0).any())
-        ):
-            raise PayloadError(
-                f"client {client_id}: classes must be strictly increasing ids in [0, {c})"
-            )
         claimed = torch.zeros(c, dtype=torch.bool)
         claimed[cls] = True
         robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows

@@ -44,8 +44,8 @@ from fedmosaic.algorithms._distill import (
     kl_rows,
     small_member,
 )
-from fedmosaic.algorithms._shared import SharedState, check_state_like, weighted_average
-from fedmosaic.core import robust
+from fedmosaic.algorithms._shared import SharedState, weighted_average
+from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -120,7 +120,7 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     def validate_upload(
         self, state: dict[str, Tensor], upload: SharedState, client_id: int
     ) -> None:
-        check_state_like(upload.state, state, f"client {client_id} meme state")
+        schema.check(upload, client_id, shared=state)
         robust.check_update(upload.state, state, client_id, "meme state")
 
     # ---- client half ---------------------------------------------------------------------

@@ -65,19 +65,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core import seeding
+from torch import Tensor, nn
+
+from fedmosaic.core import schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings, TrainStats, train_epochs
-from torch import Tensor, nn
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
 REDUCTIONS = ("mean", "batchmean")
@@ -96,7 +97,7 @@ class KTpFLBroadcast(Payload):
 class KTpFLUpload(Payload):
     """A client's soft predictions on the public inputs after local training."""
 
-    soft: Tensor  # [P, C] float32, softmax(logits / T)
+    soft: Annotated[Tensor, "[P, C] float32 in [0, 1] rows sum 1"]  # softmax(logits / T)
 
 
 @dataclass
@@ -311,17 +312,8 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
         return KTpFLBroadcast(state.public, target, has_target)
 
     def validate_upload(self, state: KTpFLState, upload: KTpFLUpload, client_id: int) -> None:
-        soft = upload.soft
-        shape = tuple(state.soft.shape[1:])
-        if soft.dtype != torch.float32 or tuple(soft.shape) != shape:
-            raise PayloadError(
-                f"client {client_id} soft is {soft.dtype}{tuple(soft.shape)}, "
-                f"expected torch.float32{shape}"
-            )
-        if bool((soft < 0).any()) or bool((soft > 1).any()):
-            raise PayloadError(f"client {client_id} soft has values outside [0, 1]")
-        if not torch.allclose(soft.sum(1), torch.ones(shape[0]), atol=1e-3):
-            raise PayloadError(f"client {client_id} soft rows do not sum to 1")
+        _, p, c = state.soft.shape
+        schema.check(upload, client_id, P=p, C=c)
 
     def aggregate(
         self, state: KTpFLState, uploads: Sequence[Weighted[KTpFLUpload]], round_num: int

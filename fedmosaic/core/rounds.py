@@ -15,10 +15,10 @@ import numpy as np
 from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.payload import Payload, PayloadError
+from fedmosaic.core.schema import MAX_EXAMPLES  # a reply claiming more is not a real client
 from fedmosaic.metrics import aggregate_accuracy
 
 log = logging.getLogger("fedmosaic")
-MAX_EXAMPLES = 10**9  # a reply claiming more examples than this is not a real client
 DIVERGED_ROUNDS = 2  # consecutive rounds with no finite training loss: the run stops
 
 # Set (e.g. by the CLI's Ctrl-C handler) to stop the round loop after the round in progress: the
