@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedmosaic.provenance import code
+from fedmosaic import provenance
 from fedmosaic.report.suite import Cell, Suite
 
 if TYPE_CHECKING:
@@ -615,7 +615,7 @@ def code_versions(cells: Sequence[Cell], docs: dict[str, dict[str, Any]]) -> str
         commit = info.get("git_commit")
         if commit:
             commits[h] = f", commit {commit[:10]}{'+changes' if info.get('git_dirty') else ''}"
-    current = code()["source_hash"]
+    current = provenance.code()["source_hash"]
     if not groups or set(groups) == {current}:
         return ""
     parts = [
