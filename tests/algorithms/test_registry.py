@@ -217,3 +217,48 @@ def test_headline_accuracy_is_the_papers_model(name: str):
                     (_reference_scores(kind, model, extras, x, msg).argmax(1) == y).sum()
                 )
         assert reported[c.client_id] == pytest.approx(correct / c.num("test")), c.client_id
+
+
+def _finetuned_methods() -> list[str]:
+    from fedmosaic.algorithms import build_algorithm
+
+    return [n for n in NAMES if build_algorithm(digits_raw(n)["algorithm"]).finetune_phases(None)]
+
+
+@pytest.mark.parametrize("name", _finetuned_methods())
+def test_after_finetune_accuracy_is_the_finetuned_models(name: str):
+    """FedBABU and layer expansion report accuracy after local fine-tuning (their papers'
+    metric): recomputed here from each client's fine-tuned model, which must differ from the
+    model evaluated before fine-tuning."""
+    cfg = from_dict(digits_raw(name, rounds=2))
+    fed = build_federation(cfg)
+    transport = make_transport(fed)
+    plan = RoundPlan(fed.plan.num_clients, 2, fed.plan.clients_per_round, 1, -1)
+    history, state = run_rounds(fed.algo, fed.spec, transport, plan)
+    assert history.finetune_eval, "the method's default fine-tuning did not run"
+    after, before = per_client_acc(history.finetune_eval), per_client_acc(history.final_eval)
+    moved = 0
+    for c in fed.clients:
+        model = fed.models[c.client_id]  # fine-tuned in place; evaluated without re-receiving
+        model.eval()
+        received = copy.deepcopy(model)
+        fed.algo.receive(
+            received,
+            copy.deepcopy(fed.extras[c.client_id]),
+            fed.algo.broadcast(state, c.client_id, 3),
+        )
+        moved += int(
+            any(
+                not torch.equal(a, b)
+                for a, b in zip(
+                    model.state_dict().values(), received.state_dict().values(), strict=True
+                )
+            )
+        )
+        correct = 0
+        with torch.no_grad():
+            for x, y in c.iter_batches("test", 1000):
+                correct += int((model(x).argmax(1) == y).sum())
+        assert after[c.client_id] == pytest.approx(correct / c.num("test")), c.client_id
+    assert moved == len(fed.clients), "fine-tuning left some client's model as received"
+    assert after != before
