@@ -112,21 +112,29 @@ def _signature(doc: dict[str, Any]) -> list[tuple[float, float]]:
     return [(r["train_loss"], r["acc_weighted"]) for r in doc["rounds"]]
 
 
+# Where the method's term is deliberately weak in 3 one-epoch rounds, this test turns it up:
+# FedHeNN's CKA term at eta0 = 0.01 moves the loss by ~0.2% here (the paper trains 20 epochs).
+STRONGER: dict[str, dict[str, Any]] = {"fedhenn": {"eta0": 1.0}}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_what_is_communicated_changes_the_result(name: str, monkeypatch):
-    normal = trained(name)
+    raw = digits_raw(name)
+    raw["algorithm"].update(STRONGER.get(name, {}))
+    normal = trained(name) if name not in STRONGER else run_experiment(from_dict(raw), False)
     cls = ALGORITHMS.get(name)
     # The server never takes in an upload: every broadcast is built from the initial state.
     monkeypatch.setattr(cls, "aggregate", lambda self, state, uploads, round_num: state)
-    frozen = run_experiment(from_dict(digits_raw(name)), progress=False)
+    frozen = run_experiment(from_dict(raw), progress=False)
     if name == "local":
         assert _signature(frozen) == _signature(normal)
         return
-    # Measurably: the mean training loss over rounds 2-3 moves by at least 0.1%, or accuracy.
+    # Measurably, not by rounding: over rounds 2-3 the training loss moves by at least 1% or
+    # the accuracy by at least one point.
     a, b = _signature(normal)[1:], _signature(frozen)[1:]
     loss_change = max(abs(x[0] - y[0]) / abs(x[0]) for x, y in zip(a, b, strict=True))
     acc_change = max(abs(x[1] - y[1]) for x, y in zip(a, b, strict=True))
-    assert loss_change > 1e-3 or acc_change > 0, (loss_change, acc_change)
+    assert loss_change >= 0.01 or acc_change >= 0.01, (loss_change, acc_change)
 
 
 # ---- golden numbers ----------------------------------------------------------------------------
