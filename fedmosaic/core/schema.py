@@ -185,15 +185,19 @@ def _describe(x: Tensor) -> str:
 def _check_tensor(fs: FieldSchema, x: Any, env: dict[str, Any], where: str) -> None:
     if not isinstance(x, Tensor):
         raise PayloadError(f"{where} is {type(x).__name__}, expected a tensor")
-    expected = f"{str(fs.dtype).removeprefix('torch.')}{_dims_text(fs.dims, env)}"
+
+    def wrong() -> PayloadError:
+        expected = f"{str(fs.dtype).removeprefix('torch.')}{_dims_text(fs.dims, env)}"
+        return PayloadError(f"{where} is {_describe(x)}, expected {expected}")
+
     if x.dtype != fs.dtype or x.dim() != len(fs.dims):
-        raise PayloadError(f"{where} is {_describe(x)}, expected {expected}")
+        raise wrong()
     for i, d in enumerate(fs.dims):
         want = env.get(d) if isinstance(d, str) else d
         if want is None:
             env[d] = int(x.shape[i])  # a free dimension: fixed by its first occurrence
         elif int(x.shape[i]) != want:
-            raise PayloadError(f"{where} is {_describe(x)}, expected {expected}")
+            raise wrong()
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         raise PayloadError(f"{where} has NaN or Inf values")
     _check_constraints(fs, x, env, where)
