@@ -117,7 +117,8 @@ class Algorithm(ABC, Generic[S, B, U]):
     # function of the model's (and extras') parameters and buffers, the batch and the message
     # (no randomness, no Python state carried between steps, no ``.grad`` or hooks), and every
     # trainable parameter takes part in it. ``receive``, ``before_fit`` and ``upload`` still run
-    # per client. Off by default: a method opts in where that holds.
+    # per client. Off by default: a method opts in where that holds; a subclass that overrides
+    # ``loss``, ``phases`` or ``before_fit`` must declare it again (``batched.declared_batchable``).
     batchable: ClassVar[bool] = False
 
 

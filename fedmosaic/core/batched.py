@@ -65,9 +65,25 @@ def layout_key(model: nn.Module, extras: nn.Module) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def declared_batchable(algo: Algorithm) -> bool:
+    """``Algorithm.batchable`` as declared for the code that trains: a subclass that overrides
+    ``loss``, ``phases`` or ``before_fit`` below the class declaring it (a user's variant of a
+    built-in method) is not batched unless it declares ``batchable`` itself."""
+    cls = type(algo)
+    mro = cls.__mro__
+    where = next((c for c in mro if "batchable" in c.__dict__), None)
+    if where is None or not where.__dict__["batchable"]:
+        return False
+    for name in ("loss", "phases", "before_fit"):
+        owner = next(c for c in mro if name in c.__dict__)
+        if owner is not where and issubclass(owner, where):  # overridden below the declaration
+            return False
+    return True
+
+
 def eligible(algo: Algorithm, model: nn.Module, extras: nn.Module) -> bool:
     """The method declares batching equivalent and the model has no random layers."""
-    if not getattr(algo, "batchable", False):
+    if not declared_batchable(algo):
         return False
     for module in (model, extras):
         for m in module.modules():

@@ -173,6 +173,21 @@ def test_eligibility_and_groups():
     assert batched.eligible(fed.algo, fed.models[0], fed.extras[0])
     fedprox = ALGORITHMS.get("fedprox")()
     assert not batched.eligible(fedprox, fed.models[0], fed.extras[0])  # not declared
+    fedavgm = ALGORITHMS.get("fedavgm")()  # inherits FedOpt's declaration and FedAvg's loss
+    assert batched.eligible(fedavgm, fed.models[0], fed.extras[0])
+    lg = type(fed.algo)
+
+    @dataclass(frozen=True)
+    class MyLG(lg):  # a user's variant with its own loss: not batched unless it says so
+        def loss(self, model, extras, x, y, msg):
+            return super().loss(model, extras, x, y, msg) * 2
+
+    @dataclass(frozen=True)
+    class MyLGDeclared(MyLG):
+        batchable: ClassVar[bool] = True
+
+    assert not batched.eligible(MyLG(), fed.models[0], fed.extras[0])
+    assert batched.eligible(MyLGDeclared(), fed.models[0], fed.extras[0])
     drop = torch.nn.Sequential(torch.nn.Dropout(0.5))
     assert not batched.eligible(fed.algo, drop, torch.nn.Module())
 
