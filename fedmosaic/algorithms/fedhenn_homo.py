@@ -12,6 +12,10 @@ RAD, with gradient. ``eta0 = 0`` is FedAvg. Both kernels are the eval-mode map (
 statistics used and left alone, dropout off: see ``fedhenn``), and the model has no projection layer
 (``model_projection = "none"``: the representation is the network's own penultimate layer).
 
+BatchNorm: the server averages the whole state dict, so running statistics are averaged with the
+weights (float buffers by the same sample weights, ``num_batches_tracked`` the maximum) and every
+client loads them each round; there is no ``bn`` option as in the SharedWeights family.
+
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
 ``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
 reference swaps them); RAD from the public split (the reference samples the training set);

@@ -11,6 +11,8 @@ side (block 0 first), ``fedseq_anti`` from the head side (block B-1 first). Shar
 unfrozen blocks (parameters and buffers), both directions, sample-weighted average; the server
 keeps the full body and merges the averaged blocks into it. Frozen blocks never travel: they stay
 at the shared initialization on every client and on the server until they unfreeze.
+BatchNorm running statistics of the unfrozen blocks are thus averaged with the weights (float
+buffers by sample weight, ``num_batches_tracked`` the maximum); there is no ``bn`` option.
 
 Schedule (``unfreeze_rounds``, one entry per block in unfreezing order): the k-th block to unfreeze
 trains in round t (1-based) iff ``t > unfreeze_rounds[k]``, i.e. the entry is the number of rounds
