@@ -31,8 +31,12 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from fedmosaic.algorithms._shared import (
     SharedState,
@@ -41,6 +45,7 @@ from fedmosaic.algorithms._shared import (
     class_means,
     weighted_average,
 )
+from fedmosaic.checkpoint import FINAL_FILE, for_federation, peek
 from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict, load
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
@@ -49,6 +54,7 @@ from fedmosaic.core.payload import Empty, Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS, DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.data import DatasetError, ImageDataset, PartitionError
 from fedmosaic.experiment import run_experiment
+from fedmosaic.federation import Federation, build_federation, make_client
 
 Config = str | Path | dict[str, Any] | ExperimentConfig
 
@@ -64,10 +70,95 @@ def experiment_config(config: Config, overrides: Sequence[str] = ()) -> Experime
     return load(config, list(overrides))
 
 
-def run(config: Config, overrides: Sequence[str] = (), progress: bool = False) -> dict[str, Any]:
+@dataclass
+class Result:
+    """A finished run: its results document, final server state and trained client models.
+
+    Reads like ``results.json`` too: ``result["rounds"]``, ``result["summary"]``, ...
+    """
+
+    document: dict[str, Any]  # what results.json holds
+    config: ExperimentConfig
+    server_state: Any  # the algorithm's server state after the last round
+    # client i's trained model (eval mode) as the final evaluation saw it: after receiving the
+    # last broadcast, or after the method's fine-tuning (``load_run``: the file is written
+    # after the last round, before any fine-tuning)
+    models: list[ClientModel]
+    extras: list[nn.Module]  # client i's extras (the algorithm's per-client state)
+    rounds_done: int = 0
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        return self.document["rounds"]
+
+    @property
+    def clients(self) -> list[dict[str, Any]]:
+        return self.document["clients"]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.document["summary"]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.document[key]
+
+
+def _trained_clients(
+    fed: Federation, states: list[tuple[dict, dict]], server_state: Any, done: int, receive: bool
+) -> tuple[list, list]:
+    """Fresh client models and extras of ``fed`` holding ``states`` (nothing shared with a run),
+    as the final evaluation saw them: with ``receive``, after taking the broadcast that followed
+    round ``done`` (the global parts: FedAvg's global model, LG-FedAvg's global head, ...)."""
+    models, extras = [], []
+    for c, (model_state, extras_state) in zip(fed.clients, states, strict=True):
+        model, extra = make_client(fed.cfg, fed.algo, fed.spec, c)
+        model.load_state_dict(model_state, strict=True)
+        extra.load_state_dict(extras_state, strict=True)
+        if receive:
+            fed.algo.receive(model, extra, fed.algo.broadcast(server_state, c.client_id, done + 1))
+        models.append(model.eval())
+        extras.append(extra.eval())
+    return models, extras
+
+
+def run(config: Config, overrides: Sequence[str] = (), progress: bool = False) -> Result:
     """Run one experiment on the simulator (``sim.backend``: serial or processes) and return its
-    results document (what ``results.json`` holds: ``rounds``, ``clients``, ``summary``, ...)."""
-    return run_experiment(experiment_config(config, overrides), progress=progress)
+    :class:`Result`: the results document, the final server state and every client's trained
+    model, whichever backend trained them."""
+    cfg = experiment_config(config, overrides)
+    trained: dict[str, Any] = {}
+    doc = run_experiment(cfg, progress=progress, trained=trained)
+    done = int(doc["rounds"][-1]["round"]) if doc["rounds"] else 0
+    # After the method's fine-tuning (FedBABU, ...) the clients hold the fine-tuned models, which
+    # were evaluated without receiving again; otherwise the evaluation received the broadcast.
+    tuned = "after_finetune" in doc.get("summary", {})
+    state = trained["state"]
+    models, extras = _trained_clients(trained["fed"], trained["clients"], state, done, not tuned)
+    return Result(doc, cfg, state, models, extras, done)
+
+
+def load_run(path: str | Path) -> Result:
+    """The kept models of a finished run: ``path`` is a ``fedmosaic run --save-models --out``
+    folder (its ``final.safetensors`` and ``results.json``) or a checkpoint file. Rebuilds the
+    federation from the config stored in the file (the data are read again to size the models)
+    and loads the server state and every client's model into it."""
+    p = Path(path)
+    file = p / FINAL_FILE if p.is_dir() else p
+    meta = peek(file)  # a missing, truncated or forged file is a CheckpointError naming it
+    cfg = from_dict(meta["config"])
+    fed = build_federation(replace(cfg, sim=replace(cfg.sim, backend="serial")))
+    ckpt = for_federation(fed, None, file.parent, 0, resume=True)  # type: ignore[arg-type]
+    # This file, checked against its own config (loaded on the serial backend whatever ran it).
+    ckpt.path, ckpt.config = file, meta["config"]
+    with torch.random.fork_rng(devices=[]):  # the file's RNG state is the run's, not ours
+        restored = ckpt.restore(fed.algo.init_server(fed.spec))
+    assert restored is not None  # the file exists: restore either loads it or raises
+    done, state, _, _ = restored
+    doc_file = file.parent / "results.json"
+    doc = json.loads(doc_file.read_text()) if doc_file.is_file() else {}
+    states = [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
+    models, extras = _trained_clients(fed, states, state, done, receive=True)
+    return Result(doc, cfg, state, models, extras, done)
 
 
 def run_flower_in_memory(
@@ -105,6 +196,7 @@ __all__ = [
     "Payload",
     "PayloadError",
     "Phase",
+    "Result",
     "SharedState",
     "SharedWeights",
     "Weighted",
@@ -112,6 +204,7 @@ __all__ = [
     "class_means",
     "from_dict",
     "load",
+    "load_run",
     "experiment_config",
     "run",
     "run_experiment",

@@ -49,6 +49,7 @@ log = logging.getLogger("fedmosaic")
 FORMAT = "fedmosaic-checkpoint"
 VERSION = 1
 FILENAME = "checkpoint.safetensors"
+FINAL_FILE = "final.safetensors"  # --save-models: the checkpoint after the last round, kept
 # Test hook: after saving the checkpoint of this round the process SIGKILLs itself (resume tests).
 KILL_ENV = "FEDMOSAIC_KILL_AFTER_CHECKPOINT"
 # Config keys that do not change a run's numbers (a resumed run may differ in them).

@@ -18,7 +18,7 @@ from typing import Any
 import fedmosaic
 import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import Checkpointer, CheckpointError, config_fingerprint
+from fedmosaic.checkpoint import FINAL_FILE, Checkpointer, CheckpointError, config_fingerprint
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
@@ -41,7 +41,6 @@ from fedmosaic.report.sinks import Sinks
 
 DEFAULT_BASELINE = "local"
 CHECKPOINT_FILE = "checkpoint.safetensors"  # fedmosaic.checkpoint.FILENAME (kept import-light)
-FINAL_FILE = "final.safetensors"  # --save-models: the checkpoint after the last round
 
 
 def default_config_path() -> Path:
@@ -342,8 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument(
         "--save-models",
-        action="store_true",
-        help="keep the trained server state and client models as OUT/final.safetensors",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the trained server state and client models as OUT/final.safetensors "
+        "(fedmosaic.api.load_run(OUT) loads them; default on)",
     )
     r.add_argument(
         "--extend",

@@ -41,8 +41,12 @@ def run_experiment(
     resume: bool = False,
     keep_final: bool = False,
     extend: bool = False,
+    trained: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one experiment on the simulator and return the ``results.json`` document.
+
+    ``trained`` (a dict, filled in place) receives the final server state (``"state"``), every
+    client's final model and extras state dicts (``"clients"``) and the federation (``"fed"``).
 
     ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
     after the last one; ``resume`` continues from that file when it exists (see
@@ -71,7 +75,7 @@ def run_experiment(
             ckpt = for_federation(
                 fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
             )
-        history = _rounds(fed, transport, ckpt, progress, on_round)
+        history = _rounds(fed, transport, ckpt, progress, on_round, trained)
         return results_document(fed, history, time.perf_counter() - start, started, workers(fed))
     finally:
         torch.set_num_threads(threads)
@@ -83,6 +87,7 @@ def _rounds(
     ckpt: Checkpointer | None,
     progress: bool | None,
     on_round: Callable[[dict[str, Any]], None] | None,
+    trained: dict[str, Any] | None = None,
 ) -> Any:
     """The round loop with a progress bar (on a terminal) or one log line per round."""
     cfg = fed.cfg
@@ -105,7 +110,9 @@ def _rounds(
     try:
         if ckpt is not None and bar is not None and ckpt.resume and ckpt.path.exists():
             bar.update(int(peek(ckpt.path)["round"]))
-        history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
+        history, state = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
+        if trained is not None:  # before the workers (which hold the clients) are closed
+            trained.update(state=state, clients=_client_states(fed, transport), fed=fed)
     finally:
         if bar is not None:
             bar.close()
@@ -113,3 +120,10 @@ def _rounds(
         if close is not None:
             close()
     return history
+
+
+def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, dict]]:
+    """Every client's (model, extras) state dicts, wherever the backend keeps them."""
+    if fed.models:  # serial: the clients live in this process
+        return [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
+    return transport.client_states()  # type: ignore[attr-defined]  # the process backend
