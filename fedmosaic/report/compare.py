@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedmosaic import provenance
+from fedmosaic.report.results import save_figure  # PNG (150 dpi) + SVG + PDF
 from fedmosaic.report.suite import Cell, Suite
 
 if TYPE_CHECKING:
@@ -302,7 +303,7 @@ def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]], cells: Sequence
         )
     lines.append(
         f"Accuracies in %, mean ± half-width of the 95% t-interval over seeds (n/a from one "
-        f"seed), {METRIC_NAMES[suite.paper_metric]} over clients "
+        f"seed), {METRIC_NAMES[suite.paper_metric]} accuracy "
         "(the metric the suite's paper reports) unless a column names the other; best-on-test "
         "selects the round on the test set, as the papers report it."
     )
@@ -356,14 +357,6 @@ X_AXES = {
     "mb": "communicated MB (all clients, up + down, cumulative)",
     "seconds": "wall-clock seconds (cumulative)",
 }
-
-
-def save_figure(fig: Any, path: Path) -> list[Path]:
-    """``path`` as PNG (150 dpi) plus vector SVG and PDF beside it, for papers."""
-    paths = [path, path.with_suffix(".svg"), path.with_suffix(".pdf")]
-    for p in paths:
-        fig.savefig(p, bbox_inches="tight", dpi=150 if p.suffix == ".png" else None)
-    return paths
 
 
 def _xs(doc: dict[str, Any], x: str) -> dict[int, float]:
@@ -446,6 +439,39 @@ def plot_grid_curves(
     plt.close(fig)
 
 
+def _stacked_label_bars(plt: Any, fig: Any, ax: Any, counts: np.ndarray) -> None:
+    """Bars of ``counts [clients, C]`` stacked by class, with a colour key: a legend up to 20
+    classes (distinct qualitative colours), beyond that a colour bar of the class index."""
+    ids = np.arange(counts.shape[0])
+    num_classes = counts.shape[1]
+    if num_classes <= 20:
+        cmap = plt.get_cmap("tab10" if num_classes <= 10 else "tab20")
+        colours = [cmap(k) for k in range(num_classes)]
+    else:  # qualitative maps would repeat colours: a continuous map with a colour bar
+        cmap = plt.get_cmap("viridis")
+        colours = [cmap(k / (num_classes - 1)) for k in range(num_classes)]
+    bottom = np.zeros(counts.shape[0])
+    for k in range(num_classes):
+        ax.bar(ids, counts[:, k], bottom=bottom, color=colours[k], width=0.85, label=str(k))
+        bottom += counts[:, k]
+    if num_classes <= 20:
+        ax.legend(
+            title="class",
+            fontsize=7,
+            title_fontsize=7,
+            ncol=1 + (num_classes - 1) // 10,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            borderaxespad=0.0,
+        )
+    else:
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        bar = fig.colorbar(ScalarMappable(Normalize(0, num_classes - 1), cmap), ax=ax, pad=0.01)
+        bar.set_label("class", fontsize=8)
+
+
 def plot_labels_and_accuracy(
     cells: Sequence[Cell], docs: dict[str, dict[str, Any]], path: Path
 ) -> None:
@@ -466,12 +492,7 @@ def plot_labels_and_accuracy(
         counts = np.array([c.get("train_label_counts", []) for c in clients], dtype=float)
         ax_h, ax_a = axes[row]
         if counts.ndim == 2 and counts.size:
-            ids = np.arange(counts.shape[0])
-            cmap = plt.get_cmap("tab20" if counts.shape[1] > 10 else "tab10")
-            bottom = np.zeros(counts.shape[0])
-            for k in range(counts.shape[1]):
-                ax_h.bar(ids, counts[:, k], bottom=bottom, color=cmap(k % cmap.N), width=0.85)
-                bottom += counts[:, k]
+            _stacked_label_bars(plt, fig, ax_h, counts)
         ax_h.set_title(f"{setting}: training labels per client (seed {seed})", fontsize=10)
         ax_h.set_xlabel("client")
         ax_h.set_ylabel("examples (stacked by class)")
