@@ -121,7 +121,6 @@ class Algorithm(ABC, Generic[S, B, U]):
     # ``loss``, ``phases`` or ``before_fit`` must declare it again (``batched.declared_batchable``).
     batchable: ClassVar[bool] = False
 
-
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook
         """Raise ``core.errors.ConfigError`` for a federation this method cannot run (no public
@@ -139,7 +138,11 @@ class Algorithm(ABC, Generic[S, B, U]):
     def aggregate(self, state: S, uploads: Sequence[Weighted[U]], round_num: int) -> S: ...
 
     def validate_upload(self, state: S, upload: U, client_id: int) -> None:  # noqa: B027
-        """Server-side checks beyond the payload's own (shapes against the state); raise PayloadError."""
+        """Check an upload against the server state before aggregation; raise PayloadError.
+
+        Start with ``core.schema.check(upload, client_id, **names)``: the Upload's declared field
+        schemas with their names (``C``, ``d``, references) bound from ``state``; add only what a
+        schema cannot say (claims vs the partition, ``core.robust`` magnitude sanity)."""
 
     def upload_metrics(self, upload: U) -> dict[str, float]:
         """Per-client numbers an upload reports, summed over the round's valid uploads into the
