@@ -38,11 +38,16 @@ def test_one_log_line_per_round_without_a_terminal(tmp_path: Path):
     assert [ln.split(" round ")[1].split(":")[0] for ln in lines] == ["1/3", "2/3", "3/3"]
     assert all("acc " in ln and "loss " in ln and "KB/client" in ln for ln in lines)
     assert "\r" not in text  # no progress-bar returns in the log
-    # --quiet: warnings only.
-    log.unlink()
-    args = ["run", str(cfg), "--out", str(tmp_path / "q"), "--quiet", "--log-file", str(log)]
-    assert main(args) == 0
-    assert " round " not in log.read_text()
+    # --quiet, or --log-level warning: warnings only.
+    for i, flag in enumerate((["--quiet"], ["--log-level", "warning"])):
+        log.unlink()
+        args = ["run", str(cfg), "--out", str(tmp_path / f"q{i}"), *flag, "--log-file", str(log)]
+        assert main(args) == 0
+        assert " round " not in log.read_text()
+    # --log-level debug: at least the info lines.
+    args = ["run", str(cfg), "--out", str(tmp_path / "d"), "--log-level", "debug"]
+    assert main([*args, "--log-file", str(log)]) == 0
+    assert "local round 3/3" in log.read_text()
 
 
 def test_stop_request_checkpoints_and_resume_finishes_identically(tmp_path: Path, monkeypatch):
@@ -64,7 +69,15 @@ def test_stop_request_checkpoints_and_resume_finishes_identically(tmp_path: Path
     assert (out / "checkpoint.safetensors").exists() and not (out / "results.json").exists()
     assert not rounds.stop_requested.is_set()  # cleared for the next command
     monkeypatch.setattr(sinks.Sinks, "__call__", real_call)
-    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--resume"]) == 0
+    log = tmp_path / "resume.log"
+    args = ["run", str(cfg), "--out", str(out), "--resume", "--log-file", str(log)]
+    assert main([*args, "--log-level", "info"]) == 0
+    text = log.read_text()  # the default level says where the run continued, then each round
+    assert "resumed from" in text and "after round 1" in text
+    assert [ln.split(" round ")[1][:3] for ln in text.splitlines() if "fedtgp round" in ln] == [
+        "2/3",
+        "3/3",
+    ]
     a = json.loads((ref / "results.json").read_text())
     b = json.loads((out / "results.json").read_text())
     assert [r["acc_weighted"] for r in a["rounds"]] == [r["acc_weighted"] for r in b["rounds"]]
