@@ -47,6 +47,7 @@ from fedmosaic.algorithms._shared import (
 )
 from fedmosaic.checkpoint import FINAL_FILE, for_federation, peek
 from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict, load
+from fedmosaic.core import schema  # declared upload schemas: schema.check(upload, cid, ...)
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -209,5 +210,6 @@ __all__ = [
     "run",
     "run_experiment",
     "run_flower_in_memory",
+    "schema",
     "weighted_average",
 ]
