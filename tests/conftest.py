@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,3 +49,15 @@ def tiny_raw(**sections: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture
 def tiny() -> dict[str, Any]:
     return copy.deepcopy(TINY)
+
+
+def write_toml(path: Path, raw: dict[str, Any]) -> Path:
+    """``raw`` (a ``tiny_raw``-style dict) written as an experiment TOML at ``path``."""
+    lines = [f"seed = {raw['seed']}"]
+    if raw.get("plugins"):
+        lines.append(f"plugins = {json.dumps(raw['plugins'])}")
+    for section in ("data", "model", "train", "sim", "algorithm"):
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

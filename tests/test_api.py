@@ -3,13 +3,12 @@ trained them, and ``load_run`` reloads a finished run's kept models from ``--sav
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.cli import main
@@ -63,12 +62,7 @@ def test_fine_tuning_methods_return_the_fine_tuned_models():
 
 def test_load_run_restores_the_kept_models(tmp_path: Path):
     raw = tiny_raw(**LG, sim={"backend": "processes", "workers": 2, "threads": 1})
-    cfg = tmp_path / "c.toml"
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    cfg.write_text("\n".join(lines) + "\n")
+    cfg = write_toml(tmp_path / "c.toml", raw)
     out = tmp_path / "o"
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
     kept = fm.load_run(out)

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict
@@ -68,12 +68,7 @@ def test_bad_hyperparameters_are_refused_by_name(algorithm, named):
 
 def _toml(path: Path, **sections) -> Path:
     raw = tiny_raw(data=SMALL, **sections)
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 def test_cli_refuses_before_writing_anything(tmp_path: Path, capsys):

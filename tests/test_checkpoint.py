@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 from safetensors.torch import save_file
 from torch import nn
 
@@ -160,12 +160,7 @@ def _without_timing(doc: dict[str, Any]) -> dict[str, Any]:
 def _write_tiny_toml(path: Path, algorithm: str, rounds: int) -> Path:
     raw = tiny_raw(data=SMALL, train={"rounds": rounds}, algorithm={"name": algorithm})
     raw["sim"]["check_wire"] = False
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 def test_sigkill_then_resume_gives_the_same_results(tmp_path: Path):

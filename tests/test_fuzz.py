@@ -10,14 +10,13 @@ tests/data/test_fuzz_files.py.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import typing
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.cli import main
@@ -174,12 +173,7 @@ def test_a_bad_number_is_refused_by_name(section, key, algo, what):
 
 
 def _toml(path: Path, raw: dict) -> Path:
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 def _one_line_error(capsys) -> str:

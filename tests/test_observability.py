@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.core import rounds
@@ -21,12 +21,7 @@ SMALL = {"synthetic_shape": [1, 16, 16]}
 
 def _toml(path: Path, **sections) -> Path:
     raw = tiny_raw(data=SMALL, **sections)
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 def test_one_log_line_per_round_without_a_terminal(tmp_path: Path):

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict
@@ -75,13 +75,7 @@ def test_a_plugin_method_runs_identically_on_both_backends(plugin: Path):
 
 
 def test_a_plugin_from_the_command_line(plugin: Path, tmp_path: Path):
-    raw = _raw(plugin, "processes")
-    cfg = tmp_path / "c.toml"
-    lines = ["seed = 0", f"plugins = {json.dumps(raw['plugins'])}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    cfg.write_text("\n".join(lines) + "\n")
+    cfg = write_toml(tmp_path / "c.toml", _raw(plugin, "processes"))
     assert main(["run", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
     doc = json.loads((tmp_path / "o" / "results.json").read_text())
     assert doc["config"]["plugins"] == [str(plugin)]
@@ -107,19 +101,10 @@ def fresh_cli_plugins(monkeypatch):
     monkeypatch.setattr(config, "_CLI_PLUGINS", [])
 
 
-def _toml(raw: dict, with_plugins: bool) -> str:
-    lines = ["seed = 0"]
-    if with_plugins:
-        lines.append(f"plugins = {json.dumps(raw['plugins'])}")
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    return "\n".join(lines) + "\n"
-
-
 def test_the_plugin_option_on_the_command_line(plugin: Path, tmp_path: Path, fresh_cli_plugins):
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(_toml(_raw(plugin, "processes"), with_plugins=False))
+    raw = _raw(plugin, "processes")
+    raw["plugins"] = []
+    cfg = write_toml(tmp_path / "c.toml", raw)
     out = tmp_path / "o"
     # The workers are fresh interpreters: they know the method only through the recorded option.
     args = ["run", str(cfg), "--out", str(out), "--quiet", "--plugin", str(plugin)]
@@ -143,7 +128,7 @@ def test_a_relative_plugin_path_is_taken_beside_its_config(
     raw["plugins"] = ["mine.py"]
     raw["algorithm"]["name"] = "beside_fedavgm"
     raw["model"]["family"] = "beside_family"
-    (folder / "c.toml").write_text(_toml(raw, with_plugins=True))
+    write_toml(folder / "c.toml", raw)
     monkeypatch.chdir(tmp_path)  # not the config's folder
     from fedmosaic.config import load
 

@@ -7,11 +7,10 @@ written ``--out``, a bad suite cell after the cells before it had run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic import compare
 from fedmosaic.cli import main
@@ -24,12 +23,7 @@ NO_PUBLIC = {"synthetic_shape": [1, 16, 16], "public_size": 0}
 
 
 def _toml(path: Path, raw: dict) -> Path:
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 @pytest.fixture

@@ -7,24 +7,18 @@ whole CLI: exit 2, one line naming the file or the problem, no traceback, ``--ou
 from __future__ import annotations
 
 import gzip
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 from dataset_files import isolate_search, write_cifar, write_mnist, write_tiny
 
 from fedmosaic.cli import main
 
 
 def _toml(path: Path, raw: dict) -> Path:
-    lines = [f"seed = {raw['seed']}"]
-    for section in ("data", "model", "train", "sim", "algorithm"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_toml(path, raw)
 
 
 def _mnist_root(tmp_path: Path) -> Path:
