@@ -17,6 +17,7 @@ from torch import Tensor
 from fedmosaic.algorithms._shared import class_means
 from fedmosaic.checkpoint import read_checkpoint, restore_tree
 from fedmosaic.federation import build_federation
+from fedmosaic.report.results import save_figure
 
 
 def embed_2d(points: np.ndarray, method: str = "tsne", seed: int = 0) -> np.ndarray:
@@ -45,7 +46,10 @@ def plot_prototypes(
     title: str = "",
     method: str = "tsne",
 ) -> None:
-    """``client_protos``: (client id, class, vector [d]); ``global_protos [C, d]``, ``known [C]``."""
+    """``client_protos``: (client id, class, vector [d]); ``global_protos [C, d]``, ``known [C]``.
+
+    Writes ``path`` (PNG) with SVG and PDF beside it.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,7 +64,7 @@ def plot_prototypes(
     xy = embed_2d(torch.stack(vecs).numpy(), method)
     n_client = len(client_protos)
     cmap = plt.get_cmap("tab10" if global_protos.shape[0] <= 10 else "tab20")
-    fig, ax = plt.subplots(figsize=(5.5, 5), dpi=110)
+    fig, ax = plt.subplots(figsize=(5.5, 5))
     for i, (_, cls, _) in enumerate(client_protos):
         ax.scatter(xy[i, 0], xy[i, 1], s=18, color=cmap(cls % cmap.N), alpha=0.7)
     for j, cls in enumerate(classes):
@@ -80,7 +84,7 @@ def plot_prototypes(
     ax.set_yticks([])
     ax.set_title(title or f"prototypes ({method.upper()}); colour = class", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)  # PNG + SVG + PDF, as the compare report's figures
     plt.close(fig)
 
 

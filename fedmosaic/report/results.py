@@ -1,4 +1,4 @@
-"""The results store: ``results.json``, a CSV of the rounds, a learning-curve PNG, text tables."""
+"""The results store: ``results.json``, a CSV of the rounds, a learning-curve figure, text tables."""
 
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+FIGURE_DPI = 150  # every PNG the library writes (run, compare and prototype figures)
+
+
+def save_figure(fig: Any, path: str | Path) -> list[Path]:
+    """``path`` as PNG (``FIGURE_DPI``) plus vector SVG and PDF beside it, for papers."""
+    path = Path(path)
+    paths = [path, path.with_suffix(".svg"), path.with_suffix(".pdf")]
+    for p in paths:
+        fig.savefig(p, bbox_inches="tight", dpi=FIGURE_DPI if p.suffix == ".png" else None)
+    return paths
+
+
 def write_json_atomic(path: Path, doc: Any) -> None:
     """Write-then-rename so an interrupted write never leaves a half file behind."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -69,12 +81,14 @@ def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -
 
 
 def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
+    """Test accuracy per round of each run: ``path`` (PNG) with SVG and PDF beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    fig, ax = plt.subplots(figsize=(6, 4))
     for label, doc in docs.items():
         pts = [
             (r["round"], r["acc_weighted"])
@@ -84,6 +98,7 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
         if pts:
             ax.plot(*zip(*pts, strict=True), marker="." if len(pts) < 40 else None, label=label)
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_ylabel("test accuracy (weighted over clients)")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -94,7 +109,7 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -248,19 +248,28 @@ CHROMIUM = next(
 )
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt: chromium)")
-def test_html_report_renders_in_headless_chromium(tmp_path: Path):
-    """The report opens in a real browser and its plots render (not blank, not broken images)."""
+# Appended to a copy of the report: after every image has loaded (or failed), write each <img>'s
+# decoded size and its box on the page into the DOM, which ``--dump-dom`` prints.
+_PROBE = """<script>
+window.addEventListener('load', () => {
+  const rows = [...document.images].map(i => {
+    const b = i.getBoundingClientRect();
+    return {src: i.getAttribute('src'), w: i.naturalWidth, h: i.naturalHeight,
+            x: b.left + scrollX, y: b.top + scrollY, cw: b.width, ch: b.height};
+  });
+  const pre = document.createElement('pre');
+  pre.id = 'probe';
+  pre.textContent = JSON.stringify(rows);
+  document.body.appendChild(pre);
+});
+</script>"""
+FIGURES = ("curves.png", "curves_mb.png", "curves_seconds.png", "clients.png", "labels.png")
+
+
+def _chromium(tmp_path: Path, url: str, *flags: str) -> bytes:
     import subprocess
 
-    import numpy as np
-    from matplotlib.image import imread
-
-    out = tmp_path / "out"
-    text = TINY_SUITE.replace("seeds = [0, 1]", "seeds = [0]")
-    assert main(["compare", str(_suite(tmp_path, text)), "--out", str(out), "--quiet"]) == 0
-    shot = tmp_path / "page.png"
-    flags = [
+    base = [
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
@@ -269,27 +278,84 @@ def test_html_report_renders_in_headless_chromium(tmp_path: Path):
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
+        "--hide-scrollbars",  # the same layout width with or without a scrollbar
+        "--force-device-scale-factor=1",  # screenshot pixels = CSS pixels
         f"--user-data-dir={tmp_path / 'profile'}",
-        "--window-size=1200,6400",  # tall enough for all five figures
-        f"--screenshot={shot}",
     ]
-    subprocess.run(
-        [CHROMIUM, *flags, (out / "index.html").as_uri()],
-        check=True,
-        capture_output=True,
-        timeout=120,
+    done = subprocess.run(
+        [CHROMIUM, *base, *flags, url], check=True, capture_output=True, timeout=120
+    )
+    return done.stdout
+
+
+def _rendered(tmp_path: Path, out: Path) -> tuple[str, dict[str, dict]]:
+    """The report as Chromium renders it: its DOM and, per image src, the probe's record."""
+    import html as html_mod
+
+    probe = out / "probe.html"  # beside index.html: the same relative image paths
+    probe.write_text((out / "index.html").read_text().replace("</body>", _PROBE + "</body>"))
+    dom = _chromium(tmp_path, probe.as_uri(), "--window-size=1200,900", "--dump-dom").decode()
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    assert found, "the probe script did not run"
+    rows = json.loads(html_mod.unescape(found.group(1)))
+    return dom, {r["src"]: r for r in rows}
+
+
+def _final_acc(cell: Path) -> float:
+    return json.loads((cell / "results.json").read_text())["summary"]["final"]["acc_weighted"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt: chromium)")
+def test_html_report_renders_in_headless_chromium(tmp_path: Path):
+    """The report opens in a real browser: a real 95% interval over 2 seeds in the table, and each
+    figure decoded (not a broken or missing image) and drawn with a figure's worth of colours."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    out = tmp_path / "out"
+    assert main(["compare", str(_suite(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    dom, imgs = _rendered(tmp_path, out)
+    # Two seeds: mean ± t(0.975, df=1) s / sqrt(2) = 12.7062 |a - b| / 2, by hand from the runs.
+    widths = []
+    for method in ("local", "proto"):
+        a, b = (100 * _final_acc(out / f"cells/dir/{method}/seed{s}") for s in (0, 1))
+        row = re.search(rf"<td>{method}</td><td>2</td>\s*<td>(\d+\.\d\d) ± (\d+\.\d\d)</td>", dom)
+        assert row, f"no '± x.xx' interval in the rendered {method} row"
+        assert float(row.group(1)) == pytest.approx((a + b) / 2, abs=0.006)
+        assert float(row.group(2)) == pytest.approx(12.7062 * abs(a - b) / 2, abs=0.006)
+        widths.append(float(row.group(2)))
+    assert max(widths) > 0, "the seeds gave identical accuracies: no interval was exercised"
+    assert "± n/a" not in dom
+    # Each figure individually: decoded by the browser, laid out at a readable size ...
+    for name in FIGURES:
+        assert name in imgs, f"{name} is not on the page"
+    protos = [s for s in imgs if s.endswith("prototypes.png")]
+    assert protos, "no prototype figure on the page"
+    for src, r in imgs.items():
+        assert r["w"] > 300 and r["h"] > 200, f"{src} did not load in the browser ({r})"
+        assert r["cw"] > 500, f"{src} is drawn {r['cw']} px wide"
+    # ... and drawn: the screenshot's pixels inside each image's box hold many colours.
+    height = int(max(r["y"] + r["ch"] for r in imgs.values())) + 50
+    shot = tmp_path / "page.png"
+    _chromium(
+        tmp_path,
+        (out / "probe.html").as_uri(),
+        f"--window-size=1200,{height}",
+        f"--screenshot={shot}",
     )
     img = imread(shot)  # [H, W, 3|4] floats in 0..1
-    assert img.shape[0] >= 6000 and img.shape[1] >= 1000
-    # The rendered page holds the plots: many distinct colours, not a blank or text-only page,
-    # down to the last figures (accuracy vs MB / seconds, label histograms): every band of the
-    # page's upper 5/6 is a figure's worth of colours.
-    bands = np.array_split(img[: img.shape[0] * 5 // 6, :, :3], 5)
-    for i, band in enumerate(bands):
-        rgb = (band.reshape(-1, 3) * 255).astype(np.uint8)
-        assert len(np.unique(rgb, axis=0)) > 200, f"band {i} of the page is blank"
-    page = (out / "index.html").read_text()
-    assert "± n/a" in page  # one seed: no interval
+    assert img.shape[0] >= height - 1 and img.shape[1] >= 1200
+    for src, r in imgs.items():
+        x0, y0 = int(r["x"]) + 2, int(r["y"]) + 2  # inside the 1 px border
+        box = img[y0 : int(r["y"] + r["ch"]) - 2, x0 : int(r["x"] + r["cw"]) - 2, :3]
+        rgb = (box.reshape(-1, 3) * 255).astype(np.uint8)
+        assert len(np.unique(rgb, axis=0)) > 200, f"{src} renders blank on the page"
+    # The probe can fail: a missing and a corrupt figure are each reported as not loaded.
+    (out / "clients.png").unlink()
+    (out / "labels.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    _, broken = _rendered(tmp_path, out)
+    assert broken["clients.png"]["w"] == 0 and broken["labels.png"]["w"] == 0
+    assert broken["curves_mb.png"]["w"] > 300 and broken["curves_seconds.png"]["w"] > 300
 
 
 def test_run_metrics_report_the_papers_metric():
@@ -422,3 +488,67 @@ def test_converged_budget_caps_rounds_and_the_report_shows_where_each_cell_stopp
     md = (out / "table.md").read_text()
     assert "rounds run (plateau stop)" in md and "up to 30 (stopped once validation" in md
     assert "at most 30 (plateau stop) rounds here against 1000" in md
+
+
+# ---- figures: one resolution and format for every figure, a colour key on the label histogram ----
+
+
+def _dpi(path: Path) -> float:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return float(im.info["dpi"][0])
+
+
+def test_run_and_prototype_figures_match_the_compare_reports_dpi_and_formats(tmp_path: Path):
+    """``curve.png`` (every run) and ``prototypes.png`` at the compare report's 150 dpi (was
+    110), each with SVG and PDF beside it, as the report's own figures."""
+    import torch
+
+    from fedmosaic.report.prototypes import plot_prototypes
+    from fedmosaic.report.results import FIGURE_DPI, plot_curves
+
+    assert FIGURE_DPI == 150
+    doc = {
+        "config": {
+            "algorithm": {"name": "fedavg"},
+            "data": {"dataset": "synthetic", "num_clients": 3, "partition": "iid"},
+            "model": {"family": "cnn1"},
+        },
+        "rounds": [{"round": t, "acc_weighted": 0.2 * t} for t in (1, 2, 3)],
+    }
+    plot_curves({"fedavg": doc}, tmp_path / "curve.png")
+    g = torch.eye(3)
+    clients = [(0, c, g[c] + 0.1) for c in range(3)] + [(1, c, g[c] - 0.1) for c in range(3)]
+    plot_prototypes(clients, g, torch.ones(3, dtype=torch.bool), tmp_path / "p.png", method="pca")
+    for stem in ("curve", "p"):
+        assert _dpi(tmp_path / f"{stem}.png") == pytest.approx(150, abs=0.1)
+        for ext in ("svg", "pdf"):
+            assert (tmp_path / f"{stem}.{ext}").stat().st_size > 0, f"{stem}.{ext}"
+
+
+@pytest.mark.parametrize(("num_classes", "key"), [(4, "legend"), (15, "legend"), (30, "colorbar")])
+def test_label_histogram_has_a_class_colour_key(num_classes: int, key: str):
+    """Up to 20 classes a legend naming every class (distinct colours); beyond, a colour bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from fedmosaic.report.compare import _stacked_label_bars
+
+    fig, ax = plt.subplots()
+    counts = np.arange(3 * num_classes, dtype=float).reshape(3, num_classes)
+    _stacked_label_bars(plt, fig, ax, counts)
+    legend = ax.get_legend()
+    if key == "legend":
+        assert legend is not None and legend.get_title().get_text() == "class"
+        assert [t.get_text() for t in legend.get_texts()] == [str(k) for k in range(num_classes)]
+        colours = {tuple(h.get_facecolor()) for h in legend.legend_handles}
+        assert len(colours) == num_classes  # no two classes share a colour
+        assert len(fig.axes) == 1
+    else:
+        assert legend is None and len(fig.axes) == 2  # the colour bar's axes
+        assert fig.axes[1].get_ylabel() == "class"
+    plt.close(fig)
