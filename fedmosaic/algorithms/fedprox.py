@@ -26,10 +26,14 @@ ServerState = dict[str, Tensor]
 
 
 def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
-    """``sum_p ||w_p - g_p||^2`` over the model's trainable parameters."""
+    """``sum_p ||w_p - g_p||^2`` over the trainable parameters the global model holds.
+
+    With ``bn = "local"`` (FedBN) the BatchNorm affine weights are not in the broadcast: they
+    are the client's own, and nothing anchors them (FedBN + FedProx regularizes the shared part).
+    """
     total = None
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and name in global_state:
             d = (p - global_state[name]).pow(2).sum()
             total = d if total is None else total + d
     assert total is not None, "proximal term over no trainable parameters"

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from conftest import tiny_raw
@@ -49,6 +51,21 @@ def test_proximal_term_hand_computed():
     g = {"weight": torch.tensor([[0.0, 0.0]]), "bias": torch.tensor([1.5])}
     # (1^2 + 2^2) + (0.5 - 1.5)^2 = 6
     assert float(proximal_term(m, g).detach()) == pytest.approx(6.0)
+
+
+def test_proximal_term_skips_what_the_broadcast_does_not_hold():
+    """FedBN + FedProx (``bn = "local"``): local BatchNorm weights have no global anchor."""
+    m = nn.Sequential(nn.Linear(2, 1), nn.BatchNorm1d(1))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.tensor([[1.0, 2.0]]))
+        m[0].bias.fill_(0.5)
+    g = {"0.weight": torch.tensor([[0.0, 0.0]]), "0.bias": torch.tensor([1.5])}
+    assert float(proximal_term(m, g).detach()) == pytest.approx(6.0)  # BatchNorm left out
+    cfg = from_dict(
+        tiny_raw(model={"family": "resnet4"}, algorithm={"name": "fedprox", "bn": "local"})
+    )
+    doc = run_experiment(cfg, progress=False)
+    assert all(math.isfinite(r["train_loss"]) for r in doc["rounds"])
 
 
 # ---- BatchNorm layers in the shared state (``bn``) --------------------------------------------
