@@ -35,6 +35,10 @@ class DataConfig:
     # pool_75_25: fraction of each client's train part held out for validation
     val_fraction: float = 0.0
     public_size: int = 0  # server-held public/alignment split carved out before partitioning
+    # server-held labelled evaluation split (rows), carved out before partitioning after the
+    # public split and never given to a client: the server evaluates its global model on it
+    # (server_acc in the round records) where the method has one (FedAvg, FedProx, FedOpt)
+    server_eval_size: int = 0
     subsample: float = 1.0  # fraction of the pooled dataset to use (quick experiments)
     normalize: str = "half"  # half (0.5/0.5 as PFLlib) | dataset (per-dataset mean/std)
     synthetic_size: int = 2000  # synthetic dataset: number of images
@@ -425,6 +429,8 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} must be in [0, 1)")
     if d.public_size < 0:
         raise ConfigError(f"data.public_size = {d.public_size} must be >= 0")
+    if d.server_eval_size < 0:
+        raise ConfigError(f"data.server_eval_size = {d.server_eval_size} must be >= 0")
     if not 0.0 < t.participation <= 1.0:
         raise ConfigError(f"train.participation = {t.participation} must be in (0, 1]")
     if not 0 <= t.clients_per_round <= d.num_clients:

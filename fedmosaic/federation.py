@@ -95,6 +95,9 @@ def make_spec(
     public = None
     if fed.public.numel() > 0:
         public = fed.batch(fed.public, "cpu")  # [P, C, H, W] normalized, server-held
+    server_eval = None
+    if fed.server_eval.numel() > 0:  # data.server_eval_size: labelled, the server's own
+        server_eval = (fed.batch(fed.server_eval, "cpu"), fed.labels[fed.server_eval].long())
     return FederationSpec(
         num_clients=n,
         num_classes=fed.num_classes,
@@ -110,6 +113,7 @@ def make_spec(
         projection=model_projection(cfg),
         robust=cfg.server,
         class_counts=tuple(tuple(c.class_counts("train").tolist()) for c in clients),
+        server_eval=server_eval,
     )
 
 

@@ -43,6 +43,7 @@ ZERO_OK = {
     "data.min_size": "no minimum client size",
     "data.val_fraction": "no validation split",
     "data.public_size": "no public split (methods that need one check the FederationSpec)",
+    "data.server_eval_size": "no server evaluation split",
     "data.power_law_exponent": "equal client sizes",
     "data.shift_rotation": "feature shift off",
     "data.shift_brightness": "feature shift off",

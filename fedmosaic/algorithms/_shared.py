@@ -169,6 +169,16 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         states = [u.payload.state for u in uploads]
         return weighted_average(states, [u.weight for u in uploads], reference=state)
 
+    def server_model(self, state: dict[str, Tensor], spec: FederationSpec) -> ClientModel | None:
+        """The global model, where the server holds a whole one: ``shared = "all"`` with
+        BatchNorm statistics averaged (``bn = "average"``) in a homogeneous federation. Under
+        ``local_stats``/``local`` each client keeps its own statistics: there is no global model."""
+        if self.shared != "all" or self.bn != "average" or not spec.homogeneous:
+            return None
+        model = spec.build_model(0)
+        self.load_shared(model, state)
+        return model
+
     def validate_upload(
         self, state: dict[str, Tensor], upload: SharedState, client_id: int
     ) -> None:

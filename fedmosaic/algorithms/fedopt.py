@@ -36,6 +36,7 @@ from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights, weighted_average
 from fedmosaic.core.algorithm import FederationSpec, Weighted
+from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
@@ -84,6 +85,9 @@ class FedOpt(SharedWeights):
 
     def broadcast(self, state: FedOptState, client_id: int, round_num: int) -> SharedState:  # type: ignore[override]
         return SharedState(state.model)
+
+    def server_model(self, state: FedOptState, spec: FederationSpec) -> ClientModel | None:  # type: ignore[override]
+        return super().server_model(state.model, spec)
 
     def validate_upload(self, state: FedOptState, upload: SharedState, client_id: int) -> None:  # type: ignore[override]
         super().validate_upload(state.model, upload, client_id)

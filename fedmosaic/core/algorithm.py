@@ -79,6 +79,10 @@ class FederationSpec:
     # simulator; Flower apps rebuild it from the config): claimed classes and per-class counts
     # in uploads are checked against it. None: unknown, those checks are skipped.
     class_counts: tuple[tuple[int, ...], ...] | None = None
+    # The server's labelled evaluation split (``data.server_eval_size``): normalized inputs
+    # ``[N, C, H, W]`` and labels ``[N]`` on the CPU, for the round loop's server-side evaluation
+    # of ``Algorithm.server_model``; no client's data, and no method's business. None: off.
+    server_eval: tuple[Tensor, Tensor] | None = None
 
     @property
     def homogeneous(self) -> bool:
@@ -143,6 +147,12 @@ class Algorithm(ABC, Generic[S, B, U]):
         Start with ``core.schema.check(upload, client_id, **names)``: the Upload's declared field
         schemas with their names (``C``, ``d``, references) bound from ``state``; add only what a
         schema cannot say (claims vs the partition, ``core.robust`` magnitude sanity)."""
+
+    def server_model(self, state: S, spec: FederationSpec) -> ClientModel | None:
+        """The global model the server holds in ``state``, as a fresh model of ``spec`` (for the
+        server's own evaluation, ``data.server_eval_size``); None for a method with no global
+        model (personalized parts, prototypes, heterogeneous models): evaluation is skipped."""
+        return None
 
     def upload_metrics(self, upload: U) -> dict[str, float]:
         """Per-client numbers an upload reports, summed over the round's valid uploads into the

@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.schema import MAX_EXAMPLES  # a reply claiming more is not a real client
 from fedmosaic.metrics import aggregate_accuracy
@@ -170,6 +174,49 @@ def per_client_acc(
     return out
 
 
+SERVER_EVAL_BATCH = 500
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: ClientModel, x: Tensor, y: Tensor, batch_size: int = SERVER_EVAL_BATCH
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` (eval mode, float32) on inputs ``x`` and
+    labels ``y`` (on the CPU; moved to the model's device a batch at a time)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    correct, loss = 0, 0.0
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
+        xb, yb = xb.to(device), yb.to(device)
+        logits = model(xb).float()  # [B, C]
+        correct += int((logits.argmax(1) == yb).sum())
+        loss += float(F.cross_entropy(logits, yb, reduction="sum"))
+    model.train(was_training)
+    n = max(int(y.numel()), 1)
+    return correct / n, loss / n
+
+
+def _rng_kept(device: str) -> Any:
+    """A context that restores torch's RNG state on exit: building a model reseeds it
+    (``FederationSpec.build_model``), and the server's evaluation must not move any stream."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else [])
+
+
+def server_evaluate(algo: Algorithm, state: Any, spec: FederationSpec) -> dict[str, float]:
+    """``server_acc`` and ``server_loss`` of the method's global model (``server_model``) on the
+    server's own split (``spec.server_eval``); ``{}`` when either is missing."""
+    if spec.server_eval is None:
+        return {}
+    with _rng_kept(spec.device):
+        model = algo.server_model(state, spec)
+        if model is None:
+            return {}
+        acc, loss = evaluate_model(model, *spec.server_eval)
+    return {"server_acc": acc, "server_loss": loss}
+
+
 @dataclass
 class History:
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -236,6 +283,15 @@ def run_rounds(
             start = done + 1
     diverged = 0
     last = start - 1
+    server_eval = spec.server_eval is not None
+    if server_eval:
+        with _rng_kept(spec.device):
+            server_eval = algo.server_model(state, spec) is not None
+        if not server_eval:
+            log.info(
+                "server evaluation (data.server_eval_size) skipped: %s holds no global model",
+                type(algo).__name__,
+            )
     if history.rounds and history.rounds[-1].get("plateau"):
         start = plan.rounds + 1  # a restored run that had already stopped on its plateau
     for t in range(start, plan.rounds + 1):
@@ -317,6 +373,8 @@ def run_rounds(
             eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in plan.pool}
             last_eval = transport.evaluate(t, eval_msgs)
             rec.update(summarize_eval(last_eval))
+            if server_eval:  # the server's own numbers, next to the clients' reports
+                rec.update(server_evaluate(algo, state, spec))
         t3 = time.perf_counter()
         rec["seconds_train"] = t1 - t0
         rec["seconds_aggregate"] = t2 - t1

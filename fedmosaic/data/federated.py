@@ -6,6 +6,8 @@ normalizes only the rows asked for. Random streams (all derived from ``seed``):
 - subsample: ``default_rng([seed, 1])`` — stratified: ``round(subsample * n_c)`` rows per class
   (at least one for every class present), so class balance is kept;
 - public split: ``default_rng([seed, 2])`` — a simple random ``public_size`` rows of the pool;
+- server evaluation split: ``default_rng([seed, 5])`` — ``server_eval_size`` rows of what the
+  public split left (so the two never overlap); off (0), the streams above are untouched;
 - partition: ``default_rng(seed)`` — as the partitioner's ``rng``, over the remaining rows;
 - per-client train/val/test: ``default_rng([seed, 3])``;
 - feature shift (``data.shift_*``): ``default_rng([seed, 4])``, see :mod:`fedmosaic.data.shift`.
@@ -63,6 +65,9 @@ class FederatedData:
     std: Tensor  # float32 [C]
     # per-client feature-shift transform (domain, rotation, contrast, brightness); [] when off
     shifts: list[dict[str, float]] = field(default_factory=list)
+    # int64 indices of the server's labelled evaluation split (``data.server_eval_size``): never
+    # a client's, disjoint from ``public``; empty when off
+    server_eval: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     _per_device: dict[str, tuple[Tensor, Tensor, Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -163,6 +168,18 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         pick = rng.choice(rows.size, size=cfg.public_size, replace=False)
         public = np.sort(rows[pick])
         rows = np.delete(rows, pick)  # the public rows never reach a client
+    server_eval = np.empty(0, dtype=np.int64)
+    if cfg.server_eval_size > 0:
+        if cfg.server_eval_size >= rows.size:
+            raise DatasetError(
+                f"data.server_eval_size = {cfg.server_eval_size} leaves no samples for the "
+                f"clients: {rows.size} remain after subsample and the public split"
+            )
+        pick = np.random.default_rng([seed, 5]).choice(
+            rows.size, size=cfg.server_eval_size, replace=False
+        )
+        server_eval = np.sort(rows[pick])
+        rows = np.delete(rows, pick)  # carved out after the public rows: disjoint from them
     shares = partition(
         cfg.partition,
         labels[rows],
@@ -205,6 +222,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         mean=torch.tensor(mean, dtype=torch.float32),
         std=torch.tensor(std, dtype=torch.float32),
         shifts=shifts,
+        server_eval=torch.from_numpy(server_eval),
     )
 
 
@@ -216,6 +234,8 @@ def format_histograms(fd: FederatedData, split: str = "train", max_columns: int 
     title = f"{fd.dataset.name}: {fd.num_clients} clients, {c} classes, split = {split}"
     if fd.public.numel():
         title += f", public (server) = {fd.public.numel()}"
+    if fd.server_eval.numel():
+        title += f", server evaluation = {fd.server_eval.numel()}"
     if c <= max_columns:
         header = ["client", *(str(j) for j in range(c)), "total"]
         rows = [[str(i), *(str(v) for v in h), str(h.sum())] for i, h in enumerate(hist)]

@@ -61,6 +61,15 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
             # paper's Table 4 measure (trainable parameters x examples, which it calls FLOPs),
             # ``train_macs`` the forward + backward multiply-accumulates (``algorithms/_flops.py``).
             summary[f"{key}_total"] = sum(r.get(key, 0) for r in history.rounds)
+    served = [r for r in rounds if "server_acc" in r]
+    if served:  # data.server_eval_size, where the method holds a global model
+        summary["server_evaluated"] = {
+            "note": "the server's global model on its own held-out split (data.server_eval_size), "
+            "computed by the server; every other accuracy here is client-evaluated",
+            "round": served[-1]["round"],
+            "server_acc": served[-1]["server_acc"],
+            "server_loss": served[-1]["server_loss"],
+        }
     if history.finetune_eval:
         summary["after_finetune"] = summarize_eval(history.finetune_eval)
     if history.holdout_before:
@@ -124,6 +133,7 @@ def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
         f"{name} round {rec['round']}/{rounds}: {acc}, loss {loss:.4f}, {rec['seconds']:.1f} s, "
         f"up {rec['bytes_up_per_client'] / 1e3:.1f} KB/client, "
         f"down {rec['bytes_down_per_client'] / 1e3:.1f} KB/client"
+        + (f", server acc {100 * rec['server_acc']:.2f}%" if "server_acc" in rec else "")
         + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
     )
 
