@@ -329,7 +329,8 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
         doc = results_document(fed, history, time.perf_counter() - start, started, nodes)
         doc["runtime"] = "flower"
         # Every accuracy here is what the SuperNodes counted on their own data: the server sees
-        # counts it can bound (never above the split's size) but cannot recompute.
+        # counts it can bound (never above the split's size) but cannot recompute. The one
+        # exception is server_acc/server_loss (data.server_eval_size): the server's own split.
         doc["evaluation_source"] = "client-reported"
         doc["flower"] = {
             "options": dict(vars(options)),
