@@ -32,16 +32,16 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from fedmosaic.core.algorithm import FederationSpec
-from fedmosaic.core.client import ClientData
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.registry import ALGORITHMS
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._augment import augment
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
+from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
+from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
 Upload = SharedState

@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from torch import Tensor
+
+from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.core.algorithm import FederationSpec
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models.build import split_member
-from torch import Tensor
-
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
 
 Broadcast = SharedState
 Upload = SharedState
