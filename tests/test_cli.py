@@ -24,6 +24,23 @@ def test_list_algorithms_shows_every_key(capsys):
     assert "mu=" in out and "homogeneous only" in out
 
 
+def test_list_models_counts_what_a_real_build_has(capsys):
+    """Listed from meta-device builds (no weights drawn): the same counts as a real model."""
+    from fedmosaic.core.registry import ENCODERS
+    from fedmosaic.models import build_client_model
+    from fedmosaic.models.flops import count_params, flops_per_image
+
+    assert main(["list", "models"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.strip().splitlines()}
+    assert list(rows) == ENCODERS.names()
+    for name in ("cnn1", "resnet4", "mobilenetv2"):
+        m = build_client_model(name, (1, 28, 28), 10, 512)
+        params = int(rows[name].split("params=")[1].split()[0].replace(",", ""))
+        mflops = float(rows[name].split("MFLOPs/image=")[1])
+        assert params == count_params(m)
+        assert mflops == round(flops_per_image(m, (1, 28, 28)) / 1e6, 2)
+
+
 def test_run_writes_report(tmp_path, capsys):
     cfg = tmp_path / "exp.toml"
     _write_config(cfg, tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "lg_fedavg"}))
