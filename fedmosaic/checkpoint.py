@@ -53,7 +53,7 @@ FINAL_FILE = "final.safetensors"  # --save-models: the checkpoint after the last
 # Test hook: after saving the checkpoint of this round the process SIGKILLs itself (resume tests).
 KILL_ENV = "FEDMOSAIC_KILL_AFTER_CHECKPOINT"
 # Config keys that do not change a run's numbers (a resumed run may differ in them).
-NEUTRAL_KEYS = ("sim.progress", "sim.wandb")
+NEUTRAL_KEYS = ("sim.progress", "sim.wandb", "sim.offload_clients")
 
 
 class CheckpointError(ValueError):
@@ -546,7 +546,7 @@ def for_federation(
                     raise ValueError(f"client {cid}: {exc}") from exc
 
     elif hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
-        # the process backend: its workers hold the clients
+        # the process backend (its workers hold the clients), the serial one's offloaded clients
         get_clients, set_clients = transport.client_states, transport.load_client_states
     else:
         raise ConfigError(

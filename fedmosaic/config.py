@@ -116,6 +116,11 @@ class SimConfig:
     # processes backend: one worker per entry (cpu | cuda | cuda:N), each holding its clients'
     # state and the images on that device; [] = every worker on train.device
     devices: list[str] = field(default_factory=list)
+    # where clients wait between rounds: "on" = a compact on-disk state store, only the clients
+    # being worked on live in memory (memory flat in the population); "off" = all in memory;
+    # "auto" = serial: the store once the population's state exceeds 256 MiB; processes: the
+    # store with partial participation
+    offload_clients: str = "auto"
     # Weights & Biases project to log to ("" = off); needs the wandb extra; offline unless
     # WANDB_MODE says otherwise
     wandb: str = ""
@@ -176,6 +181,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.optimizer": ("sgd", "adam"),
     "train.precision": ("fp32", "bf16"),
     "sim.backend": ("serial", "processes"),
+    "sim.offload_clients": ("auto", "on", "off"),
 }
 
 

@@ -61,7 +61,7 @@ def run_experiment(
     if cfg.sim.threads > 0:
         torch.set_num_threads(cfg.sim.threads)
     try:
-        fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial")
+        fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial", offload=None)
         if cfg.sim.backend == "processes" and cfg.sim.threads == 0:
             # The workers own the cores. The server's own steps (FedTGP's prototype training,
             # FedGen's generator, KT-pFL's coefficients) are small ops: on one thread they give
@@ -126,4 +126,5 @@ def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, di
     """Every client's (model, extras) state dicts, wherever the backend keeps them."""
     if fed.models:  # serial: the clients live in this process
         return [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
-    return transport.client_states()  # type: ignore[attr-defined]  # the process backend
+    # the process backend, or the serial one's offloaded clients
+    return transport.client_states()  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from fedmosaic.core.rounds import Transport
-from fedmosaic.federation import Federation
+from fedmosaic.federation import Federation, make_client
 from fedmosaic.models.flops import member_flops
 from fedmosaic.sim.processes import ProcessTransport
 from fedmosaic.sim.simulator import SimTransport
@@ -28,12 +28,16 @@ def workers(fed: Federation) -> int:
 
 
 def make_transport(fed: Federation) -> Transport:
-    """``serial``: every client in this process (``fed.models``). ``processes``: ``sim.workers``
-    worker processes, clients balanced by estimated cost (forward FLOPs per image x examples);
-    with partial participation, clients not training this round wait in an on-disk state store
-    (memory scales with the round's clients, not the population)."""
+    """``serial``: every client in this process, in memory (``fed.models``) or, with
+    ``fed.offload``, in an on-disk state store and built on demand. ``processes``:
+    ``sim.workers`` worker processes, clients balanced by estimated cost (forward FLOPs per image
+    x examples); with partial participation (or ``sim.offload_clients = "on"``), clients not
+    training this round wait in an on-disk state store. Offloaded, memory scales with the round's
+    clients, not the population."""
     cfg = fed.cfg
     if cfg.sim.backend == "processes":
+        partial = fed.plan.clients_per_round < fed.plan.num_clients
+        offload = {"on": True, "off": False}.get(cfg.sim.offload_clients, partial)
         flops = member_flops(fed.spec.members, fed.spec.build_model, fed.spec.input_shape)
         clients = fed.clients
         return ProcessTransport(
@@ -44,7 +48,21 @@ def make_transport(fed: Federation) -> Transport:
             workers(fed),
             eval_costs=[f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, clients)],
             eval_splits=fed.eval_splits,
-            offload=fed.plan.clients_per_round < fed.plan.num_clients,
+            offload=offload,
+        )
+    if fed.offload:
+        return SimTransport(
+            fed.algo,
+            [],
+            [],
+            fed.clients,
+            fed.settings,
+            cfg.seed,
+            cfg.train.local_epochs,
+            check_wire=cfg.sim.check_wire,
+            eval_splits=fed.eval_splits,
+            build=lambda cid: make_client(cfg, fed.algo, fed.spec, fed.clients[cid]),
+            members=fed.spec.members,
         )
     return SimTransport(
         fed.algo,

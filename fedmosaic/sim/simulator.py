@@ -1,9 +1,22 @@
-"""The in-process (serial) simulator: persistent client models, data held once, real wire accounting.
+"""The in-process (serial) simulator: client models, data held once, real wire accounting.
 
 Clients run one after another in this process with its torch thread setting. Evaluation of a
 client whose model has not changed since its last evaluation and whose broadcast is byte-identical
 reuses the previous counts (``EvalCache``). The multi-process backend (``processes.py``) gives
 bitwise-identical results to this one run with ``sim.threads = 1``.
+
+**Where clients live.** A small federation keeps every client's model and extras in memory (the
+``models``/``extras`` lists, which callers may read and change between rounds). A large one
+(``sim.offload_clients``, see ``federation.offload_decision``) keeps them in the process backend's
+state store instead (``store.py``: one raw file per client, in the page cache, not this
+process's memory) and holds a client live only while it trains, evaluates or fine-tunes,
+through the same :class:`~fedmosaic.sim.host.ClientHost` a worker process uses (spare modules
+recycled per architecture). Memory then follows the round's clients, not the population, and the
+numbers are the same bit for bit: a client's state is every parameter and persistent buffer
+(what the process backend moves between workers), and every client's work is a pure function of
+that state, its message and its own streams. We chose a threshold over offloading always
+because a file write and read per client per round is pure overhead while the population fits,
+and because tests and notebooks reach into ``models`` of small federations.
 
 With ``train.batched_clients`` on, the round's clients of one model layout train together as one
 ``torch.func`` computation (``core/batched.py``) where the method declares that equivalent
@@ -12,7 +25,7 @@ With ``train.batched_clients`` on, the round's clients of one model layout train
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
 
@@ -25,6 +38,10 @@ from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payloa
 from fedmosaic.core.rounds import EvalResult, FitResult
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.sim.common import EvalCache, MessageTable
+from fedmosaic.sim.host import ClientHost
+from fedmosaic.sim.store import StateStore
+
+Modules = tuple[ClientModel, nn.Module]
 
 
 def wire(payload: Payload, check: bool) -> tuple[Payload, int]:
@@ -39,8 +56,16 @@ def wire(payload: Payload, check: bool) -> tuple[Payload, int]:
     return back, len(data)
 
 
+def detached(payload: Payload) -> Payload:
+    """A copy of ``payload`` sharing no tensor with it (an upload may be a view of the client's
+    weights, and an offloaded client's module is reused for the next client)."""
+    arrays, scalars = payload.flatten()
+    return type(payload).unflatten({k: v.detach().clone() for k, v in arrays.items()}, scalars)
+
+
 class SimTransport:
-    """Serial in-process transport: every client's model and extras stay in memory."""
+    """Serial in-process transport; clients in memory (``models``/``extras``) or, given
+    ``build``, in a state store with only the clients being worked on live (see the module)."""
 
     def __init__(
         self,
@@ -53,7 +78,12 @@ class SimTransport:
         local_epochs: int,
         check_wire: bool = False,
         eval_splits: tuple[str, ...] = ("test",),
+        build: Callable[[int], Modules] | None = None,
+        members: Sequence[str] = (),
     ) -> None:
+        """``build(cid)``: the client's initial modules (``federation.make_client``); given, the
+        clients are offloaded (``models``/``extras`` must be empty) and ``members[cid]`` names
+        each client's architecture (spare modules are reused per architecture)."""
         self.algo = algo
         self.models = list(models)
         self.extras = list(extras)
@@ -63,47 +93,84 @@ class SimTransport:
         self.local_epochs = local_epochs
         self.check_wire = check_wire
         self.eval_splits = eval_splits
-        self.version = [0] * len(self.models)  # bumped whenever a client's model is trained
+        # bumped whenever a client's model is trained
+        self.version = [0] * (len(self.data) if build is not None else len(self.models))
         self.cache = EvalCache()
+        self.host: ClientHost | None = None
+        if build is not None:
+            if self.models or self.extras:
+                raise ValueError("offloaded clients are built on demand: pass no models")
+            self.host = ClientHost(
+                algo,
+                self.data,
+                members,
+                build,  # type: ignore[arg-type]
+                settings,
+                seed,
+                local_epochs,
+                eval_splits,
+                StateStore(),
+            )
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether clients live in the state store (else in ``models``/``extras``)."""
+        return self.host is not None
+
+    # ---- client residency ------------------------------------------------------------------
+    def _take(self, cid: int) -> Modules:
+        if self.host is None:
+            return self.models[cid], self.extras[cid]
+        return self.host.take(cid)  # type: ignore[return-value]
+
+    def _release(self, cids: Sequence[int]) -> None:
+        """Offloaded: write the clients back to the store (their modules become spares)."""
+        if self.host is not None:
+            self.host.flush(cids)
+
+    # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
-        out: list[FitResult] = []
         received, downs = {}, {}
         for cid, msg in messages.items():
             received[cid], downs[cid] = wire(msg, self.check_wire)
-        fitted = self._fit_all(round_num, received)
-        for cid in messages:
-            res, down = fitted[cid], downs[cid]
+        results: dict[int, FitResult] = {}
+        for cid, res in self._fit_all(round_num, received):
+            down = downs[cid]
             self.version[cid] += 1
             try:
                 upload, up = wire(res.upload, self.check_wire)
+                if self.host is not None:  # before the client's module is reused
+                    upload = detached(upload)
             except PayloadError as exc:  # e.g. non-finite values after a diverged step
                 loss = res.stats.mean_loss
-                out.append(FitResult(cid, None, res.num_examples, 0, down, loss, error=str(exc)))
+                results[cid] = FitResult(cid, None, res.num_examples, 0, down, loss, error=str(exc))
                 continue
-            out.append(FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss))
-        return out
+            results[cid] = FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss)
+        return [results[c] for c in messages]
 
-    def _fit_all(self, round_num: int, messages: dict[int, Payload]) -> dict[int, FitOutput]:
-        """Every client's fit: grouped by model layout and trained together where the method
-        allows it and ``train.batched_clients`` is on (``core.batched``), else one at a time.
-        The order does not matter: each client's fit depends only on its own state and streams."""
-        out: dict[int, FitOutput] = {}
+    def _fit_all(
+        self, round_num: int, messages: dict[int, Payload]
+    ) -> Iterator[tuple[int, FitOutput]]:
+        """Every client's fit, each yielded before its modules are released: grouped by model
+        layout and trained together where the method allows it and ``train.batched_clients`` is
+        on (``core.batched``), else one at a time. The order does not matter: each client's fit
+        depends only on its own state and streams."""
         singles = list(messages)
         if self.settings.batched_enabled:
-            keys = {
-                c: batched.layout_key(self.models[c], self.extras[c])
-                for c in messages
-                if batched.eligible(self.algo, self.models[c], self.extras[c])
-            }
+            keys = {}
+            for c in messages:
+                model, extras = self._take(c)
+                if batched.eligible(self.algo, model, extras):
+                    keys[c] = batched.layout_key(model, extras)
             grouped, _ = batched.groups(list(keys), keys)
             in_group = {c for g in grouped for c in g}
             singles = [c for c in messages if c not in in_group]
             for g in grouped:
+                mods = [self._take(c) for c in g]
                 res = batched.fit_group(
                     self.algo,
-                    [self.models[c] for c in g],
-                    [self.extras[c] for c in g],
+                    [m for m, _ in mods],
+                    [e for _, e in mods],
                     [messages[c] for c in g],
                     [self.data[c] for c in g],
                     self.settings,
@@ -111,20 +178,25 @@ class SimTransport:
                     round_num,
                     self.local_epochs,
                 )
-                out.update(zip(g, res))
+                yield from zip(g, res)
+                self._release(g)
         for cid in singles:
-            out[cid] = client_ops.fit(
-                self.algo,
-                self.models[cid],
-                self.extras[cid],
-                messages[cid],
-                self.data[cid],
-                self.settings,
-                self.seed,
-                round_num,
-                self.local_epochs,
+            model, extras = self._take(cid)
+            yield (
+                cid,
+                client_ops.fit(
+                    self.algo,
+                    model,
+                    extras,
+                    messages[cid],
+                    self.data[cid],
+                    self.settings,
+                    self.seed,
+                    round_num,
+                    self.local_epochs,
+                ),
             )
-        return out
+            self._release([cid])
 
     def evaluate(
         self, round_num: int, messages: dict[int, Payload], receive: bool = True
@@ -137,34 +209,80 @@ class SimTransport:
             if counts is not None:
                 out.append(EvalResult(cid, counts))
                 continue
-            counts = client_ops.evaluate(
-                self.algo,
-                self.models[cid],
-                self.extras[cid],
-                msg,
-                self.data[cid],
-                self.eval_splits,
-                self.settings.eval_batch_size,
-                receive=receive,
-            )
+            if self.host is not None:
+                # Borrowed into a spare module and not written back: evaluation only
+                # re-receives the broadcast, which the client's next operation does anyway.
+                counts = self.host.evaluate(cid, msg, receive)
+            else:
+                counts = client_ops.evaluate(
+                    self.algo,
+                    self.models[cid],
+                    self.extras[cid],
+                    msg,
+                    self.data[cid],
+                    self.eval_splits,
+                    self.settings.eval_batch_size,
+                    receive=receive,
+                )
             self.cache.put(cid, key, counts)
             out.append(EvalResult(cid, counts))
         return out
 
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None:
         for cid, msg in messages.items():
+            model, extras = self._take(cid)
             client_ops.finetune(
                 self.algo,
-                self.models[cid],
-                self.extras[cid],
+                model,
+                extras,
                 msg,
                 self.data[cid],
                 self.settings,
                 self.seed,
                 phases,
             )
+            self._release([cid])
             self.version[cid] += 1
 
     def invalidate(self) -> None:
         """Forget cached evaluations (after client models were changed from outside)."""
         self.cache.clear()
+
+    # ---- checkpoints (the process backend's interface) -------------------------------------
+    def client_states(self) -> list[tuple[dict, dict]]:
+        """Every client's (model, extras) state dicts, copies (all in memory at once)."""
+        if self.host is None:
+            return [
+                (
+                    {k: v.clone() for k, v in m.state_dict().items()},
+                    {k: v.clone() for k, v in e.state_dict().items()},
+                )
+                for m, e in zip(self.models, self.extras)
+            ]
+        got = self.host.state_dicts(range(len(self.version)))
+        return [got[c] for c in range(len(self.version))]
+
+    def load_client_states(self, states: Sequence[tuple[dict, dict]]) -> None:
+        """Load every client's (model, extras) state dicts (a checkpoint's); ``ValueError``
+        naming the client when one does not fit its model."""
+        if len(states) != len(self.version):
+            raise ValueError(f"checkpoint has {len(states)} clients, this run {len(self.version)}")
+        for cid, (model_state, extras_state) in enumerate(states):
+            model, extras = self._take(cid)
+            try:
+                model.load_state_dict(model_state, strict=True)
+                extras.load_state_dict(extras_state, strict=True)
+            except RuntimeError as exc:
+                if self.host is not None:  # half loaded: never written back
+                    self.host.live.pop(cid, None)
+                raise ValueError(f"client {cid}: {exc}") from exc
+            self._release([cid])
+            self.version[cid] += 1
+        self.cache.clear()
+
+    def close(self) -> None:
+        """Delete the state store of offloaded clients (nothing to do otherwise)."""
+        if self.host is not None:
+            self.host.live.clear()
+            self.host.spare.clear()
+            self.host.store.close()

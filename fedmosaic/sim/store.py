@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -94,6 +95,9 @@ class StateStore:
         self.owner = create
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
+            # Removed when the store is dropped or at exit even if nobody calls close() (a
+            # serial federation run by hand); a SIGKILL is handled by the next start.
+            self._remove = weakref.finalize(self, shutil.rmtree, str(self.root), True)
 
     def path(self, cid: int) -> Path:
         return self.root / f"{cid}.bin"
@@ -148,4 +152,4 @@ class StateStore:
 
     def close(self) -> None:
         if self.owner:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self._remove()  # runs the removal once

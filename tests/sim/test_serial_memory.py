@@ -1,0 +1,196 @@
+"""The serial backend with offloaded clients (``sim.offload_clients``): the numbers of every client
+in memory and of the process backend, O(participants) live models, checkpoints, cleanup."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_raw
+
+from fedmosaic import federation
+from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.api import run as api_run
+from fedmosaic.checkpoint import FILENAME, Checkpointer
+from fedmosaic.config import from_dict
+from fedmosaic.core.errors import ConfigError
+from fedmosaic.core.model import ClientModel
+from fedmosaic.experiment import run_experiment
+from fedmosaic.federation import build_federation
+from fedmosaic.sim.host import MAX_SPARES
+
+SMALL = {"synthetic_shape": [1, 16, 16]}
+TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
+
+
+def numbers(doc):
+    """Everything in results.json that is not a timing."""
+    rounds = [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
+    summary = {k: v for k, v in doc["summary"].items() if k != "seconds_per_round"}
+    return rounds, doc["clients"], doc["per_client_final_acc"], summary
+
+
+def big_raw(offload: str, backend: str = "serial", clients: int = 300) -> dict:
+    """``clients`` clients of eight architectures at 10% participation, with personal state
+    (LG-FedAvg's local encoders), so an offloaded client must come back as it left."""
+    raw = tiny_raw(
+        data={
+            **SMALL,
+            "partition": "iid",
+            "num_clients": clients,
+            "synthetic_size": 8 * clients,
+            "public_size": 0,
+        },
+        model={"family": "htfe8-gray"},
+        train={"rounds": 3, "participation": 0.1},
+        sim={"offload_clients": offload, "backend": backend, "threads": 1, "workers": 2},
+        algorithm={"name": "lg_fedavg"},
+    )
+    raw["sim"]["check_wire"] = False
+    return raw
+
+
+@pytest.fixture
+def live_models(monkeypatch):
+    """Counts ClientModel instances alive at once: ``peak[0]`` is the most there ever were."""
+    alive: weakref.WeakSet[ClientModel] = weakref.WeakSet()
+    peak = [0]
+    original = ClientModel.__init__
+
+    def counting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        alive.add(self)
+        peak[0] = max(peak[0], len(alive))
+
+    monkeypatch.setattr(ClientModel, "__init__", counting)
+    return peak
+
+
+def test_offloaded_population_gives_the_same_numbers_with_participants_live(live_models):
+    offloaded = numbers(run_experiment(from_dict(big_raw("on")), progress=False))
+    bound = MAX_SPARES * 8 + 2  # spares per architecture, the client at work, one borrowed
+    assert live_models[0] <= bound < 30  # 30 = one round's clients
+    live_models[0] = 0
+    in_memory = numbers(run_experiment(from_dict(big_raw("off")), progress=False))
+    assert live_models[0] >= 300  # the test can fail: in memory, every client is alive
+    assert offloaded == in_memory
+    assert offloaded[0][-1]["acc_weighted"] > 0
+    processes = numbers(run_experiment(from_dict(big_raw("on", "processes")), progress=False))
+    assert processes == offloaded
+
+
+@pytest.mark.parametrize("name", ALGORITHMS.names())
+def test_every_method_is_identical_offloaded(name: str):
+    """Half the clients per round on one architecture: spare modules carry other clients' state
+    between uses, so anything a client keeps outside its parameters and buffers would show."""
+    raw = tiny_raw(
+        data={**SMALL, "num_clients": 6, "synthetic_size": 360},
+        train={"rounds": 3, "participation": 0.5},
+        algorithm={"name": name},
+    )
+    got = {}
+    for offload in ("off", "on"):
+        raw["sim"].update(offload_clients=offload, threads=1)
+        got[offload] = numbers(run_experiment(from_dict(raw), progress=False))
+    assert got["on"] == got["off"]
+
+
+@pytest.mark.parametrize("name", ["lg_fedavg", "fedrod", "fedtgp"])
+def test_interrupted_and_resumed_offloaded_run_is_identical(
+    tmp_path: Path, monkeypatch, caplog, name
+):
+    raw = tiny_raw(
+        data={**SMALL, "num_clients": 6, "synthetic_size": 360},
+        model={"family": "htfe8-gray" if ALGORITHMS.get(name).supports_heterogeneous else "cnn1"},
+        train={"rounds": 3, "participation": 0.5},
+        sim={"offload_clients": "off", "threads": 1},
+        algorithm={"name": name},
+    )
+    ref = numbers(run_experiment(from_dict(raw), progress=False))
+    raw["sim"]["offload_clients"] = "on"
+    cfg = from_dict(raw)
+    original = Checkpointer.after_round
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_second(self, t, *args):
+        original(self, t, *args)
+        if t == 2:
+            raise Stop
+
+    monkeypatch.setattr(Checkpointer, "after_round", stop_after_second)
+    with pytest.raises(Stop):
+        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
+    monkeypatch.setattr(Checkpointer, "after_round", original)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(tmp_path / FILENAME, copy / FILENAME)
+    with caplog.at_level(logging.INFO, logger="fedmosaic"):
+        got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+        # The offloaded run's checkpoint, resumed with every client in memory: the same again.
+        raw["sim"]["offload_clients"] = "off"
+        back = run_experiment(from_dict(raw), progress=False, checkpoint_dir=copy, resume=True)
+    assert caplog.text.count("after round 2") == 2  # both resumed
+    assert numbers(got) == ref
+    assert numbers(back) == ref
+
+
+def test_api_run_returns_the_same_models_offloaded():
+    raw = tiny_raw(
+        data={**SMALL, "num_clients": 6, "synthetic_size": 360},
+        train={"rounds": 2, "participation": 0.5},
+        algorithm={"name": "fedrod"},
+    )
+    results = [api_run(raw, [f"sim.offload_clients={o}", "sim.threads=1"]) for o in ("off", "on")]
+    assert (
+        results[0].document["rounds"][-1]["acc_weighted"]
+        == (results[1].document["rounds"][-1]["acc_weighted"])
+    )
+    for a, b in zip(results[0].models + results[0].extras, results[1].models + results[1].extras):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_auto_offloads_above_the_budget_only(monkeypatch):
+    raw = tiny_raw(data={**SMALL, "num_clients": 6, "synthetic_size": 360})
+    cfg = from_dict(raw)
+    one = build_federation(cfg)  # default: every client in memory, whatever the setting
+    state = federation.module_nbytes(one.models[0], one.extras[0])
+    assert not one.offload and len(one.models) == 6
+    monkeypatch.setattr(federation, "OFFLOAD_BUDGET", 6 * state)  # exactly fits: in memory
+    fed = build_federation(cfg, offload=None)
+    assert not fed.offload and len(fed.models) == 6
+    monkeypatch.setattr(federation, "OFFLOAD_BUDGET", 6 * state - 1)
+    fed = build_federation(cfg, offload=None)
+    assert fed.offload and fed.models == [] and fed.extras == []
+    cfg.sim.offload_clients = "off"
+    assert not build_federation(cfg, offload=None).offload
+    cfg.sim.offload_clients = "on"
+    monkeypatch.setattr(federation, "OFFLOAD_BUDGET", 2**60)
+    assert build_federation(cfg, offload=None).offload
+    assert not build_federation(cfg).offload  # callers that read fed.models get them
+
+
+def test_the_state_store_is_removed_after_the_run(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def during(_record):
+        seen.append(sorted(p.name for p in tmp_path.glob("fedmosaic-states-*")))
+
+    raw = tiny_raw(sim={"offload_clients": "on"}, train={"participation": 0.5})
+    run_experiment(from_dict(raw), progress=False, on_round=during)
+    assert seen and all(len(names) == 1 for names in seen)  # one store, used while it ran
+    assert not list(tmp_path.glob("fedmosaic-states-*"))
+
+
+def test_a_bad_setting_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="sim.offload_clients"):
+        from_dict(tiny_raw(sim={"offload_clients": "sometimes"}))
