@@ -66,3 +66,19 @@ def test_plateau_keys_are_checked(key: str, value: float, match: str):
 def test_plateau_stop_needs_a_validation_split():
     with pytest.raises(ConfigError, match="val_fraction"):
         from_dict(tiny_raw(data={"val_fraction": 0.0}, train={"plateau_delta": 0.001}))
+
+
+def test_a_plateau_stopped_run_keeps_the_models_of_its_last_round(tmp_path):
+    from conftest import write_toml
+
+    import fedmosaic.api as fm
+    from fedmosaic.cli import main
+
+    data = {"synthetic_shape": [1, 16, 16], "num_clients": 4, "val_fraction": 0.2}
+    train = {"rounds": 40, "plateau_delta": 0.5, "plateau_min_rounds": 3}
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=data, train=train))
+    out = tmp_path / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    kept = fm.load_run(out)
+    assert kept.rounds_done == 3 == kept.summary["stopped_on_plateau"]
+    assert not (out / "checkpoint.safetensors").exists()

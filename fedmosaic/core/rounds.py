@@ -405,6 +405,8 @@ def run_rounds(
                 f"(rounds {t - diverged + 1}-{t}); lower train.lr or check the data"
             )
         if stop:
+            if checkpoint is not None and not checkpoint.due(t):
+                checkpoint.save(t, state, history, last_eval)  # the last round run (kept models)
             break
         if stop_requested.is_set() and t < plan.rounds:
             if checkpoint is not None and not checkpoint.due(t):
