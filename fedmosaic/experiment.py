@@ -126,5 +126,5 @@ def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, di
     """Every client's (model, extras) state dicts, wherever the backend keeps them."""
     if fed.models:  # serial: the clients live in this process
         return [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
-    # the process backend, or the serial one's offloaded clients
-    return transport.client_states()  # type: ignore[attr-defined]
+    # the process backend, or the serial one's offloaded clients (read out before the close)
+    return list(transport.client_states())  # type: ignore[attr-defined]

@@ -249,8 +249,10 @@ class SimTransport:
         self.cache.clear()
 
     # ---- checkpoints (the process backend's interface) -------------------------------------
-    def client_states(self) -> list[tuple[dict, dict]]:
-        """Every client's (model, extras) state dicts, copies (all in memory at once)."""
+    def client_states(self) -> Sequence[tuple[dict, dict]]:
+        """Every client's (model, extras) state dicts, as copies. Offloaded, a lazy sequence that
+        reads each client from the store when indexed (a checkpoint writer copies one client at
+        a time instead of the population twice); valid until :meth:`close`."""
         if self.host is None:
             return [
                 (
@@ -259,8 +261,7 @@ class SimTransport:
                 )
                 for m, e in zip(self.models, self.extras)
             ]
-        got = self.host.state_dicts(range(len(self.version)))
-        return [got[c] for c in range(len(self.version))]
+        return _StoredStates(self.host, len(self.version))
 
     def load_client_states(self, states: Sequence[tuple[dict, dict]]) -> None:
         """Load every client's (model, extras) state dicts (a checkpoint's); ``ValueError``
@@ -286,3 +287,18 @@ class SimTransport:
             self.host.live.clear()
             self.host.spare.clear()
             self.host.store.close()
+
+
+class _StoredStates(Sequence[tuple[dict, dict]]):
+    """Offloaded clients' state dicts, each read from the store (copied) when indexed."""
+
+    def __init__(self, host: ClientHost, n: int) -> None:
+        self.host, self.n = host, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, cid: int) -> tuple[dict, dict]:  # type: ignore[override]
+        if not 0 <= cid < self.n:
+            raise IndexError(cid)
+        return self.host.state_dicts([cid])[cid]

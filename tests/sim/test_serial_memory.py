@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_raw
+from conftest import tiny_raw, write_toml
 
 from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.api import load_run
 from fedmosaic.api import run as api_run
 from fedmosaic.checkpoint import FILENAME, Checkpointer
+from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -100,6 +102,20 @@ def test_every_method_is_identical_offloaded(name: str):
     assert got["on"] == got["off"]
 
 
+@pytest.mark.parametrize("name", ["fedavg", "lg_fedavg"])
+def test_batched_clients_are_identical_offloaded(name: str):
+    raw = tiny_raw(
+        data={**SMALL, "num_clients": 6, "synthetic_size": 360},
+        train={"rounds": 2, "participation": 0.5, "batched_clients": True},
+        algorithm={"name": name},
+    )
+    got = {}
+    for offload in ("off", "on"):
+        raw["sim"].update(offload_clients=offload, threads=1)
+        got[offload] = numbers(run_experiment(from_dict(raw), progress=False))
+    assert got["on"] == got["off"]
+
+
 @pytest.mark.parametrize("name", ["lg_fedavg", "fedrod", "fedtgp"])
 def test_interrupted_and_resumed_offloaded_run_is_identical(
     tmp_path: Path, monkeypatch, caplog, name
@@ -156,6 +172,25 @@ def test_api_run_returns_the_same_models_offloaded():
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys()
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_kept_models_of_an_offloaded_run_load_as_in_memory(tmp_path: Path):
+    """``fedmosaic run`` keeps the final models (through ``client_states``); ``load_run``."""
+    toml = write_toml(
+        tmp_path / "tiny.toml",
+        tiny_raw(
+            data={**SMALL, "num_clients": 6, "synthetic_size": 360}, algorithm={"name": "fedrod"}
+        ),
+    )
+    loaded = []
+    for offload in ("off", "on"):
+        out = tmp_path / offload
+        args = ["run", str(toml), "--out", str(out), "--quiet", "--set", "sim.threads=1"]
+        assert main([*args, "--set", f"sim.offload_clients={offload}"]) == 0
+        loaded.append(load_run(out))
+    for a, b in zip(loaded[0].models + loaded[0].extras, loaded[1].models + loaded[1].extras):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_auto_offloads_above_the_budget_only(monkeypatch):
