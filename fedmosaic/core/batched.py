@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +107,24 @@ def groups(
         else:
             singles += g
     return out, singles
+
+
+def plan_groups(
+    algo: Algorithm,
+    cids: Sequence[int],
+    take: Callable[[int], tuple[ClientModel, nn.Module]],
+) -> tuple[list[list[int]], list[int]]:
+    """The round's clients as groups that train together (eligible, one model layout, two or
+    more) and the rest, in their given order, to train one at a time. ``take(cid)`` gives a
+    client's model and extras (built or loaded on demand by the backend)."""
+    keys = {}
+    for c in cids:
+        model, extras = take(c)
+        if eligible(algo, model, extras):
+            keys[c] = layout_key(model, extras)
+    grouped, _ = groups(list(keys), keys)
+    in_group = {c for g in grouped for c in g}
+    return grouped, [c for c in cids if c not in in_group]
 
 
 class _LossModule(nn.Module):

@@ -145,13 +145,7 @@ class ClientHost:
                 yield (cid, *self.fit(round_num, cid, msg), time.perf_counter() - t0)
             return
         msgs = dict(todo)
-        keys = {}
-        for cid in msgs:
-            model, extras = self.take(cid)
-            if batched.eligible(self.algo, model, extras):
-                keys[cid] = batched.layout_key(model, extras)
-        grouped, _ = batched.groups(list(keys), keys)
-        in_group = {c for g in grouped for c in g}
+        grouped, singles = batched.plan_groups(self.algo, list(msgs), self.take)
         for g in grouped:
             t0 = time.perf_counter()
             mods = [self.take(c) for c in g]
@@ -175,10 +169,9 @@ class ClientHost:
                     res.stats.mean_loss,
                     seconds,
                 )
-        for cid, msg in todo:
-            if cid not in in_group:
-                t0 = time.perf_counter()
-                yield (cid, *self.fit(round_num, cid, msg), time.perf_counter() - t0)
+        for cid in singles:
+            t0 = time.perf_counter()
+            yield (cid, *self.fit(round_num, cid, msgs[cid]), time.perf_counter() - t0)
 
     @staticmethod
     def _encode(upload: Payload) -> bytes | str:

@@ -157,14 +157,7 @@ class SimTransport:
         depends only on its own state and streams."""
         singles = list(messages)
         if self.settings.batched_enabled:
-            keys = {}
-            for c in messages:
-                model, extras = self._take(c)
-                if batched.eligible(self.algo, model, extras):
-                    keys[c] = batched.layout_key(model, extras)
-            grouped, _ = batched.groups(list(keys), keys)
-            in_group = {c for g in grouped for c in g}
-            singles = [c for c in messages if c not in in_group]
+            grouped, singles = batched.plan_groups(self.algo, list(messages), self._take)
             for g in grouped:
                 mods = [self._take(c) for c in g]
                 res = batched.fit_group(
