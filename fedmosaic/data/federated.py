@@ -148,6 +148,19 @@ def _client_split(rows: np.ndarray, cfg: DataConfig, rng: np.random.Generator) -
     return ClientSplit(*(torch.from_numpy(np.sort(p).astype(np.int64)) for p in parts))
 
 
+def _carve_out(
+    rows: np.ndarray, size: int, rng: np.random.Generator, too_big: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``size`` rows drawn with ``rng`` (sorted) and the rest, which never reach them; a ``size``
+    that would leave no row is a DatasetError saying ``too_big``."""
+    if size <= 0:
+        return np.empty(0, dtype=np.int64), rows
+    if size >= rows.size:
+        raise DatasetError(too_big)
+    pick = rng.choice(rows.size, size=size, replace=False)
+    return np.sort(rows[pick]), np.delete(rows, pick)
+
+
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     """Load ``cfg.dataset``, carve out the public split, partition the rest over clients and
     split each client's share. Same ``cfg`` and ``seed`` give identical indices."""
@@ -157,29 +170,21 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     rows = np.arange(len(ds), dtype=np.int64)
     if cfg.subsample < 1.0:
         rows = _stratified_subsample(labels, cfg.subsample, np.random.default_rng([seed, 1]))
-    public = np.empty(0, dtype=np.int64)
-    if cfg.public_size > 0:
-        if cfg.public_size >= rows.size:
-            raise DatasetError(
-                f"data.public_size = {cfg.public_size} leaves no samples for the clients: "
-                f"{ds.name} has {rows.size} samples (after subsample = {cfg.subsample})"
-            )
-        rng = np.random.default_rng([seed, 2])
-        pick = rng.choice(rows.size, size=cfg.public_size, replace=False)
-        public = np.sort(rows[pick])
-        rows = np.delete(rows, pick)  # the public rows never reach a client
-    server_eval = np.empty(0, dtype=np.int64)
-    if cfg.server_eval_size > 0:
-        if cfg.server_eval_size >= rows.size:
-            raise DatasetError(
-                f"data.server_eval_size = {cfg.server_eval_size} leaves no samples for the "
-                f"clients: {rows.size} remain after subsample and the public split"
-            )
-        pick = np.random.default_rng([seed, 5]).choice(
-            rows.size, size=cfg.server_eval_size, replace=False
-        )
-        server_eval = np.sort(rows[pick])
-        rows = np.delete(rows, pick)  # carved out after the public rows: disjoint from them
+    public, rows = _carve_out(
+        rows,
+        cfg.public_size,
+        np.random.default_rng([seed, 2]),
+        f"data.public_size = {cfg.public_size} leaves no samples for the clients: {ds.name} has "
+        f"{rows.size} samples (after subsample = {cfg.subsample})",
+    )
+    # After the public rows: disjoint from them (the public split does not depend on it)
+    server_eval, rows = _carve_out(
+        rows,
+        cfg.server_eval_size,
+        np.random.default_rng([seed, 5]),
+        f"data.server_eval_size = {cfg.server_eval_size} leaves no samples for the clients: "
+        f"{rows.size} remain after subsample and the public split",
+    )
     shares = partition(
         cfg.partition,
         labels[rows],

@@ -50,28 +50,18 @@ def make_transport(fed: Federation) -> Transport:
             eval_splits=fed.eval_splits,
             offload=offload,
         )
-    if fed.offload:
-        return SimTransport(
-            fed.algo,
-            [],
-            [],
-            fed.clients,
-            fed.settings,
-            cfg.seed,
-            cfg.train.local_epochs,
-            check_wire=cfg.sim.check_wire,
-            eval_splits=fed.eval_splits,
-            build=lambda cid: make_client(cfg, fed.algo, fed.spec, fed.clients[cid]),
-            members=fed.spec.members,
-        )
+    # Offloaded (sim.offload_clients): no client is built up front; ``build`` makes one on demand.
+    off = fed.offload
     return SimTransport(
         fed.algo,
-        fed.models,
-        fed.extras,
+        [] if off else fed.models,
+        [] if off else fed.extras,
         fed.clients,
         fed.settings,
         cfg.seed,
         cfg.train.local_epochs,
         check_wire=cfg.sim.check_wire,
         eval_splits=fed.eval_splits,
+        build=(lambda cid: make_client(cfg, fed.algo, fed.spec, fed.clients[cid])) if off else None,
+        members=fed.spec.members if off else (),
     )
