@@ -325,7 +325,7 @@ class Reference:
         with torch.no_grad():  # a separate pass over the training data, batch 10
             for x, y in DataLoader(self.train_sets[cid], batch_size=10):
                 sums.index_add_(0, y, model.features(x))
-                counts.index_add_(0, y, torch.ones(len(y)))
+                counts.index_add_(0, y, torch.ones(len(y), device=self.device))
         has = counts > 0
         return ClientPrototypes(
             (sums[has] / counts[has].unsqueeze(1)).cpu().contiguous(), has.nonzero().flatten().cpu()

@@ -117,6 +117,8 @@ def plan_groups(
     """The round's clients as groups that train together (eligible, one model layout, two or
     more) and the rest, in their given order, to train one at a time. ``take(cid)`` gives a
     client's model and extras (built or loaded on demand by the backend)."""
+    if not declared_batchable(algo):  # nothing to group: load no client ahead of its turn
+        return [], list(cids)
     keys = {}
     for c in cids:
         model, extras = take(c)
@@ -315,9 +317,8 @@ def _train(
     shared_msg = _same_message([c.msg for c in clients])
     msg_leaves = {}
     if not shared_msg:
-        msg_leaves = {
-            k: torch.stack([_leaves(c.msg)[k] for c in clients]) for k in _leaves(clients[0].msg)
-        }
+        per = [_leaves(c.msg) for c in clients]
+        msg_leaves = {k: torch.stack([p[k] for p in per]) for k in per[0]}
     stats = [TrainStats() for _ in clients]
     loss_sums = torch.zeros(k_all, dtype=torch.float64, device=device)
     precision = autocast(s)
@@ -359,7 +360,8 @@ def _train(
                 for ks in by_size.values():
                     x, y = _batch([clients[k].data for k in ks], [plans[k][t] for k in ks])
                     whole = len(ks) == k_all
-                    idx = None if whole else torch.tensor(ks, device=device)
+                    ks_t = torch.tensor(ks, device=device)
+                    idx = None if whole else ks_t
                     sub = stacked if idx is None else {n: stacked[n][idx] for n in stacked}
                     opt_state = opt.state()
                     if idx is not None:
@@ -379,7 +381,7 @@ def _train(
                             for full, part in zip(opt.state(), opt_state):
                                 for n in full:
                                     full[n][idx] = part[n]
-                    loss_sums.index_add_(0, torch.tensor(ks, device=device), loss.detach().double())
+                    loss_sums.index_add_(0, ks_t, loss.detach().double())
                     for k in ks:
                         stats[k].steps += 1
                         stats[k].examples += int(plans[k][t].numel())

@@ -264,9 +264,11 @@ def update_norm(state: dict[str, Tensor], reference: dict[str, Tensor]) -> tuple
     for key, ref in reference.items():
         if not ref.is_floating_point() or key not in state:
             continue
-        r64 = ref.detach().cpu().to(torch.float64)
-        du += float((state[key].detach().cpu().to(torch.float64) - r64).pow(2).sum())
-        dr += float(r64.pow(2).sum())
+        # Norms accumulated in float64 without float64 copies of the tensors (every upload of
+        # every SharedWeights-family round passes here: it is a hot path of the server).
+        ref = ref.detach()
+        du += float(torch.linalg.vector_norm(state[key].detach() - ref, dtype=torch.float64)) ** 2
+        dr += float(torch.linalg.vector_norm(ref, dtype=torch.float64)) ** 2
     return math.sqrt(du), math.sqrt(dr)
 
 

@@ -412,8 +412,6 @@ def run_rounds(
             if checkpoint is not None and not checkpoint.due(t):
                 checkpoint.save(t, state, history, last_eval)
             raise Interrupted(t, checkpoint is not None)
-    if history.rounds:
-        last = max(last, int(history.rounds[-1]["round"]))
     history.final_eval = last_eval
     ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs != 0 and ft_phases:
