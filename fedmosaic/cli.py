@@ -20,7 +20,13 @@ import torch
 import fedmosaic
 import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import FINAL_FILE, Checkpointer, CheckpointError, config_fingerprint
+from fedmosaic.checkpoint import (
+    FILENAME,
+    FINAL_FILE,
+    Checkpointer,
+    CheckpointError,
+    config_fingerprint,
+)
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
@@ -42,7 +48,7 @@ from fedmosaic.report.results import format_table, plot_curves, write_results
 from fedmosaic.report.sinks import Sinks
 
 DEFAULT_BASELINE = "local"
-CHECKPOINT_FILE = "checkpoint.safetensors"  # fedmosaic.checkpoint.FILENAME (kept import-light)
+CHECKPOINT_FILE = FILENAME
 
 
 def default_config_path() -> Path:

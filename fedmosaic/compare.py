@@ -118,6 +118,8 @@ def load_suite(path: str | Path) -> Suite:
     for key in raw:
         if key not in known:
             raise ConfigError(f"{p}: unknown table {key!r}; valid: {', '.join(sorted(known))}")
+        if not isinstance(raw[key], dict):
+            raise ConfigError(f"{p}: {key} must be a table ([{key}])")
     meta = raw.get("suite", {})
     for key in meta:
         if key not in SUITE_KEYS:

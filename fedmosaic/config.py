@@ -363,7 +363,8 @@ def _wandb_installed() -> bool:
 
 def _device_ok(dev: str) -> bool:
     """``cpu``, ``cuda`` or ``cuda:N``."""
-    return dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())
+    n = dev[5:]
+    return dev in ("cpu", "cuda") or (dev.startswith("cuda:") and n.isascii() and n.isdigit())
 
 
 # No setting of this project means anything beyond these magnitudes (counts, sizes, rates,
@@ -503,7 +504,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"sim.wandb = {sim.wandb!r} needs the wandb package: pip install 'fedmosaic[wandb]'"
         )
-    if t.device != "cpu" and not t.device.startswith("cuda"):
+    if not _device_ok(t.device):
         raise ConfigError(f"train.device = {t.device!r}; use cpu, cuda or cuda:N")
     if t.batched_clients not in ("auto", True, False):
         raise ConfigError(

@@ -154,8 +154,11 @@ def _assemble(
 ) -> tuple[Algorithm, FederatedData, list[ClientData], FederationSpec]:
     """Everything up to (and including) the method's own check against the federation: the
     device, the algorithm's hyperparameters, the data and ``Algorithm.check(spec)``."""
-    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device = {cfg.train.device!r} but CUDA is not available")
+    wanted = [("train.device", cfg.train.device)]
+    wanted += [(f"sim.devices[{i}]", d) for i, d in enumerate(cfg.sim.devices)]
+    for key, dev in wanted:
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"{key} = {dev!r} but CUDA is not available")
     algo = build_algorithm(cfg.algorithm)
     if fed is None:
         fed = build_federated_data(cfg.data, cfg.seed)

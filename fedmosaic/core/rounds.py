@@ -287,8 +287,8 @@ def run_rounds(
     if server_eval:
         with _rng_kept(spec.device):
             server_eval = algo.server_model(state, spec) is not None
-        if not server_eval:
-            log.info(
+        if not server_eval:  # said at the default level: its rows were still taken from clients
+            log.warning(
                 "server evaluation (data.server_eval_size) skipped: %s holds no global model",
                 type(algo).__name__,
             )

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import fedmosaic
-from fedmosaic.config import ExperimentConfig
-from fedmosaic.flower.settings import RUN_CONFIG
+from fedmosaic.config import ConfigError, ExperimentConfig
+from fedmosaic.flower.settings import RUN_CONFIG, FlowerOptions
 
 FLWR_VERSION = "1.41.0"
 CONNECTION = "fedmosaic"
@@ -135,6 +135,14 @@ def write_app(
     if unknown:
         raise ValueError(f"unknown run config keys {unknown}; known: {sorted(RUN_CONFIG)}")
     values.setdefault("results-dir", str(out.resolve() / "results"))
+    # What the ServerApp would refuse on the SuperLink is refused here, before a file is written.
+    options = FlowerOptions.from_run_config(values)
+    beyond = sorted(p for p in options.node_partitions.values() if p >= cfg.data.num_clients)
+    if beyond:
+        raise ConfigError(
+            f"run config node-partitions: partitions {beyond} do not exist "
+            f"(the federation has {cfg.data.num_clients} clients)"
+        )
     (out / ".flwr").mkdir(parents=True, exist_ok=True)
     (out / "pyproject.toml").write_text(pyproject_text(cfg, values))
     (out / ".flwr" / "config.toml").write_text(
