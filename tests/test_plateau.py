@@ -18,7 +18,9 @@ def test_plateau_rule_by_hand():
     # 10 rounds, window 0.2: best of rounds 1..8 = 0.80, best of 1..10 = 0.805 -> gain 0.005.
     vals = [0.1, 0.5, 0.7, 0.75, 0.78, 0.79, 0.795, 0.80, 0.805, 0.80]
     assert plateaued(_rounds(vals), delta=0.01, window=0.2, min_rounds=5)
-    assert not plateaued(_rounds(vals), delta=0.005, window=0.2, min_rounds=5)  # 0.005 !< 0.005
+    gain = vals[8] - vals[7]  # exactly the float the rule computes (0.805 - 0.80 > 0.005)
+    assert not plateaued(_rounds(vals), delta=gain, window=0.2, min_rounds=5)  # gain !< gain
+    assert plateaued(_rounds(vals), delta=gain + 1e-12, window=0.2, min_rounds=5)
     assert not plateaued(_rounds(vals), delta=0.01, window=0.2, min_rounds=11)  # too early
     # window 0.5: best of 1..5 = 0.78 -> gain 0.025
     assert not plateaued(_rounds(vals), delta=0.02, window=0.5, min_rounds=5)

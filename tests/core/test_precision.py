@@ -47,7 +47,8 @@ def test_fp32_is_the_default_and_bitwise_unchanged():
         return [{k: v for k, v in r.items() if not k.startswith("seconds")} for r in doc["rounds"]]
 
     assert _fed().settings.precision == "fp32"
-    assert numbers(precision="fp32") == numbers()
+    # Asking for fp32 is the default config itself (the numbers are pinned by the golden tests).
+    assert from_dict(tiny_raw(train={"precision": "fp32"})).train == from_dict(tiny_raw()).train
     dtypes = []
     fed = _fed()
     fed.models[0].head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))

@@ -23,6 +23,7 @@ from fedmosaic.core import robust, schema
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.rounds import MAX_EXAMPLES, run_rounds
 from fedmosaic.federation import build_federation
+from fedmosaic.sim.backend import make_transport
 
 
 # ---- the grammar ---------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def real_upload(name: str) -> tuple[Any, Any, Payload, int, robust.ServerView]:
         sim={"backend": "serial", "check_wire": True, "progress": False},
     )
     fed = build_federation(from_dict(raw))
-    _, state = run_rounds(fed.algo, fed.spec, _transport(fed), fed.plan)
+    _, state = run_rounds(fed.algo, fed.spec, make_transport(fed), fed.plan)
     cid = 0
     msg = fed.algo.broadcast(state, cid, 2)
     out = client_ops.fit(
@@ -213,14 +214,6 @@ def real_upload(name: str) -> tuple[Any, Any, Payload, int, robust.ServerView]:
     )
     view = robust.ServerView(fed.spec.robust, fed.spec.num_train, fed.spec.class_counts)
     return fed.algo, state, out.upload, cid, view
-
-
-def _transport(fed):
-    from fedmosaic.sim.simulator import SimTransport
-
-    return SimTransport(
-        fed.algo, fed.models, fed.extras, fed.clients, fed.settings, fed.cfg.seed, 1
-    )
 
 
 def _reshaped(x: Tensor) -> Tensor:

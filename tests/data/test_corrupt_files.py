@@ -174,7 +174,7 @@ def test_gzip_bomb_stops_at_the_limit(tmp_path: Path, monkeypatch) -> None:
     [
         b"\x80\x02" + b"(" * 1000 + b"l" * 1000 + b".",  # nested lists (MARK ... LIST)
         b"\x80\x02K\x01" + b"\x85" * 1000 + b".",  # nested 1-tuples
-        b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R.",  # bytearray(2**31)
+        b"\x80\x02c__builtin__\nbytearray\n\x8a\x05\x00\x00\x00\x80\x00\x85R.",  # bytearray(2**31)
     ],
     ids=["nested-lists", "nested-tuples", "bytearray-2GB"],
 )

@@ -71,13 +71,15 @@ def _deep_pickle(tmp_path: Path, monkeypatch) -> tuple[str, Path, str]:
 
 
 def _pickle_alloc(tmp_path: Path, monkeypatch) -> tuple[str, Path, str]:
-    payload = b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x80\x85R."  # 2 GB from 39 bytes
-    return "cifar10", _cifar(tmp_path, payload), "data_batch_1"
+    # bytearray(2**31): 2 GB from 41 bytes (LONG1, so the size is positive; a signed 32-bit
+    # J would be -2**31 and fail on its own)
+    payload = b"\x80\x02c__builtin__\nbytearray\n\x8a\x05\x00\x00\x00\x80\x00\x85R."
+    return "cifar10", _cifar(tmp_path, payload), "refusing to load global __builtin__.bytearray"
 
 
 def _pickle_code(tmp_path: Path, monkeypatch) -> tuple[str, Path, str]:
-    payload = b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00trueR."  # os.system("true")
-    return "cifar10", _cifar(tmp_path, payload), "data_batch_1"
+    payload = b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R."  # os.system(("true",))
+    return "cifar10", _cifar(tmp_path, payload), "refusing to load global os.system"
 
 
 def _tiny_traversal(tmp_path: Path, monkeypatch) -> tuple[str, Path, str]:

@@ -479,7 +479,9 @@ def test_converged_budget_caps_rounds_and_the_report_shows_where_each_cell_stopp
     with pytest.raises(ConfigError, match="pick one"):
         build_cells(suite, quick=True, converged=True)
     with pytest.raises(ConfigError, match="no \\[converged\\] budget"):
-        build_cells(load_suite(_suite(tmp_path / "..", TINY_SUITE)), converged=True)
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        build_cells(load_suite(_suite(plain, TINY_SUITE)), converged=True)
     out = tmp_path / "out"
     assert main(["compare", str(suite_path), "--out", str(out), "--quiet", "--seeds", "0",
                  "--converged"]) == 0  # fmt: skip
