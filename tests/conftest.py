@@ -61,3 +61,17 @@ def write_toml(path: Path, raw: dict[str, Any]) -> Path:
         lines += [f"{k} = {json.dumps(v)}" for k, v in raw[section].items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
+
+
+def round_numbers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A results document's round records without their timings (what must be reproducible)."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
+
+
+def numbers(doc: dict[str, Any]) -> tuple[Any, ...]:
+    """Everything in results.json that is not a timing."""
+    summary = {k: v for k, v in doc["summary"].items() if k != "seconds_per_round"}
+    return round_numbers(doc), doc["clients"], doc["per_client_final_acc"], summary

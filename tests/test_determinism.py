@@ -1,14 +1,11 @@
-from conftest import tiny_raw
+from conftest import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
 
-TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
-
 
 def strip(doc):
-    rounds = [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
-    return rounds, doc["clients"]
+    return round_numbers(doc), doc["clients"]
 
 
 def test_same_seed_same_numbers_different_seed_differs():

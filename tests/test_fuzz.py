@@ -13,7 +13,6 @@ import dataclasses
 import math
 import re
 import typing
-from pathlib import Path
 
 import pytest
 from conftest import tiny_raw, write_toml
@@ -173,10 +172,6 @@ def test_a_bad_number_is_refused_by_name(section, key, algo, what):
     assert allowed, f"{label} = {value!r} was accepted"
 
 
-def _toml(path: Path, raw: dict) -> Path:
-    return write_toml(path, raw)
-
-
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -192,7 +187,7 @@ CLI_CASES = [(s, k, a) for s, k, a in KEYS if not a] + list(
 
 @pytest.mark.parametrize("section, key, algo", CLI_CASES, ids=[_label(*k) for k in CLI_CASES])
 def test_cli_refuses_a_bad_set_with_one_line_and_no_out(section, key, algo, tmp_path, capsys):
-    cfg = _toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": algo or "local"}))
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": algo or "local"}))
     dotted = f"algorithm.{key}" if algo else (f"{section}.{key}" if section else key)
     for what in ("nan", "huge-int", "string"):
         out = tmp_path / f"out-{what}"
@@ -203,7 +198,7 @@ def test_cli_refuses_a_bad_set_with_one_line_and_no_out(section, key, algo, tmp_
 
 
 def test_cli_leaves_a_previous_run_untouched(tmp_path, capsys):
-    cfg = _toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": "local"}))
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": "local"}))
     out = tmp_path / "out"
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--set", "train.rounds=1"]) == 0
     before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}

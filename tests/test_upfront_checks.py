@@ -22,10 +22,6 @@ from fedmosaic.federation import check_runs
 NO_PUBLIC = {"synthetic_shape": [1, 16, 16], "public_size": 0}
 
 
-def _toml(path: Path, raw: dict) -> Path:
-    return write_toml(path, raw)
-
-
 @pytest.fixture
 def ran(monkeypatch) -> list[str]:
     """The runs that started (none may start when a later one is refused)."""
@@ -55,7 +51,7 @@ def test_check_runs_names_the_run_and_passes_good_ones():
 
 
 def test_failing_baseline_leaves_out_untouched(tmp_path: Path, capsys, ran):
-    cfg = _toml(tmp_path / "c.toml", tiny_raw(data=NO_PUBLIC, algorithm={"name": "local"}))
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=NO_PUBLIC, algorithm={"name": "local"}))
     out = tmp_path / "out"
     rc = main(["run", str(cfg), "--out", str(out), "--quiet", "--baseline", "ktpfl"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -66,7 +62,7 @@ def test_failing_baseline_leaves_out_untouched(tmp_path: Path, capsys, ran):
 
 
 def test_failing_main_run_is_refused_before_its_baselines(tmp_path: Path, capsys, ran):
-    cfg = _toml(tmp_path / "c.toml", tiny_raw(data=NO_PUBLIC, algorithm={"name": "fedhenn"}))
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=NO_PUBLIC, algorithm={"name": "fedhenn"}))
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")

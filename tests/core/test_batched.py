@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import tiny_raw
+from conftest import round_numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import ConfigError, from_dict
@@ -193,11 +193,6 @@ def test_eligibility_and_groups():
     assert not batched.eligible(fed.algo, drop, torch.nn.Module())
 
 
-def _numbers(doc):
-    skip = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
-    return [{k: v for k, v in r.items() if k not in skip} for r in doc["rounds"]]
-
-
 @pytest.mark.parametrize(
     ("family", "algo"), [(MIXED, "fedtgp"), (MIXED, "lg_fedavg"), ("cnn1", "fedavg")]
 )
@@ -210,7 +205,7 @@ def test_two_round_federation_history(family, algo):
             train={"batched_clients": flag, "fused_sgd": False},
             sim={"threads": 1},
         )
-        return _numbers(run_experiment(from_dict(raw), progress=False))
+        return round_numbers(run_experiment(from_dict(raw), progress=False))
 
     calls = []
     real = batched.fit_group
@@ -262,7 +257,7 @@ def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
             },
             sim={"threads": 1},
         )
-        return _numbers(run_experiment(from_dict(raw), progress=False))
+        return round_numbers(run_experiment(from_dict(raw), progress=False))
 
     off = run(False)
     assert not calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_raw
+from conftest import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.core import batched
@@ -16,8 +16,6 @@ from fedmosaic.core import client as client_ops
 from fedmosaic.experiment import build_federation, run_experiment
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
 
 
 def _fed(family, algo, **train):
@@ -78,7 +76,7 @@ def _rounds(sim=None, family="htfe8-gray", algo="fedtgp", **train):
         sim=sim or {},
     )
     doc = run_experiment(from_dict(raw), progress=False)
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
+    return round_numbers(doc)
 
 
 def test_fedtgp_rounds_on_cuda_learn_and_match_cpu():

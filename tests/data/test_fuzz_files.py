@@ -17,10 +17,6 @@ from dataset_files import isolate_search, write_cifar, write_mnist, write_tiny
 from fedmosaic.cli import main
 
 
-def _toml(path: Path, raw: dict) -> Path:
-    return write_toml(path, raw)
-
-
 def _mnist_root(tmp_path: Path) -> Path:
     root = tmp_path / "mnist"
     write_mnist(root, n_train=60, n_test=20)
@@ -138,7 +134,7 @@ DATA_CASES = {
 def test_cli_refuses_hostile_data_files(case, tmp_path, capsys, monkeypatch):
     isolate_search(monkeypatch, tmp_path)
     dataset, root, problem = DATA_CASES[case](tmp_path, monkeypatch)
-    cfg = _toml(tmp_path / "c.toml", tiny_raw(algorithm={"name": "local"}))
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(algorithm={"name": "local"}))
     out = tmp_path / "out"
     sets = [f"data.dataset={dataset}", f'data.root="{root}"', "data.public_size=0"]
     args = ["run", str(cfg), "--out", str(out), "--quiet"]

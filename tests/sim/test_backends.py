@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_raw
+from conftest import numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
-
-TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
-
-
-def numbers(doc):
-    """Everything in results.json that is not a timing."""
-    rounds = [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
-    summary = {k: v for k, v in doc["summary"].items() if k != "seconds_per_round"}
-    return rounds, doc["clients"], doc["per_client_final_acc"], summary
 
 
 def run(algo, backend, workers=0, family="htfe8-gray", **train):

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_raw
+from conftest import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
 from fedmosaic.sim.processes import worker_devices
-
-TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
 
 
 def test_worker_devices_round_robin():
@@ -27,7 +25,7 @@ def _rounds(sim, family="htfe8-gray", **train):
         train=train,
     )
     doc = run_experiment(from_dict(raw), progress=False)
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]], doc
+    return round_numbers(doc), doc
 
 
 def test_cpu_devices_equal_the_serial_backend():

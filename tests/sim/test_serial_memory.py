@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_raw, write_toml
+from conftest import numbers, tiny_raw, write_toml
 
 from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS
@@ -27,14 +27,6 @@ from fedmosaic.federation import build_federation
 from fedmosaic.sim.host import MAX_SPARES
 
 SMALL = {"synthetic_shape": [1, 16, 16]}
-TIMING = {"seconds", "seconds_train", "seconds_aggregate", "seconds_eval"}
-
-
-def numbers(doc):
-    """Everything in results.json that is not a timing."""
-    rounds = [{k: v for k, v in r.items() if k not in TIMING} for r in doc["rounds"]]
-    summary = {k: v for k, v in doc["summary"].items() if k != "seconds_per_round"}
-    return rounds, doc["clients"], doc["per_client_final_acc"], summary
 
 
 def big_raw(offload: str, backend: str = "serial", clients: int = 300) -> dict:
