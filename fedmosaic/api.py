@@ -115,10 +115,21 @@ def _trained_clients(
         model, extra = make_client(fed.cfg, fed.algo, fed.spec, c)
         model.load_state_dict(model_state, strict=True)
         extra.load_state_dict(extras_state, strict=True)
+        models.append(model)
+        extras.append(extra)
+    return _as_evaluated(fed, models, extras, server_state, done, receive)
+
+
+def _as_evaluated(
+    fed: Federation, models: list, extras: list, server_state: Any, done: int, receive: bool
+) -> tuple[list, list]:
+    """``models``/``extras`` in eval mode, after the broadcast that followed round ``done`` when
+    ``receive`` (what the final evaluation saw)."""
+    for c, model, extra in zip(fed.clients, models, extras, strict=True):
         if receive:
             fed.algo.receive(model, extra, fed.algo.broadcast(server_state, c.client_id, done + 1))
-        models.append(model.eval())
-        extras.append(extra.eval())
+        model.eval()
+        extra.eval()
     return models, extras
 
 
@@ -157,8 +168,8 @@ def load_run(path: str | Path) -> Result:
     done, state, _, _ = restored
     doc_file = file.parent / "results.json"
     doc = json.loads(doc_file.read_text()) if doc_file.is_file() else {}
-    states = [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
-    models, extras = _trained_clients(fed, states, state, done, receive=True)
+    # fed's clients were built for this call alone and now hold the file's states: no copies
+    models, extras = _as_evaluated(fed, fed.models, fed.extras, state, done, receive=True)
     return Result(doc, cfg, state, models, extras, done)
 
 

@@ -273,7 +273,7 @@ def load_plugins(names: list[str]) -> None:
             continue
         try:
             if name.endswith(".py"):
-                path = Path(name).expanduser().resolve()
+                path = Path(resolve_plugin(name, Path.cwd()))
                 if not path.is_file():
                     raise ConfigError(f"plugins: {name!r} does not exist")
                 tag = hashlib.sha1(str(path).encode()).hexdigest()[:8]
