@@ -529,7 +529,10 @@ def for_federation(
     """The round loop's checkpoint hook, with access to every client's persistent state."""
     if checkpoint_dir is None:
         raise ConfigError("checkpointing needs an output folder (checkpoint_dir)")
-    if fed.models:  # serial backend: the clients live in this process
+    if hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
+        # every simulator backend: its transport reads and loads the clients wherever they are
+        get_clients, set_clients = transport.client_states, transport.load_client_states
+    elif fed.models:  # no transport (api.load_run): the clients built in this process
         models, extras = fed.models, fed.extras
 
         def get_clients() -> list[tuple[dict, dict]]:
@@ -545,9 +548,6 @@ def for_federation(
                 except RuntimeError as exc:
                     raise ValueError(f"client {cid}: {exc}") from exc
 
-    elif hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
-        # the process backend (its workers hold the clients), the serial one's offloaded clients
-        get_clients, set_clients = transport.client_states, transport.load_client_states
     else:
         raise ConfigError(
             f"sim.backend = {fed.cfg.sim.backend!r} cannot checkpoint client state yet; "

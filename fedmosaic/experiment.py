@@ -123,8 +123,6 @@ def _rounds(
 
 
 def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, dict]]:
-    """Every client's (model, extras) state dicts, wherever the backend keeps them."""
-    if fed.models:  # serial: the clients live in this process
-        return [(m.state_dict(), e.state_dict()) for m, e in zip(fed.models, fed.extras)]
-    # the process backend, or the serial one's offloaded clients (read out before the close)
+    """Every client's (model, extras) state dicts, wherever the backend keeps them (read out
+    before the transport closes)."""
     return list(transport.client_states())  # type: ignore[attr-defined]

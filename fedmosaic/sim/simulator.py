@@ -243,17 +243,12 @@ class SimTransport:
 
     # ---- checkpoints (the process backend's interface) -------------------------------------
     def client_states(self) -> Sequence[tuple[dict, dict]]:
-        """Every client's (model, extras) state dicts, as copies. Offloaded, a lazy sequence that
-        reads each client from the store when indexed (a checkpoint writer copies one client at
-        a time instead of the population twice); valid until :meth:`close`."""
+        """Every client's (model, extras) state dicts: in memory, the live modules' (their
+        readers copy what they keep: the checkpoint writer, ``api.run``'s fresh models).
+        Offloaded, a lazy sequence that reads each client from the store when indexed (a
+        checkpoint writer copies one client at a time); valid until :meth:`close`."""
         if self.host is None:
-            return [
-                (
-                    {k: v.clone() for k, v in m.state_dict().items()},
-                    {k: v.clone() for k, v in e.state_dict().items()},
-                )
-                for m, e in zip(self.models, self.extras)
-            ]
+            return [(m.state_dict(), e.state_dict()) for m, e in zip(self.models, self.extras)]
         return _StoredStates(self.host, len(self.version))
 
     def load_client_states(self, states: Sequence[tuple[dict, dict]]) -> None:
