@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,41 @@ def plan_groups(
     grouped, _ = groups(list(keys), keys)
     in_group = {c for g in grouped for c in g}
     return grouped, [c for c in cids if c not in in_group]
+
+
+def fit_clients(
+    algo: Algorithm,
+    messages: dict[int, Payload],
+    take: Callable[[int], tuple[ClientModel, nn.Module]],
+    data: Sequence[ClientData],
+    settings: TrainSettings,
+    seed: int,
+    round_num: int,
+    local_epochs: int,
+) -> Iterator[tuple[list[int], list[FitOutput]]]:
+    """A round's fits for one backend (the serial transport, a worker): each group that trains
+    together (``plan_groups``, when ``settings.batched_enabled``), then every other client one
+    at a time, yielded as ``(client ids, their outputs)`` as each is done, so the backend can
+    time it and release the modules before the next. ``data[cid]`` is client ``cid``'s data."""
+    grouped, singles = (
+        plan_groups(algo, list(messages), take)
+        if settings.batched_enabled
+        else ([], list(messages))
+    )
+    for g in grouped:
+        mods = [take(c) for c in g]
+        models, extras = [m for m, _ in mods], [e for _, e in mods]
+        msgs, datas = [messages[c] for c in g], [data[c] for c in g]
+        yield (
+            g,
+            fit_group(algo, models, extras, msgs, datas, settings, seed, round_num, local_epochs),
+        )
+    for cid in singles:
+        model, extra = take(cid)
+        out = fit_one(
+            algo, model, extra, messages[cid], data[cid], settings, seed, round_num, local_epochs
+        )
+        yield [cid], [out]
 
 
 class _LossModule(nn.Module):

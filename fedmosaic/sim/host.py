@@ -112,66 +112,32 @@ class ClientHost:
             self._spare(cid, mods)
 
     # ---- operations ----------------------------------------------------------------------
-    def fit(self, round_num: int, cid: int, msg: Payload) -> tuple[bytes | str, int, float]:
-        """``(encoded upload, examples, mean loss)``; the upload is an error message (str) when
-        it cannot be encoded (non-finite values after a diverged step): the round drops it."""
-        model, extras = self.take(cid)
-        res = client_ops.fit(
-            self.algo,
-            model,  # type: ignore[arg-type]
-            extras,
-            msg,
-            self.clients[cid],
-            self.settings,
-            self.seed,
-            round_num,
-            self.local_epochs,
-        )
-        try:
-            blob: bytes | str = encode(res.upload)
-        except PayloadError as exc:
-            blob = str(exc)
-        return blob, res.num_examples, res.stats.mean_loss
-
     def fit_many(
         self, round_num: int, todo: Sequence[tuple[int, Payload]]
     ) -> Iterator[tuple[int, bytes | str, int, float, float]]:
         """``(cid, upload, examples, loss, seconds)`` per client, as each is ready: clients of
         one model layout train together (``core.batched``) when ``train.batched_clients`` is on
         and the method allows it (a group's seconds are split evenly over its clients)."""
-        if not self.settings.batched_enabled:
-            for cid, msg in todo:
-                t0 = time.perf_counter()
-                yield (cid, *self.fit(round_num, cid, msg), time.perf_counter() - t0)
-            return
-        msgs = dict(todo)
-        grouped, singles = batched.plan_groups(self.algo, list(msgs), self.take)
-        for g in grouped:
+        fits = batched.fit_clients(
+            self.algo,
+            dict(todo),
+            self.take,
+            self.clients,
+            self.settings,
+            self.seed,
+            round_num,
+            self.local_epochs,
+        )
+        while True:
             t0 = time.perf_counter()
-            mods = [self.take(c) for c in g]
-            outs = batched.fit_group(
-                self.algo,
-                [m for m, _ in mods],  # type: ignore[misc]
-                [e for _, e in mods],
-                [msgs[c] for c in g],
-                [self.clients[c] for c in g],
-                self.settings,
-                self.seed,
-                round_num,
-                self.local_epochs,
-            )
-            seconds = (time.perf_counter() - t0) / len(g)
-            for cid, res in zip(g, outs):
-                yield (
-                    cid,
-                    self._encode(res.upload),
-                    res.num_examples,
-                    res.stats.mean_loss,
-                    seconds,
-                )
-        for cid in singles:
-            t0 = time.perf_counter()
-            yield (cid, *self.fit(round_num, cid, msgs[cid]), time.perf_counter() - t0)
+            try:
+                group, outs = next(fits)
+            except StopIteration:
+                return
+            seconds = (time.perf_counter() - t0) / len(group)
+            for cid, res in zip(group, outs):
+                upload = self._encode(res.upload)
+                yield (cid, upload, res.num_examples, res.stats.mean_loss, seconds)
 
     @staticmethod
     def _encode(upload: Payload) -> bytes | str:

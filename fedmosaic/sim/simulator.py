@@ -155,41 +155,18 @@ class SimTransport:
         layout and trained together where the method allows it and ``train.batched_clients`` is
         on (``core.batched``), else one at a time. The order does not matter: each client's fit
         depends only on its own state and streams."""
-        singles = list(messages)
-        if self.settings.batched_enabled:
-            grouped, singles = batched.plan_groups(self.algo, list(messages), self._take)
-            for g in grouped:
-                mods = [self._take(c) for c in g]
-                res = batched.fit_group(
-                    self.algo,
-                    [m for m, _ in mods],
-                    [e for _, e in mods],
-                    [messages[c] for c in g],
-                    [self.data[c] for c in g],
-                    self.settings,
-                    self.seed,
-                    round_num,
-                    self.local_epochs,
-                )
-                yield from zip(g, res)
-                self._release(g)
-        for cid in singles:
-            model, extras = self._take(cid)
-            yield (
-                cid,
-                client_ops.fit(
-                    self.algo,
-                    model,
-                    extras,
-                    messages[cid],
-                    self.data[cid],
-                    self.settings,
-                    self.seed,
-                    round_num,
-                    self.local_epochs,
-                ),
-            )
-            self._release([cid])
+        for group, outs in batched.fit_clients(
+            self.algo,
+            messages,
+            self._take,
+            self.data,
+            self.settings,
+            self.seed,
+            round_num,
+            self.local_epochs,
+        ):
+            yield from zip(group, outs)
+            self._release(group)
 
     def evaluate(
         self, round_num: int, messages: dict[int, Payload], receive: bool = True
