@@ -75,3 +75,26 @@ def numbers(doc: dict[str, Any]) -> tuple[Any, ...]:
     """Everything in results.json that is not a timing."""
     summary = {k: v for k, v in doc["summary"].items() if k != "seconds_per_round"}
     return round_numbers(doc), doc["clients"], doc["per_client_final_acc"], summary
+
+
+class _Stopped(Exception):
+    pass
+
+
+def run_until_round(cfg: Any, last: int, checkpoint_dir: Path, monkeypatch: Any) -> None:
+    """Run ``cfg`` with a checkpoint after every round and stop it dead after round ``last``
+    (as a kill would): ``checkpoint_dir`` then holds that round's checkpoint."""
+    from fedmosaic.checkpoint import Checkpointer
+    from fedmosaic.experiment import run_experiment
+
+    original = Checkpointer.after_round
+
+    def stop_after(self: Any, t: int, *args: Any) -> None:
+        original(self, t, *args)
+        if t == last:
+            raise _Stopped
+
+    with monkeypatch.context() as m:
+        m.setattr(Checkpointer, "after_round", stop_after)
+        with pytest.raises(_Stopped):
+            run_experiment(cfg, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_every=1)

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw, write_toml
+from conftest import run_until_round, tiny_raw, write_toml
 from safetensors.torch import save_file
 from torch import nn
 
 from fedmosaic import checkpoint as ck
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import Checkpointer, CheckpointError, flatten_tree, restore_tree
+from fedmosaic.checkpoint import CheckpointError, flatten_tree, restore_tree
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
@@ -195,10 +195,6 @@ def test_resume_with_another_config_fails_naming_the_key(tmp_path: Path):
         run_experiment(other, progress=False, checkpoint_dir=tmp_path, resume=True)
 
 
-class _Stop(Exception):
-    pass
-
-
 # Every method in the registry (server states of every kind: dicts of tensors, dataclasses with
 # modules, generator networks, caches keyed by round, SVD messages, coefficient matrices), with
 # half the clients per round so that clients with local state sit out rounds across the resume.
@@ -214,17 +210,7 @@ def test_interrupted_and_resumed_run_is_identical(tmp_path: Path, monkeypatch, n
     raw["sim"]["check_wire"] = False
     cfg = from_dict(raw)
     ref = run_experiment(cfg, progress=False)
-    original = Checkpointer.after_round
-
-    def stop_after_second(self, t, *args):
-        original(self, t, *args)
-        if t == 2:
-            raise _Stop
-
-    monkeypatch.setattr(Checkpointer, "after_round", stop_after_second)
-    with pytest.raises(_Stop):
-        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
-    monkeypatch.setattr(Checkpointer, "after_round", original)
+    run_until_round(cfg, 2, tmp_path, monkeypatch)
     got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
     assert _without_timing(got) == _without_timing(ref)
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import numbers, tiny_raw, write_toml
+from conftest import numbers, run_until_round, tiny_raw, write_toml
 
 from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.api import load_run
 from fedmosaic.api import run as api_run
-from fedmosaic.checkpoint import FILENAME, Checkpointer
+from fedmosaic.checkpoint import FILENAME
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.core.errors import ConfigError
@@ -122,20 +122,7 @@ def test_interrupted_and_resumed_offloaded_run_is_identical(
     ref = numbers(run_experiment(from_dict(raw), progress=False))
     raw["sim"]["offload_clients"] = "on"
     cfg = from_dict(raw)
-    original = Checkpointer.after_round
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_second(self, t, *args):
-        original(self, t, *args)
-        if t == 2:
-            raise Stop
-
-    monkeypatch.setattr(Checkpointer, "after_round", stop_after_second)
-    with pytest.raises(Stop):
-        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
-    monkeypatch.setattr(Checkpointer, "after_round", original)
+    run_until_round(cfg, 2, tmp_path, monkeypatch)
     copy = tmp_path / "copy"
     copy.mkdir()
     shutil.copy(tmp_path / FILENAME, copy / FILENAME)
