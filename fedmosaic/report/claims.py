@@ -117,6 +117,22 @@ CLAIMS: tuple[Claim, ...] = (
         ),
     ),
     Claim(
+        "fedtgp_code",
+        "The same, with FedTGP's client term as the authors' code has it (MSE over the batch, "
+        "lambda = 10: fedtgp_mse) where the paper writes the Euclidean distance with lambda = 0.1",
+        tuple(
+            Comparison(
+                "fedtgp_table10",
+                s,
+                "fedtgp_mse",
+                b,
+                paper=(_TGP_PAPER[s]["fedtgp"], _TGP_PAPER[s][b]),
+            )
+            for s in ("pathological", "practical")
+            for b in _TGP_BASELINES
+        ),
+    ),
+    Claim(
         "fedtgp_mechanism",
         "FedTGP's trained, margin-separated prototypes beat FedProto's averaged ones at the same "
         "round (nearest-prototype inference)",
