@@ -338,7 +338,13 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text: {exc}") from exc
 
 
-def load(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+def load(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    algorithm: dict[str, Any] | None = None,
+) -> ExperimentConfig:
+    """A config file with ``overrides`` applied; ``algorithm`` replaces its whole ``[algorithm]``
+    table after them (a baseline of another method keeps none of the file's method settings)."""
     raw = read_toml(path) if path is not None else {}
     plugins = raw.get("plugins")
     if path is not None and isinstance(plugins, list):
@@ -351,7 +357,10 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
             else p
             for p in plugins
         ]
-    return from_dict(apply_overrides(raw, list(overrides or [])))
+    raw = apply_overrides(raw, list(overrides or []))
+    if algorithm is not None:
+        raw["algorithm"] = dict(algorithm)
+    return from_dict(raw)
 
 
 def _wandb_installed() -> bool:

@@ -95,3 +95,18 @@ def test_partition_prints_histograms(tmp_path, capsys):
     assert main(["partition", str(cfg), "--png", str(png)]) == 0
     assert png.exists()
     assert len(capsys.readouterr().out.strip().splitlines()) >= 4
+
+
+def test_baseline_drops_the_methods_own_settings(tmp_path):
+    """A config with method hyperparameters (`algorithm.lam`, from the file and from --set) still
+    runs its --baseline: the baseline's [algorithm] is its name alone."""
+    cfg = tmp_path / "exp.toml"
+    _write_config(
+        cfg, tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedproto", "lam": 0.5})
+    )
+    out = tmp_path / "out"
+    argv = ["run", str(cfg), "--out", str(out), "--quiet", "--set", "algorithm.lam=0.25"]
+    assert main([*argv, "--set", "train.rounds=1", "--baseline", "local"]) == 0
+    ours = json.loads((out / "fedproto" / "results.json").read_text())["config"]["algorithm"]
+    theirs = json.loads((out / "local" / "results.json").read_text())["config"]["algorithm"]
+    assert ours == {"name": "fedproto", "lam": 0.25} and theirs == {"name": "local"}

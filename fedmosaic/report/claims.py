@@ -12,8 +12,10 @@ reported as the mean of ``d_s`` and the half-width of its 95% Student-t interval
     or the gap is under half the paper's;
   - **does not hold here** when the mean gap is 0 or negative.
 - ``at_or_above`` (the paper has ``method`` level with or above):
-  - **holds** unless the interval lies wholly below 0;
-  - **does not hold here** when it does.
+  - **holds** when the mean gap is 0 or positive;
+  - **holds (level: ...)** when it is negative but the interval contains 0: not distinguishable
+    from level at these seeds, and said so;
+  - **does not hold here** when the interval lies wholly below 0.
 - ``lower`` (a cost the paper has lower: bytes, compute):
   - **holds** when ``method``'s mean is below ``baseline``'s and the ratio is at most the paper's
     ratio + 0.1;
@@ -53,6 +55,7 @@ from fedmosaic.report.compare import METRIC_KEYS, aggregate
 HOLDS = "holds"
 SMALLER = "holds in direction but smaller"
 FAILS = "does not hold here"
+LEVEL = HOLDS + " (level: below on average, 0 inside the interval)"
 RANK = {FAILS: 0, SMALLER: 1, HOLDS: 2}
 
 DEFAULT_CELLS = Path(__file__).resolve().parents[2] / "docs" / "results" / "converged"
@@ -355,14 +358,17 @@ def verdict(c: Comparison, diff: dict[str, Any], a: dict[str, Any], b: dict[str,
     if c.relation == "at_or_above":
         if one:
             return (HOLDS if mean >= 0 else FAILS) + " (1 seed, direction only)"
-        return FAILS if mean + ci < 0 else HOLDS
+        if mean + ci < 0:
+            return FAILS
+        return HOLDS if mean >= 0 else LEVEL
     if c.relation == "lower":
         ma, mb = a["mean"], b["mean"]
+        mark = " (1 seed)" if one else ""
         if ma is None or mb is None or ma >= mb:
-            return FAILS
+            return FAILS + mark
         if c.paper is not None and mb > 0 and ma / mb > c.paper[0] / c.paper[1] + 0.1:
-            return SMALLER
-        return HOLDS
+            return SMALLER + mark
+        return HOLDS + mark
     raise ValueError(f"unknown relation {c.relation!r}")
 
 
