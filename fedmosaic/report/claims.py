@@ -436,6 +436,50 @@ def evaluate(root: Path = DEFAULT_CELLS) -> list[dict[str, Any]]:
     return out
 
 
+def budget_rows(root: Path = DEFAULT_CELLS) -> list[dict[str, Any]]:
+    """Per suite folder under ``root``: its cells, seeds, data fractions, rounds run, the wall
+    hours they took on this machine and the code versions (source hashes) that produced them."""
+    rows = []
+    for suite_dir in sorted(p for p in root.iterdir() if (p / "cells").is_dir()):
+        docs = load_cells(root, suite_dir.name)
+        if not docs:
+            continue
+        rounds = [int(d.get("summary", {}).get("rounds_run") or 0) for d in docs.values()]
+        fractions = {d["config"]["data"].get("subsample", 1.0) for d in docs.values()}
+        codes = {
+            (d.get("provenance", {}).get("code", {}).get("source_hash") or "?")[:12]
+            for d in docs.values()
+        }
+        rows.append(
+            {
+                "suite": suite_dir.name,
+                "cells": len(docs),
+                "seeds": sorted({s for _, _, s in docs}),
+                "fractions": sorted(fractions),
+                "rounds": (min(rounds), max(rounds)),
+                "hours": sum(float(d.get("wall_seconds") or 0.0) for d in docs.values()) / 3600,
+                "codes": sorted(codes),
+            }
+        )
+    return rows
+
+
+def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| suite | cells | seeds | FMNIST fraction | rounds run | wall hours (2 cores) | code |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['suite']} | {r['cells']} | {', '.join(map(str, r['seeds']))} | "
+            f"{', '.join(f'{f:g}' for f in r['fractions'])} | {r['rounds'][0]}-{r['rounds'][1]} | "
+            f"{r['hours']:.2f} | {', '.join(r['codes'])} |"
+        )
+    total = sum(r["hours"] for r in rows)
+    lines.append(f"| all | {sum(r['cells'] for r in rows)} | | | | {total:.2f} | |")
+    return "\n".join(lines) + "\n"
+
+
 def _num(agg: dict[str, Any], digits: int = 2) -> str:
     if agg["mean"] is None:
         return "-"
@@ -509,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --cells {args.cells} is not a folder", file=sys.stderr)
         return 2
     text = markdown(evaluate(args.cells))
+    text += "\n#### The cells behind these verdicts\n\n" + budget_markdown(budget_rows(args.cells))
     if args.out is None:
         sys.stdout.write(text)
     else:

@@ -148,4 +148,25 @@ def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
     """docs/results/claims.md is generated from docs/results/converged; a stale page fails."""
     page = ROOT / "docs" / "results" / "claims.md"
     assert page.is_file()
-    assert page.read_text() == claims.markdown(claims.evaluate(claims.DEFAULT_CELLS))
+    out = ROOT / "build" / "claims-test.md"
+    out.parent.mkdir(exist_ok=True)
+    assert claims.main(["--out", str(out)]) == 0
+    assert page.read_text() == out.read_text()
+
+
+def test_budget_rows_sum_the_cells_wall_time(tmp_path: Path) -> None:
+    for seed, (wall, rounds) in enumerate(((1800.0, 40), (3600.0, 55))):
+        d = tmp_path / "s" / "cells" / "set" / "m" / f"seed{seed}"
+        d.mkdir(parents=True)
+        doc = {
+            "config": {"data": {"subsample": 0.05}},
+            "summary": {"rounds_run": rounds},
+            "wall_seconds": wall,
+            "provenance": {"code": {"source_hash": "abcdef0123456789"}},
+        }
+        (d / "results.json").write_text(json.dumps(doc))
+    (row,) = claims.budget_rows(tmp_path)
+    assert row["cells"] == 2 and row["seeds"] == [0, 1] and row["fractions"] == [0.05]
+    assert row["rounds"] == (40, 55) and row["hours"] == pytest.approx(1.5)
+    assert row["codes"] == ["abcdef012345"]
+    assert "| all | 2 | | | | 1.50 | |" in claims.budget_markdown([row])
