@@ -123,33 +123,39 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
         "s/round",
         "KB up/client",
     )
+    # Training compute where the methods count it (FedBABU, layer expansion: the paper's Table 4
+    # measure, trainable parameters x examples over all clients and rounds).
+    cost = any("paper_cost_total" in doc.get("summary", {}) for doc in docs)
+    if cost:
+        header = (*header, "train cost (G)")
     rows = []
     for doc in docs:
         s = doc.get("summary", {})
         f = s.get("final", {})
         bt = s.get("best_on_test", {})
-        rows.append(
-            (
-                doc["config"]["algorithm"]["name"],
-                _pct(f.get("acc_weighted")),
-                f"{_pct(f.get('acc_mean'))} ± {_pct(f.get('acc_std'))}",
-                f"{_pct(bt.get('acc_weighted'))} (r{bt.get('round', '-')})",
-                f"{s.get('seconds_per_round', math.nan):.2f}",
-                f"{s.get('bytes_up_per_client_per_round', math.nan) / 1024:.1f}",
-            )
+        row: tuple[str, ...] = (
+            doc["config"]["algorithm"]["name"],
+            _pct(f.get("acc_weighted")),
+            f"{_pct(f.get('acc_mean'))} ± {_pct(f.get('acc_std'))}",
+            f"{_pct(bt.get('acc_weighted'))} (r{bt.get('round', '-')})",
+            f"{s.get('seconds_per_round', math.nan):.2f}",
+            f"{s.get('bytes_up_per_client_per_round', math.nan) / 1024:.1f}",
         )
+        if cost:
+            c = s.get("paper_cost_total")
+            row = (*row, "-" if c is None else f"{c / 1e9:.1f}")
+        rows.append(row)
         if "after_finetune" in s:
             ft = s["after_finetune"]
-            rows.append(
-                (
-                    "  + fine-tune",
-                    _pct(ft.get("acc_weighted")),
-                    f"{_pct(ft.get('acc_mean'))} ± {_pct(ft.get('acc_std'))}",
-                    "",
-                    "",
-                    "",
-                )
+            fine = (
+                "  + fine-tune",
+                _pct(ft.get("acc_weighted")),
+                f"{_pct(ft.get('acc_mean'))} ± {_pct(ft.get('acc_std'))}",
+                "",
+                "",
+                "",
             )
+            rows.append((*fine, "") if cost else fine)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True))  # noqa: E731
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
