@@ -108,6 +108,19 @@ def test_common_round_reads_both_runs_at_the_last_round_both_ran() -> None:
     )
 
 
+def test_mean_over_rounds_averages_both_curves_up_to_the_common_round() -> None:
+    c = Comparison("x", "s", "m", "b", metric="mean_over_rounds")
+    cells = {
+        ("s", "m", 0): _doc(0.99, [(1, 0.5), (2, 0.6), (3, 0.7)]),
+        ("s", "b", 0): _doc(0.40, [(1, 0.4), (2, 0.45)]),
+    }
+    j = claims.judge(c, cells)
+    assert j["rounds"] == [2]
+    assert j["method"]["mean"] == pytest.approx(55.0) and j["baseline"]["mean"] == pytest.approx(
+        42.5
+    )
+
+
 def test_only_seeds_both_methods_ran_are_paired() -> None:
     c = Comparison("x", "s", "m", "b")
     cells = _cells([0.9, 0.9], [0.8, 0.8])
