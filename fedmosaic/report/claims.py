@@ -522,10 +522,24 @@ def _metric_label(c: Comparison) -> str:
     return f"{where[c.metric]} acc, {acc} (%)"
 
 
+def summary_markdown(results: Sequence[dict[str, Any]]) -> str:
+    """One row per claim: its verdict, the seeds behind it and its comparisons' verdicts."""
+    lines = ["| claim | verdict | seeds | comparisons |", "|---|---|---|---|"]
+    for res in results:
+        ns = sorted({j["diff"]["n"] for j in res["comparisons"]})
+        counts: dict[str, int] = {}
+        for j in res["comparisons"]:
+            counts[j["verdict"]] = counts.get(j["verdict"], 0) + 1
+        parts = ", ".join(f"{k} {v}" for v, k in sorted(counts.items(), key=lambda kv: kv[0]))
+        seeds = "-".join(str(n) for n in (ns[0], ns[-1])) if ns[0] != ns[-1] else str(ns[0])
+        lines.append(f"| {res['claim'].title} | **{res['verdict']}** | {seeds} | {parts} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: Sequence[dict[str, Any]]) -> str:
     """One table per claim: per comparison the two methods, the paired gap, the paper's, the
     verdict."""
-    lines = []
+    lines = [summary_markdown(results)]
     for res in results:
         claim = res["claim"]
         lines += [f"#### {claim.title}", "", f"**Verdict: {res['verdict']}.**", ""]

@@ -183,3 +183,22 @@ def test_budget_rows_sum_the_cells_wall_time(tmp_path: Path) -> None:
     assert row["rounds"] == (40, 55) and row["hours"] == pytest.approx(1.5)
     assert row["codes"] == ["abcdef012345"]
     assert "| all | 2 | | | | 1.50 | |" in claims.budget_markdown([row])
+
+
+def test_results_page_carries_the_current_verdicts() -> None:
+    """docs/results.md quotes the verdict table of the committed cells verbatim."""
+    table = claims.summary_markdown(claims.evaluate(claims.DEFAULT_CELLS))
+    assert table in (ROOT / "docs" / "results.md").read_text()
+
+
+def test_summary_counts_each_comparisons_verdict() -> None:
+    c = Comparison("x", "s", "m", "b")
+    j1 = claims.judge(c, _cells([0.95, 0.96, 0.97], [0.90, 0.905, 0.91]))
+    j2 = claims.judge(c, _cells([0.89, 0.90, 0.91], [0.90, 0.91, 0.92]))
+    res = {
+        "claim": claims.Claim("k", "A claim", (c, c)),
+        "comparisons": [j1, j2],
+        "verdict": claims.claim_verdict([j1["verdict"], j2["verdict"]]),
+    }
+    row = claims.summary_markdown([res]).splitlines()[2]
+    assert row == f"| A claim | **{FAILS}** | 3 | 1 {FAILS}, 1 {HOLDS} |"
