@@ -90,6 +90,33 @@ def _tgp(setting: str, base: str, paper: tuple[float, float]) -> Comparison:
     return Comparison("fedtgp_table10", setting, "fedtgp", base, paper=paper)
 
 
+def _gh(baseline: str, paper: tuple[float, float], note: str = "CIFAR-10", **kw: Any) -> Comparison:
+    return Comparison(
+        "fedgh_table3",
+        "pathological",
+        "fedgh",
+        baseline,
+        accuracy="unweighted",
+        paper=paper,
+        paper_note=note,
+        **kw,
+    )
+
+
+def _le(method: str, relation: str, metric: str, paper: tuple[float, float]) -> Comparison:
+    note = "MNIST, 100 rounds" if metric == "after_finetune" else "Table 4, G"
+    return Comparison(
+        "layer_expansion",
+        "dir01",
+        method,
+        "fedbabu",
+        relation=relation,
+        metric=metric,
+        paper=paper,
+        paper_note=note,
+    )
+
+
 _TGP_PAPER = {  # Table 10, FMNIST, best-over-rounds test accuracy after 1000 rounds
     "pathological": {
         "fedtgp": 99.56,
@@ -192,33 +219,14 @@ CLAIMS: tuple[Claim, ...] = (
         "FedGH above LG-FedAvg and FedProto (Table 3 setting, 5 CNNs, 10 clients, pathological), "
         "and its communication below LG-FedAvg's",
         (
-            Comparison(
-                "fedgh_table3",
-                "pathological",
-                "fedgh",
+            _gh("lg_fedavg", (97.60, 96.37)),
+            _gh("fedproto", (97.60, 96.47)),
+            _gh(
                 "lg_fedavg",
-                accuracy="unweighted",
-                paper=(97.60, 96.37),
-                paper_note="CIFAR-10",
-            ),
-            Comparison(
-                "fedgh_table3",
-                "pathological",
-                "fedgh",
-                "fedproto",
-                accuracy="unweighted",
-                paper=(97.60, 96.47),
-                paper_note="CIFAR-10",
-            ),
-            Comparison(
-                "fedgh_table3",
-                "pathological",
-                "fedgh",
-                "lg_fedavg",
+                (23.45, 39.14),
                 relation="lower",
                 metric="kb_per_round",
-                paper=(23.45, 39.14),
-                paper_note="CIFAR-10, KB/client/round",
+                note="CIFAR-10, KB/client/round",
             ),
         ),
     ),
@@ -235,46 +243,10 @@ CLAIMS: tuple[Claim, ...] = (
         "Vanilla and Anti scheduling at or above FedBABU after fine-tuning, at lower training "
         "compute (Table 2 / Table 4; shallow CNN, 100 clients, 10%, Dir(0.1))",
         (
-            Comparison(
-                "layer_expansion",
-                "dir01",
-                "fedseq_vanilla",
-                "fedbabu",
-                relation="at_or_above",
-                metric="after_finetune",
-                paper=(98.21, 98.19),
-                paper_note="MNIST, 100 rounds",
-            ),
-            Comparison(
-                "layer_expansion",
-                "dir01",
-                "fedseq_anti",
-                "fedbabu",
-                relation="at_or_above",
-                metric="after_finetune",
-                paper=(98.34, 98.19),
-                paper_note="MNIST, 100 rounds",
-            ),
-            Comparison(
-                "layer_expansion",
-                "dir01",
-                "fedseq_vanilla",
-                "fedbabu",
-                relation="lower",
-                metric="paper_cost_g",
-                paper=(314.912, 865.344),
-                paper_note="Table 4, G",
-            ),
-            Comparison(
-                "layer_expansion",
-                "dir01",
-                "fedseq_anti",
-                "fedbabu",
-                relation="lower",
-                metric="paper_cost_g",
-                paper=(838.880, 865.344),
-                paper_note="Table 4, G",
-            ),
+            _le("fedseq_vanilla", "at_or_above", "after_finetune", (98.21, 98.19)),
+            _le("fedseq_anti", "at_or_above", "after_finetune", (98.34, 98.19)),
+            _le("fedseq_vanilla", "lower", "paper_cost_g", (314.912, 865.344)),
+            _le("fedseq_anti", "lower", "paper_cost_g", (838.880, 865.344)),
         ),
     ),
 )
@@ -289,10 +261,14 @@ def load_cells(root: Path, suite: str) -> dict[tuple[str, str, int], dict[str, A
     base = root / suite / "cells"
     for path in sorted(base.glob("*/*/seed*/results.json")):
         seed_dir = path.parent
-        seed = int(seed_dir.name.removeprefix("seed"))
-        out[(seed_dir.parent.parent.name, seed_dir.parent.name, seed)] = json.loads(
-            path.read_text()
-        )
+        try:
+            seed = int(seed_dir.name.removeprefix("seed"))
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}: not a cell's results.json ({exc})") from exc
+        if not isinstance(doc, dict) or not isinstance(doc.get("summary"), dict):
+            raise ValueError(f"{path}: not a cell's results.json (no summary table)")
+        out[(seed_dir.parent.parent.name, seed_dir.parent.name, seed)] = doc
     return out
 
 
@@ -464,7 +440,9 @@ def budget_rows(root: Path = DEFAULT_CELLS) -> list[dict[str, Any]]:
         if not docs:
             continue
         rounds = [int(d.get("summary", {}).get("rounds_run") or 0) for d in docs.values()]
-        fractions = {d["config"]["data"].get("subsample", 1.0) for d in docs.values()}
+        fractions = {
+            d.get("config", {}).get("data", {}).get("subsample", 1.0) for d in docs.values()
+        }
         codes = {
             (d.get("provenance", {}).get("code", {}).get("source_hash") or "?")[:12]
             for d in docs.values()
@@ -590,14 +568,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.cells.is_dir():
         print(f"error: --cells {args.cells} is not a folder", file=sys.stderr)
         return 2
-    text = markdown(evaluate(args.cells))
-    text += "\n#### The cells behind these verdicts\n\n" + budget_markdown(budget_rows(args.cells))
-    if args.out is None:
-        sys.stdout.write(text)
-    else:
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
+    try:
+        text = markdown(evaluate(args.cells))
+        text += "\n#### The cells behind these verdicts\n\n"
+        text += budget_markdown(budget_rows(args.cells))
+        if args.out is None:
+            sys.stdout.write(text)
+        else:  # written whole or not at all
+            tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(args.out)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

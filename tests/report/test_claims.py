@@ -202,3 +202,13 @@ def test_summary_counts_each_comparisons_verdict() -> None:
     }
     row = claims.summary_markdown([res]).splitlines()[2]
     assert row == f"| A claim | **{FAILS}** | 3 | 1 {FAILS}, 1 {HOLDS} |"
+
+
+def test_cli_names_a_corrupt_cell_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "fedgh_table3" / "cells" / "pathological" / "fedgh" / "seed0"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text("{not json")
+    out = tmp_path / "claims.md"
+    assert claims.main(["--cells", str(tmp_path), "--out", str(out)]) == 2
+    assert "results.json: not a cell's results.json" in capsys.readouterr().err
+    assert not out.exists()

@@ -78,6 +78,15 @@ def test_offloaded_population_gives_the_same_numbers_with_participants_live(live
     assert processes == offloaded
 
 
+def _offloaded_and_not(raw: dict) -> dict[str, list]:
+    """The same run's numbers with the serial backend's offloading off and on."""
+    got = {}
+    for offload in ("off", "on"):
+        raw["sim"].update(offload_clients=offload, threads=1)
+        got[offload] = numbers(run_experiment(from_dict(raw), progress=False))
+    return got
+
+
 @pytest.mark.parametrize("name", ALGORITHMS.names())
 def test_every_method_is_identical_offloaded(name: str):
     """Half the clients per round on one architecture: spare modules carry other clients' state
@@ -87,10 +96,7 @@ def test_every_method_is_identical_offloaded(name: str):
         train={"rounds": 3, "participation": 0.5},
         algorithm={"name": name},
     )
-    got = {}
-    for offload in ("off", "on"):
-        raw["sim"].update(offload_clients=offload, threads=1)
-        got[offload] = numbers(run_experiment(from_dict(raw), progress=False))
+    got = _offloaded_and_not(raw)
     assert got["on"] == got["off"]
 
 
@@ -101,10 +107,7 @@ def test_batched_clients_are_identical_offloaded(name: str):
         train={"rounds": 2, "participation": 0.5, "batched_clients": True},
         algorithm={"name": name},
     )
-    got = {}
-    for offload in ("off", "on"):
-        raw["sim"].update(offload_clients=offload, threads=1)
-        got[offload] = numbers(run_experiment(from_dict(raw), progress=False))
+    got = _offloaded_and_not(raw)
     assert got["on"] == got["off"]
 
 
