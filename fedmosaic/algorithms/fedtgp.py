@@ -28,6 +28,8 @@ Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``cl
   maximum over all pairs). With fewer than two classes uploaded in a round the margin is undefined:
   we use 0 where the reference ends up at ``tau``.
 - server batch size: the reference uses the clients' batch size (10 in its script): our default.
+- server step speed: the MLP's SGD update runs inside its backward (``server_fused_sgd``; the
+  same step as autograd + ``torch.optim.SGD``, which ``False`` restores, to float rounding).
 - inference before any global prototype exists: the reference reports accuracy 0; we fall back to
   the client's head (``acc`` = ``acc_head`` until the first aggregation).
 """
@@ -52,7 +54,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
+from fedmosaic.core.training import TrainSettings, sgd_linear
 
 DISTANCES = ("euclidean", "mse")
 MARGINS = ("adaptive", "fixed", "none")
@@ -183,21 +185,38 @@ def train_prototypes(
     batch_size: int,
     lr: float,
     gen: torch.Generator,
+    fused: bool = True,
 ) -> float:
     """``epochs`` passes of SGD over shuffled minibatches of (prototype, class) pairs, on ``params``
     in place (leaf tensors; the caller passes copies).
 
     Every step recomputes all ``C`` global prototypes (all of them enter the denominator of Eq. 10,
     as in the paper). Returns the loss of the last step (NaN when there was nothing to train).
+    ``fused``: the MLP's two Linear layers apply their SGD step inside their backward
+    (``training.sgd_linear``: the native kernel for up to 24 classes; one pass over each weight
+    instead of a weight-gradient GEMM that MKL runs at a third of peak on 10 rows, then the
+    optimizer's); the embedding takes ``torch.optim.SGD``. The same step as autograd + SGD on all
+    parameters (``fused=False``) to float rounding: 2.3x faster at C = 10, d = 512.
     """
-    leaves = [p.requires_grad_(True) for p in params.values()]
+    mlp = "mlp.0.weight" in params
+    fused = fused and mlp and all(p.dtype == torch.float32 for p in params.values())
+    trained = [params["embedding.weight"]] if fused else list(params.values())
+    leaves = [p.requires_grad_(True) for p in trained]
     opt = torch.optim.SGD(leaves, lr=lr)
+
+    def protos() -> Tensor:  # [C, d]
+        if not fused:
+            return global_prototypes(params)
+        w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
+        hidden = sgd_linear(params["embedding.weight"], w1, b1, lr).relu()
+        return sgd_linear(hidden, w2, b2, lr)
+
     last = math.nan
     n = points.shape[0]
     with torch.enable_grad():
         for _ in range(epochs):
             for pos in torch.randperm(n, generator=gen).split(batch_size):
-                loss = acl_loss(points[pos], labels[pos], global_prototypes(params), delta)
+                loss = acl_loss(points[pos], labels[pos], protos(), delta)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -246,6 +265,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
     server_batch_size: int = 10  # server minibatch (the reference uses the client batch size, 10)
     server_lr: float = 0.01  # server SGD learning rate
+    server_fused_sgd: bool = True  # MLP's SGD step inside its backward (False: autograd + SGD)
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
 
     Broadcast: ClassVar[type[Payload]] = Prototypes
@@ -326,6 +346,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
             self.server_batch_size,
             self.server_lr,
             gen,
+            self.server_fused_sgd,
         )
         known = state.known.clone()
         known[labels] = True

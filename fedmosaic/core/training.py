@@ -234,6 +234,15 @@ class _SGDLinear(torch.autograd.Function):
         return gx, None, None, None
 
 
+def sgd_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lr: float) -> Tensor:
+    """``x W^T + b`` whose backward applies plain SGD to ``weight`` and ``bias`` in place
+    (``W -= lr * g^T x``, ``b -= lr * sum(g)``; no ``.grad``) and returns the input gradient
+    computed with the old ``W``; the native kernel for 1..``kernels.MAX_BATCH`` rows. For callers
+    that train a few Linear layers by hand (a server step): the same SGD step as autograd +
+    ``torch.optim.SGD`` to float rounding. The layer must be used once per backward."""
+    return _SGDLinear.apply(x, weight, bias, lr)
+
+
 class FusedSGDLinears:
     """Route the given Linear layers through :class:`_SGDLinear` while active (and, with the
     native kernels built, single-input-channel Conv2d layers through ``kernels.conv``)."""

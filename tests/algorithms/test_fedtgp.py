@@ -102,6 +102,34 @@ def test_one_acl_step_matches_hand_computation():
     assert not params["embedding.weight"].requires_grad  # plain data again after training
 
 
+@pytest.mark.parametrize("num_classes", [10, 30])  # native kernel (<= 24 rows), torch fallback
+def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes):
+    """The MLP's SGD step inside its backward (default) is autograd + SGD to float rounding, and
+    the fused layers are the ones that ran (two per step)."""
+    from fedmosaic.algorithms import fedtgp
+    from fedmosaic.algorithms.fedtgp import TrainablePrototypes
+
+    torch.manual_seed(0)
+    d = 64
+    base = {k: v.detach() for k, v in TrainablePrototypes(num_classes, d).named_parameters()}
+    points, labels = torch.randn(45, d), torch.arange(45) % num_classes
+    calls = []
+    real = fedtgp.sgd_linear
+    monkeypatch.setattr(fedtgp, "sgd_linear", lambda *a: calls.append(1) or real(*a))
+    out = {}
+    for fused in (True, False):
+        params = {k: v.clone() for k, v in base.items()}
+        gen = torch.Generator().manual_seed(1)
+        loss = train_prototypes(params, points, labels, 0.5, 3, 10, 0.05, gen, fused=fused)
+        out[fused] = (loss, params)
+        assert not any(p.requires_grad or p.grad is not None for p in params.values())
+    assert len(calls) == 2 * 3 * 5  # 2 layers x 3 epochs x 5 minibatches, fused run only
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
+    for k, v in out[False][1].items():
+        assert not torch.equal(v, base[k]), k  # every parameter trained
+        assert torch.allclose(out[True][1][k], v, atol=1e-5), k
+
+
 def test_server_distance_is_finite_when_a_prototype_equals_a_point():
     protos = torch.tensor([[1.0, 2.0], [0.0, 0.0]], requires_grad=True)
     points = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
