@@ -19,8 +19,9 @@ For each workload it prints seconds per round of
   a separate batch-10 pass over the training data for the uploaded prototypes (FedTGP); and
   evaluation of every client with batch-10 loaders under ``no_grad``. It uses the same model
   classes with channels-last pooling switched off (NCHW max-pool, as a plain library does), the
-  same algorithm object for the loss, prediction and the server side, so the two differ in how
-  the round is executed, not in what it computes;
+  same algorithm object for the loss, prediction and the server side (FedTGP's server step with
+  autograd and ``torch.optim.SGD``, ``server_fused_sgd = false``, as the libraries run it), so the
+  two differ in how the round is executed, not in what it computes;
 
 the ratio, and the achieved GFLOP/s (training; whole round) against the fp32 matmul peak measured
 at the start of the same run. FLOPs are counted per layer (``fedmosaic.models.flops``: forward,
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -244,6 +246,8 @@ class Reference:
 
     def run(self, rounds: int) -> list[dict[str, float]]:
         fed, algo = self.fed, self.fed.algo
+        if hasattr(algo, "server_fused_sgd"):  # FedTGP's server step as the libraries run it
+            algo = dataclasses.replace(algo, server_fused_sgd=False)
         state = algo.init_server(fed.spec)
         models, extras = fed.models, fed.extras
         lr = fed.settings.lr

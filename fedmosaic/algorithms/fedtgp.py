@@ -28,8 +28,9 @@ Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``cl
   maximum over all pairs). With fewer than two classes uploaded in a round the margin is undefined:
   we use 0 where the reference ends up at ``tau``.
 - server batch size: the reference uses the clients' batch size (10 in its script): our default.
-- server step speed: the MLP's SGD update runs inside its backward (``server_fused_sgd``; the
-  same step as autograd + ``torch.optim.SGD``, which ``False`` restores, to float rounding).
+- server step speed: each server step is written out by hand (the ACL gradient, then the MLP's
+  backward with its SGD update in the same pass over each weight; ``server_fused_sgd``), the same
+  step as autograd + ``torch.optim.SGD`` (``server_fused_sgd=False``) to float rounding.
 - inference before any global prototype exists: the reference reports accuracy 0; we fall back to
   the client's head (``acc`` = ``acc_head`` until the first aggregation).
 """
@@ -54,7 +55,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings, sgd_linear
+from fedmosaic.core.training import TrainSettings, sgd_linear_backward, sgd_linear_forward
 
 DISTANCES = ("euclidean", "mse")
 MARGINS = ("adaptive", "fixed", "none")
@@ -176,6 +177,33 @@ def acl_loss(points: Tensor, labels: Tensor, protos: Tensor, delta: float) -> Te
     return F.cross_entropy(-(dist + delta * onehot), labels)
 
 
+def acl_loss_and_grad(
+    points: Tensor, labels: Tensor, protos: Tensor, delta: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`acl_loss` and its gradient with respect to ``protos [C, d]``, by hand (no autograd).
+
+    With ``l = -(dist + delta * onehot)`` and ``L = mean_n CE(l_n, y_n)``:
+    ``dL/dl = (softmax(l) - onehot) / N``, ``dL/ddist = -dL/dl`` and
+    ``ddist[n, c]/dp_c = (p_c - x_n) / dist[n, c]`` (0 where the squared distance sits at the
+    ``EPS`` floor, as the clamp's gradient is), so ``dL/dp_c = sum_n w[n, c] (p_c - x_n)`` with
+    ``w = -dL/dl / dist``.
+    """
+    n = points.shape[0]
+    rows = torch.arange(n)
+    dist = torch.linalg.vector_norm(points.unsqueeze(1) - protos.unsqueeze(0), dim=-1)  # [N, C]
+    floor = dist < math.sqrt(EPS)  # where acl_loss's clamp of the squared distance acts
+    dist = dist.clamp_min(math.sqrt(EPS))
+    logits = dist.neg()
+    logits[rows, labels] -= delta
+    logp = F.log_softmax(logits, 1)  # [N, C]
+    loss = logp[rows, labels].mean().neg()
+    g = logp.exp()  # dL/dl * N
+    g[rows, labels] -= 1.0
+    w = (g / (dist * -n)).masked_fill_(floor, 0.0)  # [N, C]
+    # sum_n w[n, c] (p_c - x_n), as two small products instead of a [N, C, d] reduction
+    return loss, protos * w.sum(0).unsqueeze(1) - w.t() @ points
+
+
 def train_prototypes(
     params: dict[str, Tensor],
     points: Tensor,
@@ -192,31 +220,24 @@ def train_prototypes(
 
     Every step recomputes all ``C`` global prototypes (all of them enter the denominator of Eq. 10,
     as in the paper). Returns the loss of the last step (NaN when there was nothing to train).
-    ``fused``: the MLP's two Linear layers apply their SGD step inside their backward
-    (``training.sgd_linear``: the native kernel for up to 24 classes; one pass over each weight
-    instead of a weight-gradient GEMM that MKL runs at a third of peak on 10 rows, then the
-    optimizer's); the embedding takes ``torch.optim.SGD``. The same step as autograd + SGD on all
-    parameters (``fused=False``) to float rounding: 2.3x faster at C = 10, d = 512.
+
+    ``fused`` (the default): each step is written out by hand, with no autograd graph (the step
+    is ~1,000 times a round on 10-row tensors, where graph and optimizer overhead dominate): the
+    ACL gradient of :func:`acl_loss_and_grad`, then the MLP's two Linear layers backward with
+    their SGD update applied in the same pass over each weight (``training.sgd_linear_backward``:
+    the native kernel for up to 24 classes), then the embedding's update. The same SGD step as
+    autograd + ``torch.optim.SGD`` on every parameter (``fused=False``) to float rounding.
     """
-    mlp = "mlp.0.weight" in params
-    fused = fused and mlp and all(p.dtype == torch.float32 for p in params.values())
-    trained = [params["embedding.weight"]] if fused else list(params.values())
-    leaves = [p.requires_grad_(True) for p in trained]
+    if fused and all(p.dtype == torch.float32 for p in params.values()):
+        return _train_prototypes_by_hand(params, points, labels, delta, epochs, batch_size, lr, gen)
+    leaves = [p.requires_grad_(True) for p in params.values()]
     opt = torch.optim.SGD(leaves, lr=lr)
-
-    def protos() -> Tensor:  # [C, d]
-        if not fused:
-            return global_prototypes(params)
-        w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
-        hidden = sgd_linear(params["embedding.weight"], w1, b1, lr).relu()
-        return sgd_linear(hidden, w2, b2, lr)
-
     last = math.nan
     n = points.shape[0]
     with torch.enable_grad():
         for _ in range(epochs):
             for pos in torch.randperm(n, generator=gen).split(batch_size):
-                loss = acl_loss(points[pos], labels[pos], protos(), delta)
+                loss = acl_loss(points[pos], labels[pos], global_prototypes(params), delta)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -224,6 +245,41 @@ def train_prototypes(
     for p in leaves:
         p.requires_grad_(False)
         p.grad = None
+    return last
+
+
+def _train_prototypes_by_hand(
+    params: dict[str, Tensor],
+    points: Tensor,
+    labels: Tensor,
+    delta: float,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    gen: torch.Generator,
+) -> float:
+    """:func:`train_prototypes` with ``fused=True``: forward, gradient and update by hand."""
+    emb = params["embedding.weight"]  # [C, d]
+    mlp = "mlp.0.weight" in params
+    if mlp:
+        w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
+    last = math.nan
+    n = points.shape[0]
+    with torch.no_grad():
+        for _ in range(epochs):
+            for pos in torch.randperm(n, generator=gen).split(batch_size):
+                if mlp:
+                    pre = sgd_linear_forward(emb, w1, b1)  # [C, d]
+                    hidden = pre.relu()
+                    protos = sgd_linear_forward(hidden, w2, b2)
+                else:
+                    protos = emb
+                loss, grad = acl_loss_and_grad(points[pos], labels[pos], protos, delta)
+                if mlp:  # each weight's SGD step inside its backward (dx with the old weight)
+                    grad = sgd_linear_backward(grad, hidden, w2, b2, lr, True)
+                    grad = sgd_linear_backward(grad.mul_(pre > 0), emb, w1, b1, lr, True)
+                emb.sub_(grad, alpha=lr)
+                last = float(loss)
     return last
 
 
@@ -265,7 +321,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
     server_batch_size: int = 10  # server minibatch (the reference uses the client batch size, 10)
     server_lr: float = 0.01  # server SGD learning rate
-    server_fused_sgd: bool = True  # MLP's SGD step inside its backward (False: autograd + SGD)
+    server_fused_sgd: bool = True  # server step by hand, SGD fused (False: autograd + SGD)
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
 
     Broadcast: ClassVar[type[Payload]] = Prototypes

@@ -201,46 +201,46 @@ class _FusedConflict(Exception):
     """A fused Linear was called twice in one forward."""
 
 
+def sgd_linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b``: the native kernel for 1..``kernels.MAX_BATCH`` rows when it is built (it
+    streams W once, no packing), else ``F.linear``."""
+    if kernels.usable(x, weight, bias):
+        return kernels.linear_forward(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def sgd_linear_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, need_dx: bool
+) -> Tensor | None:
+    """The backward of :func:`sgd_linear_forward` with plain SGD applied in place: returns
+    ``dx = grad W`` with the old W (when ``need_dx``), then ``W -= lr * grad^T x`` and
+    ``b -= lr * sum(grad)``; no ``.grad`` is written. One pass over W with the native kernel."""
+    if kernels.usable(x, weight, bias):
+        return kernels.linear_backward_sgd(grad, x, weight, bias, lr, need_dx)
+    g2 = grad.reshape(-1, grad.shape[-1])  # [N, out]
+    gx = grad.matmul(weight) if need_dx else None  # [.., in], old W
+    with torch.no_grad():
+        weight.addmm_(g2.t(), x.reshape(-1, x.shape[-1]), alpha=-lr)  # W -= lr g^T x
+        if bias is not None:
+            bias.add_(g2.sum(0), alpha=-lr)
+    return gx
+
+
 class _SGDLinear(torch.autograd.Function):
-    # Batches of 1..kernels.MAX_BATCH rows take the native kernel (fedmosaic.kernels) when it is
-    # built: the forward streams W once, the backward computes dx with the old W and applies the
-    # update in one pass over W. Otherwise (and always when it is not built) torch's ops below.
+    # The two functions above as one autograd op: the update happens in the backward.
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias = bias
         ctx.lr = lr
-        ctx.native = kernels.usable(x, weight, bias)
-        if ctx.native:
-            return kernels.linear_forward(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return sgd_linear_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, weight = ctx.saved_tensors
-        if ctx.native:
-            gx = kernels.linear_backward_sgd(
-                grad, x, weight, ctx.bias, ctx.lr, ctx.needs_input_grad[0]
-            )
-            ctx.bias = None
-            return gx, None, None, None
-        g2 = grad.reshape(-1, grad.shape[-1])  # [N, out]
-        gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # [.., in], old W
-        with torch.no_grad():
-            weight.addmm_(g2.t(), x.reshape(-1, x.shape[-1]), alpha=-ctx.lr)  # W -= lr g^T x
-            if ctx.bias is not None:
-                ctx.bias.add_(g2.sum(0), alpha=-ctx.lr)
+        gx = sgd_linear_backward(grad, x, weight, ctx.bias, ctx.lr, ctx.needs_input_grad[0])
         ctx.bias = None
         return gx, None, None, None
-
-
-def sgd_linear(x: Tensor, weight: Tensor, bias: Tensor | None, lr: float) -> Tensor:
-    """``x W^T + b`` whose backward applies plain SGD to ``weight`` and ``bias`` in place
-    (``W -= lr * g^T x``, ``b -= lr * sum(g)``; no ``.grad``) and returns the input gradient
-    computed with the old ``W``; the native kernel for 1..``kernels.MAX_BATCH`` rows. For callers
-    that train a few Linear layers by hand (a server step): the same SGD step as autograd +
-    ``torch.optim.SGD`` to float rounding. The layer must be used once per backward."""
-    return _SGDLinear.apply(x, weight, bias, lr)
 
 
 class FusedSGDLinears:

@@ -40,6 +40,10 @@ void fwd_tile(const float* x, const float* w, int64_t I, float* y, int64_t O, co
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= I; i += 8) {
+    if ((i & 15) == 0)  // the next tile's rows, one prefetch per cache line (W is streamed once)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * I + i), _MM_HINT_T0);
     __m256 wv[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) wv[r] = _mm256_loadu_ps(w + r * I + i);

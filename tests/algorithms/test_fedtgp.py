@@ -103,19 +103,22 @@ def test_one_acl_step_matches_hand_computation():
 
 
 @pytest.mark.parametrize("num_classes", [10, 30])  # native kernel (<= 24 rows), torch fallback
-def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes):
-    """The MLP's SGD step inside its backward (default) is autograd + SGD to float rounding, and
-    the fused layers are the ones that ran (two per step)."""
+@pytest.mark.parametrize("mlp", [True, False])
+def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes, mlp):
+    """The server step by hand (default) is autograd + SGD to float rounding, and the fused
+    Linear backwards are the ones that ran (two per step with the MLP)."""
     from fedmosaic.algorithms import fedtgp
     from fedmosaic.algorithms.fedtgp import TrainablePrototypes
 
     torch.manual_seed(0)
     d = 64
-    base = {k: v.detach() for k, v in TrainablePrototypes(num_classes, d).named_parameters()}
+    module = TrainablePrototypes(num_classes, d, mlp)
+    base = {k: v.detach() for k, v in module.named_parameters()}
     points, labels = torch.randn(45, d), torch.arange(45) % num_classes
+    points[3] = global_prototypes(base)[labels[3]]  # a point on its prototype: zero distance
     calls = []
-    real = fedtgp.sgd_linear
-    monkeypatch.setattr(fedtgp, "sgd_linear", lambda *a: calls.append(1) or real(*a))
+    real = fedtgp.sgd_linear_backward
+    monkeypatch.setattr(fedtgp, "sgd_linear_backward", lambda *a: calls.append(1) or real(*a))
     out = {}
     for fused in (True, False):
         params = {k: v.clone() for k, v in base.items()}
@@ -123,11 +126,26 @@ def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes):
         loss = train_prototypes(params, points, labels, 0.5, 3, 10, 0.05, gen, fused=fused)
         out[fused] = (loss, params)
         assert not any(p.requires_grad or p.grad is not None for p in params.values())
-    assert len(calls) == 2 * 3 * 5  # 2 layers x 3 epochs x 5 minibatches, fused run only
+    assert len(calls) == (2 * 3 * 5 if mlp else 0)  # 2 layers x 3 epochs x 5 minibatches
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
     for k, v in out[False][1].items():
         assert not torch.equal(v, base[k]), k  # every parameter trained
         assert torch.allclose(out[True][1][k], v, atol=1e-5), k
+
+
+def test_acl_gradient_by_hand_equals_autograd():
+    from fedmosaic.algorithms.fedtgp import acl_loss_and_grad
+
+    torch.manual_seed(0)
+    protos = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    points = torch.randn(6, 7, dtype=torch.float64)
+    points[2] = protos[4].detach()  # distance 0: finite, zero gradient from that pair
+    labels = torch.tensor([0, 1, 4, 4, 2, 0])
+    want = acl_loss(points, labels, protos, 0.7)
+    want.backward()
+    loss, grad = acl_loss_and_grad(points, labels, protos.detach(), 0.7)
+    assert float(loss) == pytest.approx(float(want.detach()), rel=1e-12)
+    assert torch.allclose(grad, protos.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_server_distance_is_finite_when_a_prototype_equals_a_point():
