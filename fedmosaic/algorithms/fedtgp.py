@@ -59,7 +59,6 @@ from fedmosaic.core.training import TrainSettings, sgd_linear_backward, sgd_line
 
 DISTANCES = ("euclidean", "mse")
 MARGINS = ("adaptive", "fixed", "none")
-PROTO_BATCH = 1000  # batching of prototype collection (eval mode: no effect on the values)
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
 
 
@@ -446,7 +445,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         if self.stale_prototypes:
             protos, has = extras.stale_protos, extras.stale_known
         else:
-            protos, counts = class_means(model, data, data.num_classes, PROTO_BATCH)
+            protos, counts = class_means(model, data, data.num_classes)
             has = counts > 0
         # Exact per-class means of the classes held; the counts stay on the client.
         classes = has.nonzero().flatten().cpu()  # [k] int64, increasing
