@@ -131,7 +131,11 @@ def load() -> ModuleType | None:
         except Exception as e:  # noqa: BLE001 - any build/import failure: the torch path
             _reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
     if _module is not None:
-        log.info("fused SGD layers: native kernels (AVX2/FMA Linear, im2col 1-channel Conv2d)")
+        # torch's capability follows ATEN_CPU_CAPABILITY: "avx2" there keeps us on AVX2 too
+        _module.set_avx512(_want_avx512())
+        log.info(
+            "fused SGD layers: native kernels (%s Linear, im2col 1-channel Conv2d)", isa().upper()
+        )
     else:
         log.info("fused SGD layers: torch path (%s)", _reason)
     return _module
@@ -139,7 +143,36 @@ def load() -> ModuleType | None:
 
 def status() -> str:
     """One line: which path the fused SGD Linear layer takes in this process."""
-    return "native" if load() is not None else f"torch ({_reason})"
+    return f"native ({isa()})" if load() is not None else f"torch ({_reason})"
+
+
+def isa() -> str:
+    """The kernel's instruction set in this process: ``"avx512"`` (16 lanes) or ``"avx2"``.
+
+    Both give the same bits (the 16-lane code does the same fused multiply-adds in the same order
+    per element), so a run does not depend on which one a machine takes."""
+    mod = load()
+    return "avx512" if mod is not None and mod.avx512_enabled() else "avx2"
+
+
+_allow_avx512 = True  # set_isa("avx2") turns the 16-lane code off
+
+
+def _want_avx512() -> bool:
+    # torch's capability follows ATEN_CPU_CAPABILITY: "avx2" there keeps the kernel on AVX2 too
+    return _allow_avx512 and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def set_isa(name: str) -> str:
+    """Force ``"avx2"`` or allow ``"avx512"`` (tests, benchmarks); returns the ISA now in use."""
+    global _allow_avx512
+    if name not in ("avx2", "avx512"):
+        raise ValueError(f"isa {name!r}: choose avx2 or avx512")
+    _allow_avx512 = name == "avx512"
+    mod = load()
+    if mod is not None:
+        mod.set_avx512(_want_avx512())
+    return isa()
 
 
 def reset() -> None:

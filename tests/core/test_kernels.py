@@ -87,6 +87,56 @@ def test_every_zoo_linear_shape_matches_the_torch_path():
     assert checked == set(range(1, 65))
 
 
+def _avx512_here() -> bool:
+    if kernels.load() is None:
+        return False
+    try:
+        return kernels.set_isa("avx512") == "avx512"
+    finally:
+        kernels.set_isa("avx512")  # the default: AVX-512 where the CPU and torch have it
+
+
+@pytest.mark.skipif(not _avx512_here(), reason="no AVX-512 here (or no native kernel)")
+def test_avx512_code_gives_the_avx2_bits():
+    """The 16-lane code does the AVX2 code's arithmetic element by element: same bits, for every
+    zoo Linear shape, batches 1..64 (forward tails, odd row counts, column-tile tails)."""
+    shapes = zoo_linear_shapes() + [(1, 1), (7, 5), (9, 17), (1001, 37), (24, 3)]
+    gen = torch.Generator().manual_seed(5)
+    batches = set()
+    try:
+        for n, (i, o) in enumerate(shapes):
+            for batch in sorted({1 + (n * 5) % 64, 1 + (n * 5 + 2) % 64, 10}):
+                batches.add(batch)
+                x = torch.randn(batch, i, generator=gen)
+                w0 = torch.randn(o, i, generator=gen) / i**0.5
+                b0, dy = torch.randn(o, generator=gen), torch.randn(batch, o, generator=gen)
+                outs = []
+                for isa in ("avx2", "avx512"):
+                    assert kernels.set_isa(isa) == isa
+                    w, b = w0.clone(), b0.clone()
+                    y = kernels.linear_forward(x, w, b)
+                    dx = kernels.linear_backward_sgd(dy, x, w, b, 0.1, True)
+                    outs.append((y, dx, w, b))
+                for a, c in zip(*outs):
+                    assert torch.equal(a, c), (i, o, batch)
+    finally:
+        kernels.set_isa("avx512")
+    assert batches == set(range(1, 65))
+
+
+def test_isa_choice():
+    with pytest.raises(ValueError, match="avx2 or avx512"):
+        kernels.set_isa("sse")
+    if kernels.load() is None:
+        pytest.skip("native kernel not built here")
+    try:
+        assert kernels.set_isa("avx2") == "avx2" == kernels.isa()
+        assert kernels.status() == "native (avx2)"
+    finally:
+        kernels.set_isa("avx512")
+    assert kernels.isa() == ("avx512" if _avx512_here() else "avx2")
+
+
 @native
 @pytest.mark.parametrize(("batch", "i", "o"), [(1, 1, 1), (3, 7, 5), (13, 9, 17), (64, 1024, 33)])
 def test_odd_widths_and_leading_dims(batch, i, o):
