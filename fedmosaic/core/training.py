@@ -329,6 +329,7 @@ def train_epochs(
     fused = FusedSGDLinears(layers, s.lr if lr is None else lr) if layers else None
     buffers = [b for m in unique for b in m.buffers(recurse=False)]
     precision = autocast(s)
+    opt.zero_grad(set_to_none=True)  # then after every step: each backward starts from none
     try:
         if fused is not None:
             fused.start()
@@ -353,9 +354,11 @@ def train_epochs(
                 else:
                     with precision:
                         loss = loss_fn(x, y)
-                opt.zero_grad(set_to_none=True)
                 loss.backward()
-                opt.step()
+                # With every layer fused no .grad exists: skip the optimizer's ~0.1 ms a step.
+                if any(p.grad is not None for p in params):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
                 stats.steps += 1
                 stats.examples += int(pos.numel())
                 stats.loss_sum += float(loss.detach())
