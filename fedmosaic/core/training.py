@@ -263,26 +263,44 @@ class FusedSGDLinears:
         if s.precision != "fp32":  # the fused layers compute in float32 only
             return []
         train = {id(p) for p in params}
-        out = []
+
+        def trains(m: nn.Module) -> bool:
+            return (
+                id(m.weight) in train
+                and m.weight.device.type == "cpu"
+                and (m.bias is None or id(m.bias) in train)
+            )
+
+        native = kernels.load() is not None
+        modules = list(modules)
+        # whole conv -> pool -> ReLU blocks first: their convolution then runs inside the block
+        blocks = [m for m in modules if native and fast_conv.block_eligible(m) and trains(m[0])]
+        inside = {id(b[0]) for b in blocks}
+        out: list[nn.Module] = list(blocks)
         for m in modules:
-            fused = type(m) is nn.Linear or (fast_conv.eligible(m) and kernels.load() is not None)
-            if fused and id(m.weight) in train and m.weight.device.type == "cpu":
-                if m.bias is None or id(m.bias) in train:
-                    out.append(m)
+            fused = type(m) is nn.Linear or (native and fast_conv.eligible(m))
+            if fused and id(m) not in inside and trains(m):
+                out.append(m)
         return out
 
     def _forward(self, layer: nn.Module) -> Callable[[Tensor], Tensor]:
         is_conv = type(layer) is nn.Conv2d
+        is_block = type(layer) is nn.Sequential  # a conv -> pool -> ReLU block (``eligible``)
+        owner = layer[0] if is_block else layer  # the module holding the weight
 
         def forward(x: Tensor) -> Tensor:
-            w, b = layer.weight, layer.bias
-            if not (
-                torch.is_grad_enabled() and w.requires_grad and (b is None or b.requires_grad)
-            ) or (is_conv and x.dim() != 4):  # frozen right now (some losses freeze blocks per
-                return type(layer).forward(layer, x)  # step), or unbatched: the plain layer
+            w, b = owner.weight, owner.bias
+            if (
+                not (torch.is_grad_enabled() and w.requires_grad and (b is None or b.requires_grad))
+                or (is_conv and x.dim() != 4)
+                or (is_block and not fast_conv.block_fits(x, owner))
+            ):  # frozen right now (some losses freeze blocks per step), unbatched, or an input
+                return type(layer).forward(layer, x)  # the block op does not take: plain layers
             if id(layer) in self.calls:
                 raise _FusedConflict
             self.calls.add(id(layer))
+            if is_block:
+                return fast_conv.SGDConvPoolReLU.apply(x, w, b, self.lr, owner)
             if is_conv:
                 return fast_conv.SGDConv2d.apply(x, w, b, self.lr, layer)
             return _SGDLinear.apply(x, w, b, self.lr)

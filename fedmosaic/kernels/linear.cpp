@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -333,6 +334,236 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
+
+// ---- the gray CNNs' first block: Conv2d(1 -> O, k x k) -> 2x2 max pool -> ReLU ---------------
+// Vectorized over output channels (O % 8 == 0, groups of up to 32), AVX2 only (every machine
+// computes the same bits). Max pool as torch's CPU kernel: window scanned row by row, the first
+// maximum kept, NaN wins; ReLU after it. The backward needs no input gradient (a first layer).
+
+// One pooled position, channels [c0, c0 + 8 * NC): out = relu(max_q conv_q), arg = argmax q.
+template <int NC>
+void cpr_fwd_pos(const float* xb, int64_t W, const float* wt, int64_t O, int64_t c0,
+                 const float* bias, int64_t k, int64_t cy, int64_t cx, float* out, uint8_t* arg) {
+  __m256 v[4][NC];
+  for (int pair = 0; pair < 2; ++pair) {  // window rows: positions (cy+pair, cx), (cy+pair, cx+1)
+    __m256 a0[NC], a1[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      a0[c] = bias ? _mm256_loadu_ps(bias + c0 + 8 * c) : _mm256_setzero_ps();
+      a1[c] = a0[c];
+    }
+    const float* row = xb + (cy + pair) * W + cx;
+    for (int64_t ky = 0; ky < k; ++ky, row += W) {
+      for (int64_t kx = 0; kx < k; ++kx) {
+        const float* wr = wt + (ky * k + kx) * O + c0;
+        const __m256 x0 = _mm256_broadcast_ss(row + kx), x1 = _mm256_broadcast_ss(row + kx + 1);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+          const __m256 wv = _mm256_loadu_ps(wr + 8 * c);
+          a0[c] = _mm256_fmadd_ps(wv, x0, a0[c]);
+          a1[c] = _mm256_fmadd_ps(wv, x1, a1[c]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      v[2 * pair][c] = a0[c];
+      v[2 * pair + 1][c] = a1[c];
+    }
+  }
+  const __m256 zero = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) {
+    __m256 best = v[0][c], q = zero;
+#pragma GCC unroll 4
+    for (int j = 1; j < 4; ++j) {
+      const __m256 take = _mm256_or_ps(_mm256_cmp_ps(v[j][c], best, _CMP_GT_OQ),
+                                       _mm256_cmp_ps(v[j][c], v[j][c], _CMP_UNORD_Q));
+      best = _mm256_blendv_ps(best, v[j][c], take);
+      q = _mm256_blendv_ps(q, _mm256_set1_ps(static_cast<float>(j)), take);
+    }
+    _mm256_storeu_ps(out + c0 + 8 * c, _mm256_max_ps(zero, best));  // relu; NaN stays NaN
+    const __m256i qi = _mm256_cvtps_epi32(q);
+    alignas(32) int32_t qs[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qs), qi);
+    for (int l = 0; l < 8; ++l) arg[c0 + 8 * c + l] = static_cast<uint8_t>(qs[l]);
+  }
+}
+
+template <int NC>
+void cpr_fwd_group(const float* xb, int64_t W, const float* wt, int64_t O, int64_t c0,
+                   const float* bias, int64_t k, int64_t py, int64_t Wo, float* out,
+                   uint8_t* arg) {
+  for (int64_t px = 0; px < Wo; ++px)
+    cpr_fwd_pos<NC>(xb, W, wt, O, c0, bias, k, 2 * py, 2 * px, out + px * O, arg + px * O);
+}
+
+// x [B, H, W] (padded), w [O, k*k], bias [O] or None -> (out [B, Ho, Wo, O], arg uint8 same)
+std::vector<torch::Tensor> conv_pool_relu_forward(const torch::Tensor& x, const torch::Tensor& w,
+                                                  const c10::optional<torch::Tensor>& bias,
+                                                  int64_t k) {
+  check(x, "x", 3);
+  check(w, "weight", 2);
+  const int64_t B = x.size(0), H = x.size(1), W = x.size(2), O = w.size(0);
+  TORCH_CHECK(w.size(1) == k * k && O % 8 == 0 && k >= 1 && H >= k + 1 && W >= k + 1,
+              "conv_pool_relu: weight [O % 8 == 0, k*k] and an input of at least k + 1");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(*bias, "bias", 1);
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t Ho = (H - k + 1) / 2, Wo = (W - k + 1) / 2;
+  const auto wt = w.t().contiguous();  // [k*k, O]: one row of O weights per tap
+  auto out = torch::empty({B, Ho, Wo, O}, x.options());
+  auto arg = torch::empty({B, Ho, Wo, O}, x.options().dtype(torch::kUInt8));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  uint8_t* ap = arg.data_ptr<uint8_t>();
+  at::parallel_for(0, B * Ho, 1, [&](int64_t s, int64_t e) {
+    for (int64_t r = s; r < e; ++r) {
+      const int64_t b = r / Ho, py = r % Ho;
+      const float* xb = xp + b * H * W;
+      float* orow = op + r * Wo * O;
+      uint8_t* arow = ap + r * Wo * O;
+      for (int64_t c0 = 0; c0 < O; c0 += 32) {
+        switch (std::min<int64_t>(4, (O - c0) / 8)) {
+          case 1: cpr_fwd_group<1>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
+          case 2: cpr_fwd_group<2>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
+          case 3: cpr_fwd_group<3>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
+          default: cpr_fwd_group<4>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
+        }
+      }
+    }
+  });
+  return {out, arg};
+}
+
+struct CprTaps {
+  const float* x;   // [B, H, W]
+  const float* gq;  // [P, 4, O]
+  float* dwt;       // [k*k, O]
+  int64_t H, W, Ho, Wo, O, P, k, kk0, c0;
+};
+
+// dW^T rows [kk0, kk0 + NK), channels [c0, c0 + 8 * NC): NK x NC accumulators in registers over
+// every (pooled position, window position) in order.
+template <int NK, int NC>
+void cpr_taps(const CprTaps& t) {
+  __m256 acc[NK][NC];
+#pragma GCC unroll 4
+  for (int a = 0; a < NK; ++a)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) acc[a][c] = _mm256_setzero_ps();
+  int64_t off[NK];  // tap offsets in the image
+  for (int a = 0; a < NK; ++a) off[a] = ((t.kk0 + a) / t.k) * t.W + (t.kk0 + a) % t.k;
+  for (int64_t p = 0; p < t.P; ++p) {
+    const int64_t b = p / (t.Ho * t.Wo), py = (p / t.Wo) % t.Ho, px = p % t.Wo;
+    const float* xb = t.x + b * t.H * t.W + 2 * py * t.W + 2 * px;
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const float* xq = xb + (q / 2) * t.W + (q % 2);
+      const float* g = t.gq + (p * 4 + q) * t.O + t.c0;
+      __m256 gv[NC];
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) gv[c] = _mm256_loadu_ps(g + 8 * c);
+#pragma GCC unroll 4
+      for (int a = 0; a < NK; ++a) {
+        const __m256 xv = _mm256_broadcast_ss(xq + off[a]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[a][c] = _mm256_fmadd_ps(gv[c], xv, acc[a][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int a = 0; a < NK; ++a)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_ps(t.dwt + (t.kk0 + a) * t.O + t.c0 + 8 * c, acc[a][c]);
+}
+
+// grad [B, Ho, Wo, O] of the block's output; out, arg from the forward; x [B, H, W] (padded);
+// w [O, k*k] and bias [O] updated in place: W -= lr dW, b -= lr db (no input gradient).
+// g_q[b, p, o] = grad * (out > 0) where arg == q: the gradient of conv position q of window p;
+// dW[o, (ky, kx)] = sum_{b, p, q} g_q[b, p, o] x[b, 2 py + q / 2 + ky, 2 px + q % 2 + kx],
+// summed in that order per element (each element by one thread: any thread count, same bits).
+void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor& out,
+                                 const torch::Tensor& arg, const torch::Tensor& x,
+                                 torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t k,
+                                 double lr) {
+  check(grad, "grad", 4);
+  check(out, "out", 4);
+  check(x, "x", 3);
+  check(w, "weight", 2);
+  TORCH_CHECK(arg.is_contiguous() && arg.scalar_type() == torch::kUInt8 &&
+                  arg.sizes() == out.sizes() && grad.sizes() == out.sizes(),
+              "conv_pool_relu: grad, out and arg must match");
+  const int64_t B = grad.size(0), Ho = grad.size(1), Wo = grad.size(2), O = grad.size(3);
+  const int64_t H = x.size(1), W = x.size(2), KK = k * k;
+  TORCH_CHECK(w.size(0) == O && w.size(1) == KK && O % 8 == 0, "conv_pool_relu: weight shape");
+  const int64_t P = B * Ho * Wo;
+  // gq [P, 4, O]: each pooled gradient (where the ReLU passed it) routed to its window position;
+  // db summed over p in order, lane by lane
+  auto gq = torch::empty({P, 4, O}, grad.options());
+  auto db = torch::zeros({O}, grad.options());
+  const float* gp = grad.data_ptr<float>();
+  const float* outp = out.data_ptr<float>();
+  const uint8_t* ap = arg.data_ptr<uint8_t>();
+  float* qp = gq.data_ptr<float>();
+  float* dbp = db.data_ptr<float>();
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t c = 0; c < O; c += 8) {
+    __m256 bsum = zero;
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t i = p * O + c;
+      const __m256 g = _mm256_and_ps(_mm256_loadu_ps(gp + i),
+                                     _mm256_cmp_ps(_mm256_loadu_ps(outp + i), zero, _CMP_GT_OQ));
+      bsum = _mm256_add_ps(bsum, g);
+      const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ap + i)));
+      for (int q = 0; q < 4; ++q) {
+        const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, _mm256_set1_epi32(q)));
+        _mm256_storeu_ps(qp + (p * 4 + q) * O + c, _mm256_and_ps(g, m));
+      }
+    }
+    _mm256_storeu_ps(dbp + c, bsum);
+  }
+  auto dwt = torch::empty({KK, O}, grad.options());  // dW transposed
+  float* dp = dwt.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  constexpr int TK = 3;  // taps per register block: 3 x 4 accumulators for 32 channels
+  const int64_t blocks = (KK + TK - 1) / TK, groups = (O + 31) / 32;
+  at::parallel_for(0, blocks * groups, 1, [&](int64_t s, int64_t e) {
+    for (int64_t t = s; t < e; ++t) {
+      const int64_t kk0 = (t / groups) * TK, nk = std::min<int64_t>(TK, KK - kk0);
+      const int64_t c0 = (t % groups) * 32, nc = std::min<int64_t>(4, (O - c0) / 8);
+      const CprTaps taps{xp, qp, dp, H, W, Ho, Wo, O, P, k, kk0, c0};
+      switch (nk * 4 + nc - 5) {  // (nk, nc) in [1, 3] x [1, 4]
+        case 0: cpr_taps<1, 1>(taps); break;
+        case 1: cpr_taps<1, 2>(taps); break;
+        case 2: cpr_taps<1, 3>(taps); break;
+        case 3: cpr_taps<1, 4>(taps); break;
+        case 4: cpr_taps<2, 1>(taps); break;
+        case 5: cpr_taps<2, 2>(taps); break;
+        case 6: cpr_taps<2, 3>(taps); break;
+        case 7: cpr_taps<2, 4>(taps); break;
+        case 8: cpr_taps<3, 1>(taps); break;
+        case 9: cpr_taps<3, 2>(taps); break;
+        case 10: cpr_taps<3, 3>(taps); break;
+        default: cpr_taps<3, 4>(taps); break;
+      }
+    }
+  });
+  float* wp = w.data_ptr<float>();
+  const float flr = static_cast<float>(lr);
+  for (int64_t o = 0; o < O; ++o)
+    for (int64_t kk = 0; kk < KK; ++kk) wp[o * KK + kk] -= flr * dp[kk * O + o];
+  if (bias.has_value() && bias->defined()) {
+    check(*bias, "bias", 1);
+    float* bp = bias->data_ptr<float>();
+    for (int64_t o = 0; o < O; ++o) bp[o] -= flr * dbp[o];
+  }
+}
+
 // x [B, I], w [O, I], bias [O] or None -> y [B, O]
 torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& w,
                              const c10::optional<torch::Tensor>& bias) {
@@ -447,6 +678,10 @@ bool set_avx512(bool on) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_avx512", &set_avx512, "use the AVX-512 code (same bits as AVX2) where supported");
+  m.def("conv_pool_relu_forward", &conv_pool_relu_forward,
+        "relu(maxpool2x2(conv(x))) for one input channel, channels-last output and argmax");
+  m.def("conv_pool_relu_backward_sgd", &conv_pool_relu_backward_sgd,
+        "the block's weight and bias SGD step from its output gradient (no input gradient)");
   m.def("avx512_enabled", [] { return use512; }, "whether the AVX-512 code is in use");
   m.def("linear_forward", &linear_forward, "y = x W^T + b for a skinny batch");
   m.def("linear_backward_sgd", &linear_backward_sgd,

@@ -304,3 +304,71 @@ def test_zoo_cnn_trains_as_with_the_optimizer():
 
     for a, c in zip(run(True), run(False)):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+
+
+# ---- the gray CNNs' first block, conv -> 2x2 max pool -> ReLU (kernels.conv) -------------------
+def _block(o: int, k: int, pad: int) -> nn.Sequential:
+    from fedmosaic.models._layers import ToChannelsLast
+
+    return nn.Sequential(
+        nn.Conv2d(1, o, k, padding=pad), ToChannelsLast(), nn.MaxPool2d(2), nn.ReLU()
+    )
+
+
+@native
+@pytest.mark.parametrize(
+    ("o", "k", "pad", "h", "w"),
+    [(32, 5, 0, 28, 28), (16, 5, 2, 8, 8), (64, 3, 1, 12, 12), (8, 4, 0, 13, 10), (40, 5, 0, 9, 9)],
+)
+def test_conv_pool_relu_block_matches_torch_and_sgd(o, k, pad, h, w):
+    gen = torch.Generator().manual_seed(8)
+    block = _block(o, k, pad)
+    assert fast_conv.block_eligible(block)
+    x = torch.randn(7, 1, h, w, generator=gen)
+    conv = block[0]
+    w0, b0 = conv.weight.detach().clone(), conv.bias.detach().clone()
+    ref_w, ref_b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    want = F.relu(F.max_pool2d(F.conv2d(x, ref_w, ref_b, padding=pad), 2))
+    g = torch.randn(want.shape, generator=gen)
+    want.backward(g)
+    got = fast_conv.SGDConvPoolReLU.apply(x, conv.weight, conv.bias, 0.1, conv)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward(g)
+    torch.testing.assert_close(conv.weight.detach(), w0 - 0.1 * ref_w.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv.bias.detach(), b0 - 0.1 * ref_b.grad, rtol=1e-5, atol=1e-5)
+    assert conv.weight.grad is None and conv.bias.grad is None  # the update went into W
+
+
+@native
+def test_conv_pool_relu_block_pools_as_torch_does_ties_and_nan():
+    """The kept window position is torch's max-pool index: first maximum, and NaN wins."""
+    mod = kernels.load()
+    k, o = 3, 8
+    weight = torch.randn(o, k * k, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(2, 10, 10, generator=torch.Generator().manual_seed(10))
+    x[0] = 1.0  # every window a four-way tie
+    x[1, 4, 4] = float("nan")
+    conv = F.conv2d(x.unsqueeze(1), weight.view(o, 1, k, k))  # [2, o, 8, 8]
+    _, idx = F.max_pool2d(conv, 2, return_indices=True)  # flat positions in the 8 x 8 grid
+    out, arg = mod.conv_pool_relu_forward(x.contiguous(), weight, None, k)
+    py = torch.arange(4).view(1, 4, 1, 1)
+    px = torch.arange(4).view(1, 1, 4, 1)
+    q = arg.long()
+    ours = (2 * py + q // 2) * 8 + 2 * px + q % 2  # [2, 4, 4, o]
+    assert torch.equal(ours, idx.permute(0, 2, 3, 1))
+    assert (arg[0] == 0).all() and out[1].isnan().any()
+
+
+@native
+def test_the_block_is_fused_where_it_fits():
+    settings = TrainSettings()
+    for member, fused in (("cnn1", True), ("fedavgcnn", True), ("fedhenn_cnn1", False)):
+        model = build_client_model(member, (1, 28, 28), 10, 64)
+        layers = FusedSGDLinears.eligible(list(model.modules()), list(model.parameters()), settings)
+        blocks = [m for m in layers if type(m) is nn.Sequential]
+        assert bool(blocks) == fused, member
+        assert all(id(b[0]) not in {id(m) for m in layers} for b in blocks)  # conv inside only
+    x = torch.randn(2, 1, 28, 28, requires_grad=True)  # an input gradient: the plain layers
+    assert not fast_conv.block_fits(x, _block(8, 5, 0)[0])
+    assert fast_conv.block_fits(x.detach(), _block(8, 5, 0)[0])
