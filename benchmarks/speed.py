@@ -252,8 +252,9 @@ class Reference:
         models, extras = fed.models, fed.extras
         lr = fed.settings.lr
         times = []
-        was = _layers.CHANNELS_LAST_POOL
+        was = _layers.CHANNELS_LAST_POOL, _layers.NATIVE_INFERENCE
         _layers.CHANNELS_LAST_POOL = False  # a plain library pools in NCHW
+        _layers.NATIVE_INFERENCE = False  # and runs torch's layers one by one
         try:
             for t in range(1, rounds + 1):
                 t0 = time.perf_counter()
@@ -314,7 +315,7 @@ class Reference:
                     }
                 )
         finally:
-            _layers.CHANNELS_LAST_POOL = was
+            _layers.CHANNELS_LAST_POOL, _layers.NATIVE_INFERENCE = was
         return times
 
     def _upload(self, model: Any, ext: Any, cid: int, msg: Any) -> Any:

@@ -285,7 +285,7 @@ class FusedSGDLinears:
 
     def _forward(self, layer: nn.Module) -> Callable[[Tensor], Tensor]:
         is_conv = type(layer) is nn.Conv2d
-        is_block = type(layer) is nn.Sequential  # a conv -> pool -> ReLU block (``eligible``)
+        is_block = isinstance(layer, nn.Sequential)  # a conv -> pool -> ReLU block
         owner = layer[0] if is_block else layer  # the module holding the weight
 
         def forward(x: Tensor) -> Tensor:

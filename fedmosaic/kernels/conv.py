@@ -44,7 +44,7 @@ def eligible(m: nn.Module) -> bool:
 def block_eligible(m: nn.Module) -> bool:
     """``Conv2d(1 -> 8n, k x k, stride 1) -> ToChannelsLast -> MaxPool2d(2) -> ReLU``: the block
     :class:`SGDConvPoolReLU` computes (``ToChannelsLast`` only re-lays memory out)."""
-    if type(m) is not nn.Sequential or len(m) != 4:
+    if not isinstance(m, nn.Sequential) or len(m) != 4:
         return False
     conv, layout, pool, act = m
     return (
@@ -77,6 +77,30 @@ def block_fits(x: Tensor, conv: nn.Conv2d) -> bool:
         and not x.requires_grad
         and min(x.shape[2] + 2 * p[0], x.shape[3] + 2 * p[1]) >= k + 1
     )
+
+
+def block_ready(m: nn.Module, x: Tensor) -> bool:
+    """Whether the native block op takes ``x`` through block ``m`` now (kernel built, shapes)."""
+    return kernels.load() is not None and block_eligible(m) and block_fits(x, m[0])
+
+
+def _padded(x: Tensor, conv: nn.Conv2d) -> Tensor:
+    """``[B, 1, H, W]`` -> ``[B, H + 2 ph, W + 2 pw]`` contiguous (zero padding)."""
+    ph, pw = conv.padding
+    xp = x if (ph, pw) == (0, 0) else torch.nn.functional.pad(x, (pw, pw, ph, ph))
+    return xp.reshape(x.shape[0], xp.shape[2], xp.shape[3]).contiguous()
+
+
+@torch.no_grad()
+def conv_pool_relu_inference(x: Tensor, conv: nn.Conv2d) -> Tensor:
+    """The block's forward without autograd (the caller checked :func:`block_ready`)."""
+    mod = kernels.load()
+    assert mod is not None
+    w, b = conv.weight, conv.bias
+    out, _ = mod.conv_pool_relu_forward(
+        _padded(x, conv), w.view(w.shape[0], -1), None if b is None else b, conv.kernel_size[0]
+    )
+    return out.permute(0, 3, 1, 2)  # [B, O, Ho, Wo] in channels-last memory
 
 
 def im2col(x: Tensor, k: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int]) -> Tensor:
@@ -136,9 +160,7 @@ class SGDConvPoolReLU(torch.autograd.Function):
     ) -> Tensor:
         mod = kernels.load()
         assert mod is not None
-        ph, pw = conv.padding
-        xp = x if (ph, pw) == (0, 0) else torch.nn.functional.pad(x, (pw, pw, ph, ph))
-        xp = xp.reshape(x.shape[0], xp.shape[2], xp.shape[3]).contiguous()  # [B, H, W]
+        xp = _padded(x, conv)  # [B, H, W]
         k, o = conv.kernel_size[0], weight.shape[0]
         b = None if bias is None else bias.detach()
         out, arg = mod.conv_pool_relu_forward(xp, weight.detach().view(o, -1), b, k)

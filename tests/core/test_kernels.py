@@ -366,9 +366,41 @@ def test_the_block_is_fused_where_it_fits():
     for member, fused in (("cnn1", True), ("fedavgcnn", True), ("fedhenn_cnn1", False)):
         model = build_client_model(member, (1, 28, 28), 10, 64)
         layers = FusedSGDLinears.eligible(list(model.modules()), list(model.parameters()), settings)
-        blocks = [m for m in layers if type(m) is nn.Sequential]
+        blocks = [m for m in layers if isinstance(m, nn.Sequential)]
         assert bool(blocks) == fused, member
         assert all(id(b[0]) not in {id(m) for m in layers} for b in blocks)  # conv inside only
     x = torch.randn(2, 1, 28, 28, requires_grad=True)  # an input gradient: the plain layers
     assert not fast_conv.block_fits(x, _block(8, 5, 0)[0])
     assert fast_conv.block_fits(x.detach(), _block(8, 5, 0)[0])
+
+
+@native
+def test_block_inference_is_the_native_op_unless_observed(monkeypatch):
+    """Without autograd the zoo's conv block runs the native op (same values as torch's layers);
+    a hook on a child (FLOP counting) makes the children run one by one."""
+    from fedmosaic.models import _layers
+
+    model = build_client_model("cnn2", (1, 28, 28), 10, 64).eval()
+    block = model.encoder.conv1
+    assert isinstance(block, _layers.ConvPoolReLU) and fast_conv.block_eligible(block)
+    x = torch.randn(30, 1, 28, 28, generator=torch.Generator().manual_seed(11))
+    want = block(x).detach()  # grad enabled: torch's layers
+    calls = []
+    real = fast_conv.conv_pool_relu_inference
+    monkeypatch.setattr(
+        fast_conv, "conv_pool_relu_inference", lambda *a: calls.append(1) or real(*a)
+    )
+    with torch.no_grad():
+        got = block(x)
+        feats = model.features(x)
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats, model.features(x).detach(), rtol=1e-4, atol=1e-5)
+    seen = []
+    handle = block[2].register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    try:
+        with torch.inference_mode():
+            block(x)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([30, 32, 12, 12])] and len(calls) == 2  # the children ran
