@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_raw
+from torch import nn
 
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core.rounds import clients_per_round
@@ -113,3 +114,31 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
         client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, forced, 0, 1, 1)
     with pytest.raises(ConfigError, match="train.fused_sgd"):
         from_dict({"train": {"fused_sgd": "yes"}, "data": {"dataset": "synthetic"}})
+
+
+def test_fast_inference_routes_linear_layers_and_restores_them(monkeypatch):
+    from fedmosaic import kernels
+    from fedmosaic.core import training
+
+    model = nn.Sequential(nn.Linear(300, 40), nn.ReLU(), nn.Linear(40, 7))
+    other = nn.Linear(300, 5)
+    other.forward = lambda x: x  # already patched (as training's fused layers are): left alone
+    calls: list[int] = []
+    real = training._onednn_linear
+    monkeypatch.setattr(training, "_onednn_linear", lambda *a: calls.append(1) or real(*a))
+    skinny: list[int] = []
+    real_k = kernels.linear_forward
+    monkeypatch.setattr(kernels, "linear_forward", lambda *a: skinny.append(1) or real_k(*a))
+    x_big, x_small = torch.randn(100, 300), torch.randn(10, 300)
+    with torch.no_grad():
+        want_big, want_small = model(x_big), model(x_small)
+        with training.fast_inference(model, other):
+            got_big, got_small = model(x_big), model(x_small)
+            assert other(x_small) is x_small
+        with training.fast_inference(model), torch.enable_grad():
+            assert model(x_big).requires_grad  # autograd on: plain layers
+    torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_small, want_small, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (2 if training._ONEDNN else 0)  # batch 100: oneDNN
+    assert len(skinny) == (2 if kernels.load() is not None else 0)  # batch 10: the kernel
+    assert all("forward" not in m.__dict__ for m in model.modules())  # restored
