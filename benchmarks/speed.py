@@ -125,25 +125,40 @@ def raw_config(
 
 
 # ---- the machine's peak -------------------------------------------------------------------------
-def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> float:
-    """Sustained fp32 GFLOP/s of square ``n x n`` matmuls on ``threads`` threads."""
+def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> dict[str, float]:
+    """Sustained fp32 GFLOP/s of square ``n x n`` matmuls on ``threads`` threads, by library:
+    ``mkl`` (``torch.mm``, MKL's sgemm) and ``onednn`` (oneDNN's matmul, where this torch has
+    it). On AMD CPUs with AVX-512 oneDNN runs about twice as fast as MKL (whose code there is
+    AVX2), so the better of the two is the machine's peak."""
+    from fedmosaic.core import training
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
         c = torch.empty(n, n)
-        for _ in range(3):
-            torch.mm(a, b, out=c)
-        best = 0.0
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t = time.perf_counter()
-            for _ in range(4):
-                torch.mm(a, b, out=c)
-            best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
-        return best
+        ops = {"mkl": lambda: torch.mm(a, b, out=c)}
+        if training._ONEDNN:
+            ops["onednn"] = lambda: training._onednn_linear(a, b, None)
+        out = {}
+        for lib, op in ops.items():
+            for _ in range(3):
+                op()
+            best = 0.0
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t = time.perf_counter()
+                for _ in range(4):
+                    op()
+                best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+            out[lib] = best
+        return out
     finally:
         torch.set_num_threads(before)
+
+
+def _peaks(p: dict[str, float]) -> str:
+    return " / ".join(f"{v:.1f} ({k})" for k, v in p.items())
 
 
 def cuda_matmul_gflops(n: int = 8192, seconds: float = 1.5) -> float:
@@ -169,10 +184,11 @@ class RoundFlops:
     train: float = 0.0  # forward + backward of the local steps
     upload: float = 0.0  # FedTGP: forward over the training split for the prototypes
     eval: float = 0.0  # forward over every client's test split
+    server: float = 0.0  # FedTGP: the server's prototype training (its MLP, forward + backward)
 
     @property
     def total(self) -> float:
-        return self.train + self.upload + self.eval
+        return self.train + self.upload + self.server + self.eval
 
 
 def round_flops(fed: Federation, name: str, round_num: int) -> RoundFlops:
@@ -191,6 +207,7 @@ def round_flops(fed: Federation, name: str, round_num: int) -> RoundFlops:
     sampled = sample_clients(
         fed.cfg.seed, round_num, fed.plan.num_clients, fed.plan.clients_per_round
     )
+    points = 0  # FedTGP: uploaded (prototype, class) pairs
     for c in fed.clients:
         fwd, train = per_member[fed.spec.members[c.client_id]]
         if c.client_id in sampled:
@@ -199,7 +216,15 @@ def round_flops(fed: Federation, name: str, round_num: int) -> RoundFlops:
             out.train += train * trained
             if name == "fedtgp":
                 out.upload += fwd * n
+                points += int((c.class_counts("train") > 0).sum())
         out.eval += fwd * c.num("test")
+    algo = fed.algo
+    if name == "fedtgp" and getattr(algo, "mlp", False):
+        # per step: the MLP's two d x d layers on the C prototypes, forward (2 C d^2 each) and
+        # backward (input and weight gradients: twice that)
+        c, d = fed.spec.num_classes, fed.spec.feature_dim
+        steps = algo.server_epochs * math.ceil(points / algo.server_batch_size)
+        out.server = steps * 3 * 2 * (2 * c * d * d)
     return out
 
 
@@ -548,9 +573,12 @@ def main() -> None:
         f"# torch {torch.__version__}, {cores} cores, default threads {threads}, "
         f"subsample {subsample}, rounds {args.rounds} (last timed), load {os.getloadavg()[0]:.1f}"
     )
-    core_peak = matmul_gflops(1)
-    peak = matmul_gflops(cores or 1)
-    print(f"peak fp32 matmul: {core_peak:.1f} GFLOP/s on 1 thread, {peak:.1f} GFLOP/s on {cores}")
+    core_peaks, peaks = matmul_gflops(1), matmul_gflops(cores or 1)
+    peak, mkl_peak = max(peaks.values()), peaks["mkl"]
+    print(
+        f"peak fp32 matmul, GFLOP/s: {_peaks(core_peaks)} on 1 thread, {_peaks(peaks)} on "
+        f"{cores}; fractions below are of {peak:.1f}"
+    )
     print(f"fused SGD layers: {kernels.status()}")
     modes = {"both": [True, False], "on": [True], "off": [False]}[args.kernel]
     if kernels.load() is None:
@@ -559,7 +587,7 @@ def main() -> None:
     device = "cuda" if gpu else "cpu"
     if gpu:
         modes = [False]  # the native kernel is CPU-only
-        peak = cuda_matmul_gflops()
+        peak = mkl_peak = cuda_matmul_gflops()
         print(f"GPU: {torch.cuda.get_device_name(0)}, fp32 matmul {peak:.0f} GFLOP/s (peak below)")
 
     names = [n for n in args.workloads.split(",") if n]
@@ -605,11 +633,13 @@ def main() -> None:
             )
         print(
             f"FLOPs     train {fl.train / 1e12:.3f} T + prototypes {fl.upload / 1e12:.3f} T + "
-            f"eval {fl.eval / 1e12:.3f} T = {fl.total / 1e12:.3f} TFLOP per round"
+            f"server {fl.server / 1e12:.3f} T + eval {fl.eval / 1e12:.3f} T = "
+            f"{fl.total / 1e12:.3f} TFLOP per round"
         )
         print(
             f"rate      training {train_rate:.1f} GFLOP/s ({train_rate / peak:.2f} of peak), "
-            f"whole round {round_rate:.1f} GFLOP/s ({round_rate / peak:.2f} of peak)"
+            f"whole round {round_rate:.1f} GFLOP/s ({round_rate / peak:.2f} of peak, "
+            f"{round_rate / mkl_peak:.2f} of MKL's)"
         )
         if name == "fedtgp":
             print(
