@@ -32,8 +32,9 @@ plus weight- and input-gradients for training). The last line is, for the FedTGP
 With the native kernel built (``fedmosaic.kernels``), "ours" runs twice, with the kernel and on
 the torch path (``FEDMOSAIC_KERNELS=0``), and a ``kernel`` line gives their ratio;
 ``--layers`` also times the fused plain-SGD step (forward + backward + update) of every Linear
-shape of the workloads' families and of the gray CNNs' first convolution at batch 10 on one
-thread, torch path vs kernel, in GFLOP/s.
+shape of the workloads' families (the kernel's AVX2 and, where the CPU has it, AVX-512 code) and
+of the gray CNNs' first block (conv -> pool -> ReLU) at batch 10 on one thread, torch path vs
+kernel, in GFLOP/s (``--workloads "" --layers``: the table only).
 
 ``--device cpu|cuda`` times the batched path (``train.batched_clients``, ``core/batched.py``):
 each workload on the serial backend on that device (one thread on CPU), clients one at a time
@@ -481,21 +482,20 @@ def fused_step_seconds(batch: int, i: int, o: int, native: bool, reps: int = 15)
         kernels.MAX_BATCH = before
 
 
-def conv_step_seconds(batch: int, native: bool, reps: int = 15) -> float:
-    """Best time of one training step of the gray CNNs' first layer (1->32, 5x5, 28x28) with
-    its channels-last re-layout: mkldnn + SGD update, or the fused im2col path (kernels.conv)."""
-    from fedmosaic.kernels.conv import SGDConv2d
+def block_step_seconds(batch: int, native: bool, reps: int = 15) -> float:
+    """Best time of one training step of the gray CNNs' first block (conv 1->32, 5x5, 28x28 ->
+    2x2 max pool -> ReLU): torch's layers (mkldnn, channels-last pool) + SGD update, or the
+    native block op (kernels.conv.SGDConvPoolReLU)."""
+    from fedmosaic.kernels.conv import SGDConvPoolReLU
+    from fedmosaic.models._layers import conv_pool_relu
 
-    conv = torch.nn.Conv2d(1, 32, 5)
+    block = conv_pool_relu(1, 32, 5, 0)
+    conv = block[0]
     x = torch.randn(batch, 1, 28, 28)
     best = math.inf
     for _ in range(reps + 2):
         t = time.perf_counter()
-        if native:
-            y = SGDConv2d.apply(x, conv.weight, conv.bias, 1e-6, conv)
-        else:
-            y = conv(x)
-        y = y.contiguous(memory_format=torch.channels_last)
+        y = SGDConvPoolReLU.apply(x, conv.weight, conv.bias, 1e-6, conv) if native else block(x)
         y.backward(torch.ones_like(y) * 1e-3)
         if not native:
             with torch.no_grad():
@@ -507,24 +507,38 @@ def conv_step_seconds(batch: int, native: bool, reps: int = 15) -> float:
 
 
 def layer_table(families: list[str], batch: int = 10) -> None:
-    """GFLOP/s of the fused Linear step per shape, torch path vs kernel, one thread."""
+    """GFLOP/s of the fused step per Linear shape and of the first conv block, torch path vs
+    the kernel (AVX2 and, where the CPU has it, AVX-512), one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    native = kernels.load() is not None
+    isas = ["avx2"] + (["avx512"] if native and kernels.set_isa("avx512") == "avx512" else [])
     try:
         print(f"\n== Fused plain-SGD step per layer at batch {batch}, 1 thread (GFLOP/s)")
-        print(f"{'in x out':>12} {'torch':>7} {'kernel':>7} {'ratio':>6}")
+        print(f"{'in x out':>12} {'torch':>7} " + " ".join(f"{i:>7}" for i in isas) + "  ratio")
         for i, o in sorted(
             {s for f in families for s in linear_shapes(f)}, key=lambda s: -s[0] * s[1]
         ):
             flop = 3 * 2 * batch * i * o  # forward, input gradient, weight gradient
             t = fused_step_seconds(batch, i, o, False)
-            k = fused_step_seconds(batch, i, o, True) if kernels.load() is not None else math.nan
-            print(f"{f'{i}x{o}':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f} {t / k:6.2f}")
-        flop = 2 * 2 * batch * 24 * 24 * 32 * 25  # forward and weight gradient
-        t = conv_step_seconds(batch, False)
-        k = conv_step_seconds(batch, True) if kernels.load() is not None else math.nan
-        print(f"{'conv 1->32':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f} {t / k:6.2f}")
+            ks = []
+            for isa in isas if native else []:
+                kernels.set_isa(isa)
+                ks.append(fused_step_seconds(batch, i, o, True))
+            rates = " ".join(f"{flop / k / 1e9:7.1f}" for k in ks)
+            ratio = t / min(ks) if ks else math.nan
+            print(f"{f'{i}x{o}':>12} {flop / t / 1e9:7.1f} {rates} {ratio:6.2f}")
+        # forward and weight gradient of the convolution (pooling and ReLU not counted)
+        flop = 2 * 2 * batch * 24 * 24 * 32 * 25
+        t = block_step_seconds(batch, False)
+        k = block_step_seconds(batch, True) if native else math.nan
+        print(
+            f"{'conv block':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f}"
+            f"{'':>{8 * (len(isas) - 1)}} {t / k:6.2f}   (conv 1->32 5x5 + pool + ReLU, AVX2)"
+        )
     finally:
+        if native:
+            kernels.set_isa("avx512")
         torch.set_num_threads(before)
 
 
@@ -651,7 +665,7 @@ def main() -> None:
     if args.device is not None:
         batched_comparison(names, subsample, args.rounds, device)
     if args.layers:
-        layer_table(sorted({WORKLOADS[n]["family"] for n in names}))
+        layer_table(sorted({WORKLOADS[n]["family"] for n in names or ["fedtgp", "fedavg"]}))
     if args.memory:
         print()
         measure_memory(args.rounds, 1.0 if not args.quick else 0.2)

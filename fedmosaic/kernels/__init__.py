@@ -1,15 +1,26 @@
-"""Native CPU kernels (C++, AVX2/FMA) for the fused plain-SGD Linear layer, with a torch fallback.
+"""Native CPU kernels (C++, AVX2/FMA, and AVX-512 where present) with a torch fallback.
+
+- The fused plain-SGD Linear layer for skinny batches (``linear_forward``,
+  ``linear_backward_sgd``): the forward streams W once with the batch rows in registers, the
+  backward computes ``dx`` with the old W and applies the update in the same pass over W. Where
+  the CPU (and torch's capability, which follows ``ATEN_CPU_CAPABILITY``) has AVX-512, 16-lane
+  code runs that does the 8-lane AVX2 code's arithmetic element by element: the same bits on
+  either machine (``isa()``, ``set_isa()``).
+- The gray CNNs' first block, ``Conv2d(1 -> 8n) -> 2x2 max pool -> ReLU``, as one op, with its
+  SGD step in the backward (``kernels.conv``): AVX2 only.
 
 The extension is compiled by the project's install (``scripts/setup.sh`` runs
-``python -m fedmosaic.kernels build``) with ``torch.utils.cpp_extension`` and the system's g++
-and ninja, into ``fedmosaic/kernels/_build`` (or ``$XDG_CACHE_HOME/fedmosaic/kernels`` where the
-package folder is read-only). When it is missing and a compiler is present it is built on first
-use; without a compiler, on a CPU without AVX2/FMA, or with ``FEDMOSAIC_KERNELS=0``, the torch path
-is used. One log line per process says which.
+``python -m fedmosaic.kernels build``) with ``torch.utils.cpp_extension``, the system's g++
+and ninja and OpenMP (``at::parallel_for`` then runs on torch's threads), into
+``fedmosaic/kernels/_build`` (or ``$XDG_CACHE_HOME/fedmosaic/kernels`` where the package folder
+is read-only). When it is missing and a compiler is present it is built on first use; without a
+compiler, on a CPU without AVX2/FMA, or with ``FEDMOSAIC_KERNELS=0``, the torch path is used.
+One log line per process says which.
 
-Numbers: the kernel sums in another order than MKL's sgemm, so a run with the kernel and one
-without agree to float tolerance, not bit for bit; every process of a run loads the same
-extension, so the runtimes stay bitwise equal to each other.
+Numbers: the kernels sum in another order than MKL's sgemm and mkldnn, so a run with them and
+one without agree to float tolerance, not bit for bit; they sum in a fixed order whatever the
+thread count, and every process of a run loads the same extension, so the runtimes stay
+bitwise equal to each other.
 """
 
 from __future__ import annotations
