@@ -336,8 +336,9 @@ void check(const torch::Tensor& t, const char* name, int64_t dim) {
 
 
 // ---- the gray CNNs' first block: Conv2d(1 -> O, k x k) -> 2x2 max pool -> ReLU ---------------
-// Vectorized over output channels (O % 8 == 0, groups of up to 32), AVX2 only (every machine
-// computes the same bits). Max pool as torch's CPU kernel: window scanned row by row, the first
+// Vectorized over output channels (O % 8 == 0, groups of up to 32); the AVX-512 versions (16
+// lanes) do the AVX2 code's arithmetic lane by lane (each output sums its terms in the same
+// order), so every machine computes the same bits. Max pool as torch's CPU kernel: window scanned row by row, the first
 // maximum kept, NaN wins; ReLU after it. The backward needs no input gradient (a first layer).
 
 // One pooled position, channels [c0, c0 + 8 * NC): out = relu(max_q conv_q), arg = argmax q.
@@ -390,12 +391,61 @@ void cpr_fwd_pos(const float* xb, int64_t W, const float* wt, int64_t O, int64_t
   }
 }
 
+// cpr_fwd_pos for 32 channels in two 16-lane registers, the four window positions at once.
+AVX512 void cpr_fwd_pos512(const float* xb, int64_t W, const float* wt, int64_t O, int64_t c0,
+                           const float* bias, int64_t k, int64_t cy, int64_t cx, float* out,
+                           uint8_t* arg) {
+  __m512 a[4][2];
+  for (int c = 0; c < 2; ++c) {
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias + c0 + 16 * c) : _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) a[j][c] = b0;
+  }
+  const float* row = xb + cy * W + cx;
+  for (int64_t ky = 0; ky < k; ++ky, row += W) {
+    for (int64_t kx = 0; kx < k; ++kx) {
+      const float* wr = wt + (ky * k + kx) * O + c0;
+      const __m512 w0 = _mm512_loadu_ps(wr), w1 = _mm512_loadu_ps(wr + 16);
+      const float* p = row + kx;
+      const __m512 x0 = _mm512_set1_ps(p[0]), x1 = _mm512_set1_ps(p[1]);
+      const __m512 x2 = _mm512_set1_ps(p[W]), x3 = _mm512_set1_ps(p[W + 1]);
+      a[0][0] = _mm512_fmadd_ps(w0, x0, a[0][0]);
+      a[0][1] = _mm512_fmadd_ps(w1, x0, a[0][1]);
+      a[1][0] = _mm512_fmadd_ps(w0, x1, a[1][0]);
+      a[1][1] = _mm512_fmadd_ps(w1, x1, a[1][1]);
+      a[2][0] = _mm512_fmadd_ps(w0, x2, a[2][0]);
+      a[2][1] = _mm512_fmadd_ps(w1, x2, a[2][1]);
+      a[3][0] = _mm512_fmadd_ps(w0, x3, a[3][0]);
+      a[3][1] = _mm512_fmadd_ps(w1, x3, a[3][1]);
+    }
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int c = 0; c < 2; ++c) {
+    __m512 best = a[0][c];
+    __m512i q = _mm512_setzero_si512();
+    for (int j = 1; j < 4; ++j) {
+      const __mmask16 take = _mm512_cmp_ps_mask(a[j][c], best, _CMP_GT_OQ) |
+                             _mm512_cmp_ps_mask(a[j][c], a[j][c], _CMP_UNORD_Q);
+      best = _mm512_mask_blend_ps(take, best, a[j][c]);
+      q = _mm512_mask_blend_epi32(take, q, _mm512_set1_epi32(j));
+    }
+    _mm512_storeu_ps(out + c0 + 16 * c, _mm512_max_ps(zero, best));  // relu; NaN stays NaN
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(arg + c0 + 16 * c), _mm512_cvtepi32_epi8(q));
+  }
+}
+
 template <int NC>
 void cpr_fwd_group(const float* xb, int64_t W, const float* wt, int64_t O, int64_t c0,
                    const float* bias, int64_t k, int64_t py, int64_t Wo, float* out,
                    uint8_t* arg) {
   for (int64_t px = 0; px < Wo; ++px)
     cpr_fwd_pos<NC>(xb, W, wt, O, c0, bias, k, 2 * py, 2 * px, out + px * O, arg + px * O);
+}
+
+AVX512 void cpr_fwd_group512(const float* xb, int64_t W, const float* wt, int64_t O, int64_t c0,
+                             const float* bias, int64_t k, int64_t py, int64_t Wo, float* out,
+                             uint8_t* arg) {
+  for (int64_t px = 0; px < Wo; ++px)
+    cpr_fwd_pos512(xb, W, wt, O, c0, bias, k, 2 * py, 2 * px, out + px * O, arg + px * O);
 }
 
 // x [B, H, W] (padded), w [O, k*k], bias [O] or None -> (out [B, Ho, Wo, O], arg uint8 same)
@@ -427,6 +477,10 @@ std::vector<torch::Tensor> conv_pool_relu_forward(const torch::Tensor& x, const 
       float* orow = op + r * Wo * O;
       uint8_t* arow = ap + r * Wo * O;
       for (int64_t c0 = 0; c0 < O; c0 += 32) {
+        if (use512 && O - c0 >= 32) {
+          cpr_fwd_group512(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow);
+          continue;
+        }
         switch (std::min<int64_t>(4, (O - c0) / 8)) {
           case 1: cpr_fwd_group<1>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
           case 2: cpr_fwd_group<2>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
@@ -482,6 +536,54 @@ void cpr_taps(const CprTaps& t) {
       _mm256_storeu_ps(t.dwt + (t.kk0 + a) * t.O + t.c0 + 8 * c, acc[a][c]);
 }
 
+// cpr_taps for 32 channels in two 16-lane registers, NK taps (up to 6: 12 accumulators).
+template <int NK>
+AVX512 void cpr_taps512(const CprTaps& t) {
+  __m512 acc[NK][2];
+#pragma GCC unroll 8
+  for (int a = 0; a < NK; ++a) acc[a][0] = acc[a][1] = _mm512_setzero_ps();
+  int64_t off[NK];
+  for (int a = 0; a < NK; ++a) off[a] = ((t.kk0 + a) / t.k) * t.W + (t.kk0 + a) % t.k;
+  for (int64_t p = 0; p < t.P; ++p) {
+    const int64_t b = p / (t.Ho * t.Wo), py = (p / t.Wo) % t.Ho, px = p % t.Wo;
+    const float* xb = t.x + b * t.H * t.W + 2 * py * t.W + 2 * px;
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const float* xq = xb + (q / 2) * t.W + (q % 2);
+      const float* g = t.gq + (p * 4 + q) * t.O + t.c0;
+      const __m512 g0 = _mm512_loadu_ps(g), g1 = _mm512_loadu_ps(g + 16);
+#pragma GCC unroll 8
+      for (int a = 0; a < NK; ++a) {
+        const __m512 xv = _mm512_set1_ps(xq[off[a]]);
+        acc[a][0] = _mm512_fmadd_ps(g0, xv, acc[a][0]);
+        acc[a][1] = _mm512_fmadd_ps(g1, xv, acc[a][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int a = 0; a < NK; ++a) {
+    _mm512_storeu_ps(t.dwt + (t.kk0 + a) * t.O + t.c0, acc[a][0]);
+    _mm512_storeu_ps(t.dwt + (t.kk0 + a) * t.O + t.c0 + 16, acc[a][1]);
+  }
+}
+
+void cpr_taps_dispatch(const CprTaps& taps, int64_t nk, int64_t nc) {
+  switch (nk * 4 + nc - 5) {  // (nk, nc) in [1, 3] x [1, 4]
+    case 0: cpr_taps<1, 1>(taps); break;
+    case 1: cpr_taps<1, 2>(taps); break;
+    case 2: cpr_taps<1, 3>(taps); break;
+    case 3: cpr_taps<1, 4>(taps); break;
+    case 4: cpr_taps<2, 1>(taps); break;
+    case 5: cpr_taps<2, 2>(taps); break;
+    case 6: cpr_taps<2, 3>(taps); break;
+    case 7: cpr_taps<2, 4>(taps); break;
+    case 8: cpr_taps<3, 1>(taps); break;
+    case 9: cpr_taps<3, 2>(taps); break;
+    case 10: cpr_taps<3, 3>(taps); break;
+    default: cpr_taps<3, 4>(taps); break;
+  }
+}
+
 // grad [B, Ho, Wo, O] of the block's output; out, arg from the forward; x [B, H, W] (padded);
 // w [O, k*k] and bias [O] updated in place: W -= lr dW, b -= lr db (no input gradient).
 // g_q[b, p, o] = grad * (out > 0) where arg == q: the gradient of conv position q of window p;
@@ -530,27 +632,32 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
   auto dwt = torch::empty({KK, O}, grad.options());  // dW transposed
   float* dp = dwt.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  constexpr int TK = 3;  // taps per register block: 3 x 4 accumulators for 32 channels
+  // taps per register block: 3 x 4 accumulators for 32 channels (AVX2), 6 x 2 (AVX-512)
+  const int64_t TK = use512 ? 6 : 3;
   const int64_t blocks = (KK + TK - 1) / TK, groups = (O + 31) / 32;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t s, int64_t e) {
     for (int64_t t = s; t < e; ++t) {
       const int64_t kk0 = (t / groups) * TK, nk = std::min<int64_t>(TK, KK - kk0);
       const int64_t c0 = (t % groups) * 32, nc = std::min<int64_t>(4, (O - c0) / 8);
       const CprTaps taps{xp, qp, dp, H, W, Ho, Wo, O, P, k, kk0, c0};
-      switch (nk * 4 + nc - 5) {  // (nk, nc) in [1, 3] x [1, 4]
-        case 0: cpr_taps<1, 1>(taps); break;
-        case 1: cpr_taps<1, 2>(taps); break;
-        case 2: cpr_taps<1, 3>(taps); break;
-        case 3: cpr_taps<1, 4>(taps); break;
-        case 4: cpr_taps<2, 1>(taps); break;
-        case 5: cpr_taps<2, 2>(taps); break;
-        case 6: cpr_taps<2, 3>(taps); break;
-        case 7: cpr_taps<2, 4>(taps); break;
-        case 8: cpr_taps<3, 1>(taps); break;
-        case 9: cpr_taps<3, 2>(taps); break;
-        case 10: cpr_taps<3, 3>(taps); break;
-        default: cpr_taps<3, 4>(taps); break;
+      if (use512 && nc == 4) {
+        switch (nk) {
+          case 1: cpr_taps512<1>(taps); break;
+          case 2: cpr_taps512<2>(taps); break;
+          case 3: cpr_taps512<3>(taps); break;
+          case 4: cpr_taps512<4>(taps); break;
+          case 5: cpr_taps512<5>(taps); break;
+          default: cpr_taps512<6>(taps); break;
+        }
+        continue;
       }
+      if (nk > 3) {  // a block of 6 taps where the last channel group is narrow: 3 + rest
+        const CprTaps rest{xp, qp, dp, H, W, Ho, Wo, O, P, k, kk0 + 3, c0};
+        cpr_taps_dispatch(taps, 3, nc);
+        cpr_taps_dispatch(rest, nk - 3, nc);
+        continue;
+      }
+      cpr_taps_dispatch(taps, nk, nc);
     }
   });
   float* wp = w.data_ptr<float>();

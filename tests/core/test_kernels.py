@@ -404,3 +404,25 @@ def test_block_inference_is_the_native_op_unless_observed(monkeypatch):
     finally:
         handle.remove()
     assert seen == [torch.Size([30, 32, 12, 12])] and len(calls) == 2  # the children ran
+
+
+@pytest.mark.skipif(not _avx512_here(), reason="no AVX-512 here (or no native kernel)")
+@pytest.mark.parametrize(("o", "k", "h"), [(32, 5, 28), (64, 3, 10), (40, 5, 13), (16, 4, 9)])
+def test_block_avx512_code_gives_the_avx2_bits(o, k, h):
+    mod = kernels.load()
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, h, h, generator=gen)
+    w0, b0 = torch.randn(o, k * k, generator=gen), torch.randn(o, generator=gen)
+    outs = []
+    try:
+        for isa in ("avx2", "avx512"):
+            assert kernels.set_isa(isa) == isa
+            w, b = w0.clone(), b0.clone()
+            out, arg = mod.conv_pool_relu_forward(x, w, b, k)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(13))
+            mod.conv_pool_relu_backward_sgd(g, out, arg, x, w, b, k, 0.1)
+            outs.append((out, arg, w, b))
+    finally:
+        kernels.set_isa("avx512")
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)
