@@ -534,7 +534,8 @@ def layer_table(families: list[str], batch: int = 10) -> None:
         k = block_step_seconds(batch, True) if native else math.nan
         print(
             f"{'conv block':>12} {flop / t / 1e9:7.1f} {flop / k / 1e9:7.1f}"
-            f"{'':>{8 * (len(isas) - 1)}} {t / k:6.2f}   (conv 1->32 5x5 + pool + ReLU, AVX2)"
+            f"{'':>{8 * (len(isas) - 1)}} {t / k:6.2f}   (conv 1->32 5x5 + pool + ReLU; "
+            f"{kernels.isa() if native else 'no kernel'})"
         )
     finally:
         if native:
