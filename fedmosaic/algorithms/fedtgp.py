@@ -227,15 +227,17 @@ def train_prototypes(
     the native kernel for up to 24 classes), then the embedding's update. The same SGD step as
     autograd + ``torch.optim.SGD`` on every parameter (``fused=False``) to float rounding.
     """
-    if fused and all(p.dtype == torch.float32 for p in params.values()):
-        return _train_prototypes_by_hand(params, points, labels, delta, epochs, batch_size, lr, gen)
-    leaves = [p.requires_grad_(True) for p in params.values()]
-    opt = torch.optim.SGD(leaves, lr=lr)
+    by_hand = fused and all(p.dtype == torch.float32 for p in params.values())
+    leaves = [] if by_hand else [p.requires_grad_(True) for p in params.values()]
+    opt = torch.optim.SGD(leaves, lr=lr) if leaves else None
     last = math.nan
     n = points.shape[0]
-    with torch.enable_grad():
+    with torch.set_grad_enabled(not by_hand):
         for _ in range(epochs):
             for pos in torch.randperm(n, generator=gen).split(batch_size):
+                if opt is None:
+                    last = _step_by_hand(params, points[pos], labels[pos], delta, lr)
+                    continue
                 loss = acl_loss(points[pos], labels[pos], global_prototypes(params), delta)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -247,39 +249,25 @@ def train_prototypes(
     return last
 
 
-def _train_prototypes_by_hand(
-    params: dict[str, Tensor],
-    points: Tensor,
-    labels: Tensor,
-    delta: float,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    gen: torch.Generator,
+def _step_by_hand(
+    params: dict[str, Tensor], points: Tensor, labels: Tensor, delta: float, lr: float
 ) -> float:
-    """:func:`train_prototypes` with ``fused=True``: forward, gradient and update by hand."""
+    """One SGD step of :func:`train_prototypes` on a minibatch, forward, gradient and update
+    written out (no autograd); returns the minibatch's loss."""
     emb = params["embedding.weight"]  # [C, d]
-    mlp = "mlp.0.weight" in params
-    if mlp:
-        w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
-    last = math.nan
-    n = points.shape[0]
-    with torch.no_grad():
-        for _ in range(epochs):
-            for pos in torch.randperm(n, generator=gen).split(batch_size):
-                if mlp:
-                    pre = sgd_linear_forward(emb, w1, b1)  # [C, d]
-                    hidden = pre.relu()
-                    protos = sgd_linear_forward(hidden, w2, b2)
-                else:
-                    protos = emb
-                loss, grad = acl_loss_and_grad(points[pos], labels[pos], protos, delta)
-                if mlp:  # each weight's SGD step inside its backward (dx with the old weight)
-                    grad = sgd_linear_backward(grad, hidden, w2, b2, lr, True)
-                    grad = sgd_linear_backward(grad.mul_(pre > 0), emb, w1, b1, lr, True)
-                emb.sub_(grad, alpha=lr)
-                last = float(loss)
-    return last
+    if "mlp.0.weight" not in params:
+        loss, grad = acl_loss_and_grad(points, labels, emb, delta)
+        emb.sub_(grad, alpha=lr)
+        return float(loss)
+    w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
+    pre = sgd_linear_forward(emb, w1, b1)  # [C, d]
+    hidden = pre.relu()
+    loss, grad = acl_loss_and_grad(points, labels, sgd_linear_forward(hidden, w2, b2), delta)
+    # each weight's SGD step inside its backward (the input gradient with the old weight)
+    grad = sgd_linear_backward(grad, hidden, w2, b2, lr, True)
+    grad = sgd_linear_backward(grad.mul_(pre > 0), emb, w1, b1, lr, True)
+    emb.sub_(grad, alpha=lr)
+    return float(loss)
 
 
 def alignment_loss(
