@@ -7,7 +7,7 @@
   code runs that does the 8-lane AVX2 code's arithmetic element by element: the same bits on
   either machine (``isa()``, ``set_isa()``).
 - The gray CNNs' first block, ``Conv2d(1 -> 8n) -> 2x2 max pool -> ReLU``, as one op, with its
-  SGD step in the backward (``kernels.conv``): AVX2 only.
+  SGD step in the backward (``kernels.conv``); its AVX-512 code also gives the AVX2 code's bits.
 
 The extension is compiled by the project's install (``scripts/setup.sh`` runs
 ``python -m fedmosaic.kernels build``) with ``torch.utils.cpp_extension``, the system's g++
@@ -145,7 +145,7 @@ def load() -> ModuleType | None:
         # torch's capability follows ATEN_CPU_CAPABILITY: "avx2" there keeps us on AVX2 too
         _module.set_avx512(_want_avx512())
         log.info(
-            "fused SGD layers: native kernels (%s Linear, im2col 1-channel Conv2d)", isa().upper()
+            "fused SGD layers: native kernels (%s: Linear, 1-channel conv blocks)", isa().upper()
         )
     else:
         log.info("fused SGD layers: torch path (%s)", _reason)
@@ -193,7 +193,7 @@ def reset() -> None:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether the kernel takes this call: CPU float32, contiguous parameters, 1..64 rows."""
+    """Whether the kernel takes this call: CPU float32, contiguous parameters, 1..MAX_BATCH rows."""
     n = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
     return (
         0 < n <= MAX_BATCH

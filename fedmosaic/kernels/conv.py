@@ -16,7 +16,8 @@ first maximum, NaN wins) and its position, and applies the ReLU, writing only th
 channels-last output; the backward routes each pooled gradient (where the ReLU passed it) to its
 window position and applies the SGD step to the weight and bias. No im2col copy, no full-size
 convolution output, no separate pooling and ReLU passes or their backward buffers (HtCNN8's
-first block: about 0.27 ms a step instead of 0.75 ms at batch 10, one thread).
+first block, batch 10, one thread: a training step in 0.12 ms with the AVX-512 code, 0.26 ms with
+AVX2, instead of 0.75 ms through torch's layers).
 """
 
 from __future__ import annotations
