@@ -336,7 +336,12 @@ def linear_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu":
         if kernels.usable(x, weight, bias):
             return kernels.linear_forward(x, weight, bias)
-        if _ONEDNN and weight.is_contiguous() and (bias is None or bias.dtype == torch.float32):
+        if (
+            _ONEDNN
+            and x.numel() > 0
+            and weight.is_contiguous()
+            and (bias is None or bias.dtype == torch.float32)
+        ):
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
             return _onednn_linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
