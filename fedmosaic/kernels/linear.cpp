@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -35,6 +36,16 @@ inline __m256i tail_mask(int64_t rem) {
   alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
                                             0,  0,  0,  0,  0,  0,  0,  0};
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - rem));
+}
+
+// f(std::integral_constant<int, k>{}) with k = min(n, N), n >= 1: a run-time count as the
+// compile-time size of a register tile.
+template <int N, typename F>
+inline void with_size(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_size<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -91,14 +102,8 @@ void fwd_rows(const float* x, int64_t B, const float* w, int64_t I, float* y, in
   for (int64_t b0 = 0; b0 < B; b0 += nb) {
     const float* xb = x + b0 * I;
     float* yb = y + b0 * O;
-    switch (std::min<int64_t>(nb, B - b0)) {
-      case 1: fwd_tile<R, 1>(xb, w, I, yb, O, bias); break;
-      case 2: fwd_tile<R, 2>(xb, w, I, yb, O, bias); break;
-      case 3: fwd_tile<R, 3>(xb, w, I, yb, O, bias); break;
-      case 4: fwd_tile<R, 4>(xb, w, I, yb, O, bias); break;
-      case 5: fwd_tile<R, 5>(xb, w, I, yb, O, bias); break;
-      default: fwd_tile<R, 6>(xb, w, I, yb, O, bias); break;
-    }
+    with_size<FB>(std::min<int64_t>(nb, B - b0),
+                  [&](auto n) { fwd_tile<R, decltype(n)::value>(xb, w, I, yb, O, bias); });
   }
 }
 
@@ -158,20 +163,6 @@ void bwd_rows(const float* x, const float* dyt, int64_t B, float* w, int64_t I, 
 }
 
 constexpr int BR = 4;  // rows of W per backward step
-
-template <bool DX>
-void bwd_tile(const float* x, const float* dyt, int64_t B, float* w, int64_t O, int64_t I,
-              int64_t ld, float* dx, int64_t c0, int64_t c1, float lr) {
-  int64_t o = 0;
-  for (; o + BR <= O; o += BR) bwd_rows<BR, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr);
-  switch (O - o) {
-    case 1: bwd_rows<1, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    case 2: bwd_rows<2, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    case 3: bwd_rows<3, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    default: break;
-  }
-}
-
 
 // ---- AVX-512: the same arithmetic, 16 lanes ------------------------------------------------
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
@@ -245,18 +236,8 @@ AVX512 void fwd_rows512(const float* x, int64_t B, const float* w, int64_t I, fl
   for (int64_t b0 = 0; b0 < B; b0 += nb) {
     const float* xb = x + b0 * I;
     float* yb = y + b0 * O;
-    switch (std::min<int64_t>(nb, B - b0)) {
-      case 1: fwd_tile512<FP512, 1>(xb, w, I, yb, O, bias); break;
-      case 2: fwd_tile512<FP512, 2>(xb, w, I, yb, O, bias); break;
-      case 3: fwd_tile512<FP512, 3>(xb, w, I, yb, O, bias); break;
-      case 4: fwd_tile512<FP512, 4>(xb, w, I, yb, O, bias); break;
-      case 5: fwd_tile512<FP512, 5>(xb, w, I, yb, O, bias); break;
-      case 6: fwd_tile512<FP512, 6>(xb, w, I, yb, O, bias); break;
-      case 7: fwd_tile512<FP512, 7>(xb, w, I, yb, O, bias); break;
-      case 8: fwd_tile512<FP512, 8>(xb, w, I, yb, O, bias); break;
-      case 9: fwd_tile512<FP512, 9>(xb, w, I, yb, O, bias); break;
-      default: fwd_tile512<FP512, 10>(xb, w, I, yb, O, bias); break;
-    }
+    with_size<FB512>(std::min<int64_t>(nb, B - b0),
+                     [&](auto n) { fwd_tile512<FP512, decltype(n)::value>(xb, w, I, yb, O, bias); });
   }
 }
 
@@ -311,17 +292,19 @@ AVX512 void bwd_rows512(const float* x, const float* dyt, int64_t B, float* w, i
                               static_cast<__mmask16>((1u << (c1 - j)) - 1u), lrv);
 }
 
-template <bool DX>
-AVX512 void bwd_tile512(const float* x, const float* dyt, int64_t B, float* w, int64_t O,
-                        int64_t I, int64_t ld, float* dx, int64_t c0, int64_t c1, float lr) {
+// Columns [c0, c1) of W, all its rows: blocks of BR rows, then the rest; WIDE: the 16-lane code.
+template <bool DX, bool WIDE>
+void bwd_tile(const float* x, const float* dyt, int64_t B, float* w, int64_t O, int64_t I,
+              int64_t ld, float* dx, int64_t c0, int64_t c1, float lr) {
+  const auto rows = [&](auto r, int64_t o) {
+    if constexpr (WIDE)
+      bwd_rows512<decltype(r)::value, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr);
+    else
+      bwd_rows<decltype(r)::value, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr);
+  };
   int64_t o = 0;
-  for (; o + BR <= O; o += BR) bwd_rows512<BR, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr);
-  switch (O - o) {
-    case 1: bwd_rows512<1, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    case 2: bwd_rows512<2, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    case 3: bwd_rows512<3, DX>(x, dyt, B, w, I, ld, dx, o, c0, c1, lr); break;
-    default: break;
-  }
+  for (; o + BR <= O; o += BR) rows(std::integral_constant<int, BR>{}, o);
+  if (o < O) with_size<BR - 1>(O - o, [&](auto r) { rows(r, o); });
 }
 
 bool use512 = false;  // set_avx512: the caller checked the CPU (torch's capability)
@@ -481,12 +464,9 @@ std::vector<torch::Tensor> conv_pool_relu_forward(const torch::Tensor& x, const 
           cpr_fwd_group512(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow);
           continue;
         }
-        switch (std::min<int64_t>(4, (O - c0) / 8)) {
-          case 1: cpr_fwd_group<1>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
-          case 2: cpr_fwd_group<2>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
-          case 3: cpr_fwd_group<3>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
-          default: cpr_fwd_group<4>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow); break;
-        }
+        with_size<4>((O - c0) / 8, [&](auto nc) {
+          cpr_fwd_group<decltype(nc)::value>(xb, W, wp, O, c0, bp, k, py, Wo, orow, arow);
+        });
       }
     }
   });
@@ -567,21 +547,10 @@ AVX512 void cpr_taps512(const CprTaps& t) {
   }
 }
 
-void cpr_taps_dispatch(const CprTaps& taps, int64_t nk, int64_t nc) {
-  switch (nk * 4 + nc - 5) {  // (nk, nc) in [1, 3] x [1, 4]
-    case 0: cpr_taps<1, 1>(taps); break;
-    case 1: cpr_taps<1, 2>(taps); break;
-    case 2: cpr_taps<1, 3>(taps); break;
-    case 3: cpr_taps<1, 4>(taps); break;
-    case 4: cpr_taps<2, 1>(taps); break;
-    case 5: cpr_taps<2, 2>(taps); break;
-    case 6: cpr_taps<2, 3>(taps); break;
-    case 7: cpr_taps<2, 4>(taps); break;
-    case 8: cpr_taps<3, 1>(taps); break;
-    case 9: cpr_taps<3, 2>(taps); break;
-    case 10: cpr_taps<3, 3>(taps); break;
-    default: cpr_taps<3, 4>(taps); break;
-  }
+void cpr_taps_dispatch(const CprTaps& taps, int64_t nk, int64_t nc) {  // nk <= 3, nc <= 4
+  with_size<3>(nk, [&](auto k) {
+    with_size<4>(nc, [&](auto c) { cpr_taps<decltype(k)::value, decltype(c)::value>(taps); });
+  });
 }
 
 // grad [B, Ho, Wo, O] of the block's output; out, arg from the forward; x [B, H, W] (padded);
@@ -607,7 +576,7 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
   // gq [P, 4, O]: each pooled gradient (where the ReLU passed it) routed to its window position;
   // db summed over p in order, lane by lane
   auto gq = torch::empty({P, 4, O}, grad.options());
-  auto db = torch::zeros({O}, grad.options());
+  auto db = torch::empty({O}, grad.options());  // every 8-channel group writes its sums
   const float* gp = grad.data_ptr<float>();
   const float* outp = out.data_ptr<float>();
   const uint8_t* ap = arg.data_ptr<uint8_t>();
@@ -641,14 +610,7 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
       const int64_t c0 = (t % groups) * 32, nc = std::min<int64_t>(4, (O - c0) / 8);
       const CprTaps taps{xp, qp, dp, H, W, Ho, Wo, O, P, k, kk0, c0};
       if (use512 && nc == 4) {
-        switch (nk) {
-          case 1: cpr_taps512<1>(taps); break;
-          case 2: cpr_taps512<2>(taps); break;
-          case 3: cpr_taps512<3>(taps); break;
-          case 4: cpr_taps512<4>(taps); break;
-          case 5: cpr_taps512<5>(taps); break;
-          default: cpr_taps512<6>(taps); break;
-        }
+        with_size<6>(nk, [&](auto n) { cpr_taps512<decltype(n)::value>(taps); });
         continue;
       }
       if (nk > 3) {  // a block of 6 taps where the last channel group is narrow: 3 + rest
@@ -747,13 +709,13 @@ torch::Tensor linear_backward_sgd(const torch::Tensor& dy, const torch::Tensor& 
     for (int64_t t = s; t < e; ++t) {
       const int64_t c0 = t * T, c1 = std::min(I, c0 + T);
       if (use512 && need_dx)
-        bwd_tile512<true>(xp, dp, B, wp, O, I, ld, dxp, c0, c1, flr);
+        bwd_tile<true, true>(xp, dp, B, wp, O, I, ld, dxp, c0, c1, flr);
       else if (use512)
-        bwd_tile512<false>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
+        bwd_tile<false, true>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
       else if (need_dx)
-        bwd_tile<true>(xp, dp, B, wp, O, I, ld, dxp, c0, c1, flr);
+        bwd_tile<true, false>(xp, dp, B, wp, O, I, ld, dxp, c0, c1, flr);
       else
-        bwd_tile<false>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
+        bwd_tile<false, false>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
     }
   });
   torch::Tensor dx;
