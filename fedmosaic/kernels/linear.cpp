@@ -94,17 +94,21 @@ void fwd_tile(const float* x, const float* w, int64_t I, float* y, int64_t O, co
 constexpr int FR = 2;  // rows of W per forward tile
 constexpr int FB = 6;  // batch rows per forward tile (FR * FB = 12 accumulators of 16 registers)
 
+// The B rows of x [B, I] (and of y [B, O]) in blocks of at most MAXB of near-equal size (10 rows:
+// 5 + 5, not 6 + 4: the short block wastes less): tile(rows as a compile-time size, x, y).
+template <int MAXB, typename F>
+inline void batch_blocks(const float* x, int64_t B, int64_t I, float* y, int64_t O, F&& tile) {
+  const int64_t blocks = (B + MAXB - 1) / MAXB, nb = (B + blocks - 1) / blocks;
+  for (int64_t b0 = 0; b0 < B; b0 += nb)
+    with_size<MAXB>(std::min<int64_t>(nb, B - b0), [&](auto n) { tile(n, x + b0 * I, y + b0 * O); });
+}
+
 template <int R>
 void fwd_rows(const float* x, int64_t B, const float* w, int64_t I, float* y, int64_t O,
               const float* bias) {
-  // Blocks of near-equal size (10 rows: 5 + 5, not 6 + 4): the short block wastes less.
-  const int64_t blocks = (B + FB - 1) / FB, nb = (B + blocks - 1) / blocks;
-  for (int64_t b0 = 0; b0 < B; b0 += nb) {
-    const float* xb = x + b0 * I;
-    float* yb = y + b0 * O;
-    with_size<FB>(std::min<int64_t>(nb, B - b0),
-                  [&](auto n) { fwd_tile<R, decltype(n)::value>(xb, w, I, yb, O, bias); });
-  }
+  batch_blocks<FB>(x, B, I, y, O, [&](auto n, const float* xb, float* yb) {
+    fwd_tile<R, decltype(n)::value>(xb, w, I, yb, O, bias);
+  });
 }
 
 // ---- fused backward + SGD ---------------------------------------------------------------------
@@ -232,13 +236,9 @@ constexpr int FB512 = 10;  // batch rows per forward tile (2 * 10 = 20 of 32 reg
 // Rows [o0, o0 + 2 * FP512 * n) of W in tiles of 2 * FP512 rows, all batch rows.
 AVX512 void fwd_rows512(const float* x, int64_t B, const float* w, int64_t I, float* y, int64_t O,
                         const float* bias) {
-  const int64_t blocks = (B + FB512 - 1) / FB512, nb = (B + blocks - 1) / blocks;
-  for (int64_t b0 = 0; b0 < B; b0 += nb) {
-    const float* xb = x + b0 * I;
-    float* yb = y + b0 * O;
-    with_size<FB512>(std::min<int64_t>(nb, B - b0),
-                     [&](auto n) { fwd_tile512<FP512, decltype(n)::value>(xb, w, I, yb, O, bias); });
-  }
+  batch_blocks<FB512>(x, B, I, y, O, [&](auto n, const float* xb, float* yb) {
+    fwd_tile512<FP512, decltype(n)::value>(xb, w, I, yb, O, bias);
+  });
 }
 
 template <int R, bool DX, bool TAIL>
