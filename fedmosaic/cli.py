@@ -207,6 +207,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.set,
         quick=args.quick,
         converged=args.converged,
+        full=args.full,
         methods=split(args.methods),
         settings=split(args.settings),
         seeds=[int(x) for x in split(args.seeds)] if args.seeds else None,
@@ -221,6 +222,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ["fedmosaic compare", args.suite, "--out", str(out)]
         + (["--quick"] if args.quick else [])
         + (["--converged"] if args.converged else [])
+        + (["--full"] if args.full else [])
         + (["--force"] if args.force else [])
         + (["--reuse-other-code"] if args.reuse_other_code else [])
         + [
@@ -405,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--converged",
         action="store_true",
         help="apply the suite's [converged] budget (a round cap and a plateau stop on validation)",
+    )
+    c.add_argument(
+        "--full",
+        action="store_true",
+        help="apply the suite's [full] budget: the claims' cells (full data where it fits, one "
+        "round count for every method)",
     )
     c.add_argument("--methods", help="comma-separated subset of the suite's methods")
     c.add_argument("--settings", help="comma-separated subset of the suite's settings")

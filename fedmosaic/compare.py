@@ -31,10 +31,14 @@ A suite file is an experiment TOML (``[base]``) plus the grid around it::
     "train.rounds" = 300                        #   a cap, and a plateau stop on validation
     "train.plateau_delta" = 0.001               #   accuracy (train.plateau_*)
 
+    [full]                                      # the claims budget of `--full` (issue 22):
+    "data.subsample" = 1.0                      #   full data, one fixed round count for every
+    "train.rounds" = 100                        #   method of a setting (no plateau stop)
+
     [reference.pathological]                    # the paper's numbers (accuracy, %), optional
     fedtgp = "99.56 ± 0.03"
 
-Each cell's config is ``base <- setting <- method <- seed <- [quick] or [converged] <- --set``. Cells are stored in
+Each cell's config is ``base <- setting <- method <- seed <- [quick], [converged] or [full] <- --set``. Cells are stored in
 ``OUT/cells/<setting>/<method>/seed<k>/``; a cell whose ``results.json`` was produced by the same
 config (hash) *and* the same code (``provenance.code()["source_hash"]``) is skipped; a cell of
 another code version is run again (``--reuse-other-code`` keeps it; the report then lists the code
@@ -82,6 +86,7 @@ SUITE_KEYS = {
     "budget",
     "quick_budget",
     "converged_budget",
+    "full_budget",
     "prototype_plot",
     "paper_metric",
     "paper_rounds",
@@ -114,7 +119,7 @@ def load_suite(path: str | Path) -> Suite:
     if not p.exists() and p.suffix == "" and (BUNDLED / f"{p.name}.toml").is_file():
         p = BUNDLED / f"{p.name}.toml"
     raw = read_toml(p, "suite file")
-    known = {"suite", "base", "settings", "methods", "quick", "converged", "reference"}
+    known = {"suite", "base", "settings", "methods", "quick", "converged", "full", "reference"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{p}: unknown table {key!r}; valid: {', '.join(sorted(known))}")
@@ -170,12 +175,14 @@ def load_suite(path: str | Path) -> Suite:
         budget=meta.get("budget", ""),
         quick_budget=meta.get("quick_budget", ""),
         converged_budget=meta.get("converged_budget", ""),
+        full_budget=meta.get("full_budget", ""),
         prototype_plot=meta.get("prototype_plot", "tsne"),
         paper_metric=meta.get("paper_metric", "weighted"),
         paper_rounds=paper_rounds,
         paper_budget=str(meta.get("paper_budget", "")),
         quick=dict(raw.get("quick", {})),
         converged=dict(raw.get("converged", {})),
+        full=dict(raw.get("full", {})),
         reference={k: dict(v) for k, v in raw.get("reference", {}).items()},
         path=str(p),
     )
@@ -190,14 +197,17 @@ def build_cells(
     seeds: list[int] | None = None,
     converged: bool = False,
     check: bool = True,
+    full: bool = False,
 ) -> list[Cell]:
     """Every cell's validated config, before anything runs (errors name the cell). With
     ``check``, each cell's method is also checked against its federation (``Algorithm.check``:
     data loaded, no model built), so one bad cell fails the suite before the first cell runs."""
-    if quick and converged:
-        raise ConfigError("--quick and --converged are two budgets: pick one")
+    if quick + converged + full > 1:
+        raise ConfigError("--quick, --converged and --full are three budgets: pick one")
     if converged and not suite.converged:
         raise ConfigError(f"suite {suite.name} has no [converged] budget")
+    if full and not suite.full:
+        raise ConfigError(f"suite {suite.name} has no [full] budget")
     pick_m = [m for m in suite.methods if not methods or m.label in methods]
     pick_s = [s for s in suite.settings if not settings or s.label in settings]
     for name, wanted, have in (
@@ -221,6 +231,8 @@ def build_cells(
                     _apply(raw, suite.quick, where)
                 if converged:
                     _apply(raw, suite.converged, where)
+                if full:
+                    _apply(raw, suite.full, where)
                 raw.setdefault("sim", {})["progress"] = False
                 try:
                     cfg = from_dict(apply_overrides(raw, list(overrides or [])))

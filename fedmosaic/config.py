@@ -62,7 +62,9 @@ class DataConfig:
 class ModelConfig:
     family: str = "htfe8-gray"  # a named heterogeneous family or a single architecture
     feature_dim: int = 512
-    projection: str = "linear"  # linear (learnable) | pool (HtFLlib's parameter-free average pool)
+    # linear (learnable) | pool (HtFLlib's parameter-free average pool) | none (the encoder's own
+    # width: only for `local`, which compares no features, e.g. Local on FedHeNN's own networks)
+    projection: str = "linear"
 
 
 @dataclass
@@ -177,7 +179,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.split": ("pool_75_25", "8_1_1"),
     "data.normalize": ("half", "dataset"),
     "data.emnist_split": ("letters", "balanced"),
-    "model.projection": ("linear", "pool"),
+    "model.projection": ("linear", "pool", "none"),
     "train.optimizer": ("sgd", "adam"),
     "train.precision": ("fp32", "bf16"),
     "sim.backend": ("serial", "processes"),
@@ -469,6 +471,11 @@ def validate(cfg: ExperimentConfig) -> None:
     for k, (v, low) in at_least.items():
         if v < low:
             raise ConfigError(f"{k} = {v} must be >= {low}")
+    if cfg.model.projection == "none" and cfg.algorithm.get("name") != "local":
+        raise ConfigError(
+            'model.projection = "none" (each encoder\'s own width) is only for algorithm "local": '
+            "methods that share features need one width (FedHeNN picks its own projection)"
+        )
     if not 1 <= cfg.model.feature_dim <= MAX_FEATURE_DIM:
         raise ConfigError(
             f"model.feature_dim = {cfg.model.feature_dim} must be in [1, {MAX_FEATURE_DIM}]"

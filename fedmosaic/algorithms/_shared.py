@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import robust, schema
@@ -199,3 +200,23 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> SharedState:
         return SharedState(self.shared_state(model))
+
+
+DISTANCES = ("euclidean", "mse")  # a prototype method's client term phi (FedProto, FedTGP)
+
+
+def alignment_loss(
+    features: Tensor, y: Tensor, protos: Tensor, known: Tensor, distance: str = "euclidean"
+) -> Tensor:
+    """``phi(f(x), P_hat[y])`` over a batch; rows whose class has no global prototype add 0.
+
+    ``euclidean`` (paper): ``mean_i ||f_i - P[y_i]||_2`` over all ``B`` rows. ``mse`` (reference
+    code): ``MSELoss(f, target)`` where rows without a prototype target themselves, i.e.
+    ``sum_i ||f_i - P[y_i]||^2 / (B * d)`` over the rows with one.
+    """
+    has = known[y]  # [B] bool; the floor 1e-12 before sqrt keeps the gradient finite at 0
+    target = torch.where(has.unsqueeze(1), protos[y], features.detach())  # [B, d]
+    if distance == "mse":
+        return F.mse_loss(features, target)
+    sq = (features - target).pow(2).sum(1)  # [B]
+    return torch.where(has, sq.clamp_min(1e-12).sqrt(), torch.zeros_like(sq)).mean()

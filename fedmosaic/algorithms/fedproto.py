@@ -28,6 +28,10 @@ Paper vs reference code vs default, and other choices (the authors' code, PFLlib
   (An early PFLlib version used a zero target for such rows, pulling them to the origin; not copied.)
   The paper writes the regularizer on local prototypes; all reference code applies it per sample, as
   the issue specifies, and so do we.
+- Client term. ``distance = "mse"`` (default): ``MSELoss`` as above. ``distance = "euclidean"``:
+  the per-sample Euclidean distance ``mean_i ||f(x_i) - P[y_i]||_2`` (rows without a prototype add
+  0), FedProto's regularizer as FedTGP's paper writes it (its Eq. 4, "the same as FedProto" for
+  its own Eq. 11), so that FedTGP and FedProto can be compared with one client term.
 - ``lam = 1.0``: the argparse default of PFLlib, HtFLlib and the authors' code (``--ld 1``).
   HtFLlib's example scripts use ``-lam 10`` for CIFAR ResNets; FedTGP's comparison tables use
   ``lam = 0.1`` ("the same as FedProto") -- set ``algorithm.lam = 0.1`` to reproduce those tables.
@@ -46,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._shared import class_means
+from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
 from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -145,6 +149,9 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     inference: str = (
         "all"  # nearest prototype over: all known classes (paper) | own (authors' code)
     )
+    # client term: mse (the reference code's MSELoss) | euclidean (FedTGP's Eq. 4 writes FedProto's
+    # term as the Euclidean distance: FedTGP's comparison with one client term for both)
+    distance: str = "mse"
 
     Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
     Upload: ClassVar[type[Payload]] = ProtoUpload
@@ -165,6 +172,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
             )
         if self.lam < 0:
             raise ValueError(f"lam = {self.lam} must be >= 0")
+        if self.distance not in DISTANCES:
+            raise ValueError(f"distance = {self.distance!r}; choose one of {', '.join(DISTANCES)}")
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> ProtoState:
@@ -211,6 +220,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
         ce = F.cross_entropy(model.head(features), y)
         if self.lam == 0:
             return ce
+        if self.distance == "euclidean":  # FedTGP's phi: mean over rows of ||f(x) - P[y]||_2
+            return ce + self.lam * alignment_loss(features, y, msg.protos, msg.known, "euclidean")
         return ce + self.lam * prototype_loss(features, y, msg.protos, msg.known)
 
     def upload(

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import class_means
+from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
 from fedmosaic.core import robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -57,7 +57,6 @@ from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings, sgd_linear_backward, sgd_linear_forward
 
-DISTANCES = ("euclidean", "mse")
 MARGINS = ("adaptive", "fixed", "none")
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
 
@@ -268,23 +267,6 @@ def _step_by_hand(
     grad = sgd_linear_backward(grad.mul_(pre > 0), emb, w1, b1, lr, True)
     emb.sub_(grad, alpha=lr)
     return float(loss)
-
-
-def alignment_loss(
-    features: Tensor, y: Tensor, protos: Tensor, known: Tensor, distance: str = "euclidean"
-) -> Tensor:
-    """``phi(f(x), P_hat[y])`` over a batch; rows whose class has no global prototype add 0.
-
-    ``euclidean`` (paper): ``mean_i ||f_i - P[y_i]||_2`` over all ``B`` rows. ``mse`` (reference
-    code): ``MSELoss(f, target)`` where rows without a prototype target themselves, i.e.
-    ``sum_i ||f_i - P[y_i]||^2 / (B * d)`` over the rows with one.
-    """
-    has = known[y]  # [B] bool
-    target = torch.where(has.unsqueeze(1), protos[y], features.detach())  # [B, d]
-    if distance == "mse":
-        return F.mse_loss(features, target)
-    sq = (features - target).pow(2).sum(1)  # [B]
-    return torch.where(has, sq.clamp_min(EPS).sqrt(), torch.zeros_like(sq)).mean()
 
 
 def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) -> Tensor:

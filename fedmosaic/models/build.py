@@ -16,7 +16,8 @@ named ``proj`` maps it there:
 - ``"none"``: no projection: the model keeps its encoder's own width (``ClientModel.feature_dim`` =
   the natural dimension, so it differs across a family's members). Only for methods that never
   compare features across clients coordinate by coordinate (FedHeNN's L x L kernels): an
-  algorithm picks it through ``Algorithm.model_projection``; ``model.projection`` cannot.
+  algorithm picks it through ``Algorithm.model_projection``; ``model.projection = "none"`` is
+  accepted for ``local`` only (Local on FedHeNN's own networks, the fair control of its claim).
 
 Why linear by default: the pool is a fixed, arbitrary channel map. It averages adjacent channels
 (ResNet50's 2048 -> 512 in fixed groups of 4, MobileNetV2's 1280 -> 512 in overlapping windows of

@@ -40,6 +40,7 @@ class Suite:
     budget: str = ""
     quick_budget: str = ""
     converged_budget: str = ""
+    full_budget: str = ""
     prototype_plot: str = "tsne"  # tsne | pca | none: client/global prototypes of prototype methods
     # the accuracy the suite's paper reports, the headline columns: weighted (test-size-weighted,
     # HtFLlib/PFLlib) | unweighted (mean of per-client accuracies, FedGH/FedClassAvg)
@@ -50,6 +51,7 @@ class Suite:
     paper_budget: str = ""
     quick: dict[str, Any] = field(default_factory=dict)
     converged: dict[str, Any] = field(default_factory=dict)
+    full: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, dict[str, str]] = field(default_factory=dict)
     path: str = ""
 

@@ -131,6 +131,23 @@ def test_loss_hand_computed_with_a_missing_class():
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
 
 
+def test_euclidean_client_term_hand_computed():
+    """``distance = "euclidean"`` (FedTGP's form of FedProto's term): mean over the B rows of
+    ``||f(x) - P[y]||_2``, rows without a prototype adding 0."""
+    rows = [[1.0, 2.0], [3.0, 4.0], [0.0, 1.0]]
+    y = torch.tensor([0, 0, 1])
+    x = torch.tensor(rows).view(3, 1, 1, 2)
+    msg = ProtoBroadcast(torch.tensor([[1.0, 1.0], [0.0, 0.0]]), torch.tensor([True, False]))
+    loss = FedProto(lam=0.5, distance="euclidean").loss(_identity_model(), nn.Module(), x, y, msg)
+    # row 0: ||(0, 1)|| = 1; row 1: ||(2, 3)|| = sqrt(13); row 2: no prototype, 0; mean over 3
+    expected = _logsumexp_ce(rows, [0, 0, 1]) + 0.5 * (1.0 + math.sqrt(13.0)) / 3.0
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+    mse = FedProto(lam=0.5).loss(_identity_model(), nn.Module(), x, y, msg)
+    assert float(mse.detach()) != pytest.approx(expected, rel=1e-3)  # the default stays MSE
+    with pytest.raises(ValueError, match="distance"):
+        FedProto(distance="cosine")
+
+
 def test_rows_without_prototype_get_only_the_ce_gradient():
     model = _identity_model()
     y = torch.tensor([0, 1, 1])

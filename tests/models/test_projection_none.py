@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_raw
 from torch import nn
 
-from fedmosaic.config import from_dict
+from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core.algorithm import Algorithm
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.experiment import build_federation
@@ -58,3 +58,29 @@ def test_the_algorithm_picks_the_projection_for_every_client_model() -> None:
     local = federation("local")  # no preference: model.projection ("linear") to feature_dim
     assert [m.feature_dim for m in local.models] == [16] * 5
     assert all(isinstance(m.encoder.proj, nn.Linear) for m in local.models)
+
+
+def test_local_on_fedhenns_own_networks_has_fedhenns_parameter_counts() -> None:
+    """FedHeNN's claim compares it with Local on the same networks: client by client, the
+    parameter counts of ``local`` with ``model.projection = "none"`` equal FedHeNN's."""
+
+    def federation(name: str, **model):
+        raw = tiny_raw(
+            model={"family": "fedhenn5", "feature_dim": 16, **model}, algorithm={"name": name}
+        )
+        raw["data"]["num_clients"] = 5
+        return build_federation(from_dict(raw))
+
+    def counts(fed) -> list[int]:
+        return [sum(p.numel() for p in m.parameters()) for m in fed.models]
+
+    henn, local = federation("fedhenn"), federation("local", projection="none")
+    assert counts(local) == counts(henn)
+    assert counts(federation("local")) != counts(henn)  # the projection adds parameters
+
+
+@pytest.mark.parametrize("name", ["fedproto", "fedavg"])
+def test_projection_none_is_refused_for_methods_other_than_local(name: str) -> None:
+    raw = tiny_raw(model={"family": "fedhenn5", "projection": "none"}, algorithm={"name": name})
+    with pytest.raises(ConfigError, match='model.projection = "none"'):
+        from_dict(raw)
