@@ -492,6 +492,36 @@ def test_converged_budget_caps_rounds_and_the_report_shows_where_each_cell_stopp
     assert "at most 30 (plateau stop) rounds here against 1000" in md
 
 
+def test_full_budget_gives_every_method_one_round_count(tmp_path: Path) -> None:
+    """``[full]`` (issue 22's claims budget): applied by ``--full``, exclusive with the other
+    budgets, refused when the suite has none."""
+    text = TINY_SUITE + '\n[full]\n"train.rounds" = 7\n"data.subsample" = 1.0\n'
+    suite = load_suite(_suite(tmp_path, text))
+    cells = build_cells(suite, full=True, seeds=[0], check=False)
+    assert {(c.cfg.train.rounds, c.cfg.data.subsample) for c in cells} == {(7, 1.0)}
+    assert len({c.method.label for c in cells}) > 1  # every method, the same rounds
+    with pytest.raises(ConfigError, match="pick one"):
+        build_cells(suite, converged=True, full=True, check=False)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ConfigError, match="no \\[full\\] budget"):
+        build_cells(load_suite(_suite(plain, TINY_SUITE)), full=True, check=False)
+
+
+@pytest.mark.parametrize("name", ["fedtgp_table10", "fedgh_table3", "fedhenn_5cnn",
+                                  "fedclassavg_table2", "fedclassavg_ablation", "layer_expansion"])  # fmt: skip
+def test_bundled_claims_suites_have_a_full_budget_without_plateau_stops(name: str) -> None:
+    """Every method of a setting runs the same rounds under --full (layer expansion's plateau
+    keys only record whether round 100 had plateaued: min_rounds = rounds)."""
+    cells = build_cells(load_suite(name), full=True, seeds=[0], check=False)
+    for c in cells:
+        t = c.cfg.train
+        assert t.plateau_delta == 0 or t.plateau_min_rounds >= t.rounds, c.key
+    assert len({(c.setting.label, c.cfg.train.rounds) for c in cells}) == len(
+        {c.setting.label for c in cells}
+    )
+
+
 # ---- figures: one resolution and format for every figure, a colour key on the label histogram ----
 
 
