@@ -70,6 +70,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fedmosaic.compare import load_suite
+from fedmosaic.config import ConfigError
+from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.models import build_client_model, family_members
 from fedmosaic.report.compare import METRIC_KEYS, aggregate
 
 HOLDS = "holds"
@@ -431,9 +437,6 @@ _COUNTS: dict[str, tuple[int, ...] | None] = {}
 def param_counts(doc: dict[str, Any]) -> tuple[int, ...] | None:
     """Client by client, the parameter count of the model a cell trained and evaluated, rebuilt
     from its stored config (None when the input shape is not known without the data)."""
-    from fedmosaic.core.registry import ALGORITHMS
-    from fedmosaic.models import build_client_model, family_members
-
     cfg = doc.get("config", {})
     data, model = cfg.get("data", {}), cfg.get("model", {})
     dataset = str(data.get("dataset", ""))
@@ -449,8 +452,6 @@ def param_counts(doc: dict[str, Any]) -> tuple[int, ...] | None:
     num_classes = len(clients[0]["train_label_counts"])
     key = json.dumps([model, projection, shape, num_classes, len(clients)], sort_keys=True)
     if key not in _COUNTS:
-        import torch
-
         members = family_members(model["family"])
         out = []
         with torch.device("meta"):  # shapes only: nothing allocated
@@ -468,8 +469,6 @@ def param_counts(doc: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 def _algo_value(cfg: dict[str, Any], key: str) -> Any:
-    from fedmosaic.core.registry import ALGORITHMS
-
     algo = cfg.get("algorithm", {})
     name = algo.get("name")
     default = getattr(ALGORITHMS.get(name), key, None) if name in ALGORITHMS else None
@@ -519,9 +518,6 @@ _SUITES: dict[str, Any] = {}
 def definition_problems(suite: str, label: str, doc: dict[str, Any]) -> list[str]:
     """Where a cell of ``label`` was made by another definition of that method than the suite's
     current one (its algorithm table and its overrides): e.g. a method whose options changed."""
-    from fedmosaic.compare import load_suite
-    from fedmosaic.config import ConfigError
-
     if suite not in _SUITES:
         try:
             _SUITES[suite] = load_suite(suite)
