@@ -9,7 +9,8 @@ and a digest over all of it.
 Server states are plain data (dataclasses of tensors, dicts and scalars: no modules, generators or
 caches), saved by a small flattener (:func:`flatten_tree`) and restored *into a template*: the
 freshly initialised state of the same algorithm on the same config (``algo.init_server(spec)``).
-Classes are never imported by name from the file, so loading a checkpoint runs no code from it; a
+Classes are never imported by name from the file, so loading a checkpoint runs no code from it
+(the plugins its config names are imported only with the caller's consent: ``api.load_run``); a
 file whose structure does not match the template is rejected as foreign. Leaves: ``None``,
 ``bool``, ``int``, ``float`` (NaN/Inf included), ``str``, tensors; containers: ``dict``
 (str/int/float/bool keys), ``list``, ``tuple``, dataclass instances. Anything else fails at save

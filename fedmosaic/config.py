@@ -311,8 +311,6 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
         raise ConfigError(f"plugins = {plugins!r} must be a list of module names or .py paths")
     plugins = [*plugins, *(p for p in _CLI_PLUGINS if p not in plugins)]
-    load_entry_points()
-    load_plugins(plugins)  # before the algorithm/model names are looked up
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         value = raw.get(name, {})
@@ -323,7 +321,11 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
         raise ConfigError("[algorithm] must be a table with a string key 'name'")
     cfg = ExperimentConfig(seed=seed, plugins=list(plugins), algorithm=dict(algo), **sections)
-    validate(cfg)
+    # A plugin is code: a config whose own values are wrong is refused before any of it runs.
+    validate_values(cfg)
+    load_entry_points()
+    load_plugins(plugins)  # before the algorithm/model names are looked up
+    validate_registry(cfg)
     return cfg
 
 
@@ -404,6 +406,13 @@ def _check_magnitudes(where: str, obj: Any) -> None:
 
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
+    validate_values(cfg)
+    validate_registry(cfg)
+
+
+def validate_values(cfg: ExperimentConfig) -> None:
+    """The config's own values (choices, ranges, types): nothing looked up in a registry, so
+    these run before any plugin is imported."""
     for section in SECTIONS:
         _check_magnitudes(section, getattr(cfg, section))
     for dotted, choices in CHOICES.items():
@@ -533,6 +542,12 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f'sim.devices = {sim.devices!r} places worker processes: set sim.backend = "processes"'
         )
+
+
+def validate_registry(cfg: ExperimentConfig) -> None:
+    """The names looked up in the registries (algorithm and its hyperparameters, model family):
+    after the plugins that may register them are imported."""
+    d = cfg.data
     # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).
     from fedmosaic.algorithms import build_algorithm
     from fedmosaic.models import family_members
