@@ -206,54 +206,79 @@ def _stamp(paths: Sequence[Path]) -> tuple[tuple[str, int, int], ...]:
 # ----------------------------------------------------------------------------- IDX
 
 
-def _read_bytes(path: Path) -> bytes:
-    """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic."""
+def _read_bytes(path: Path, stated: Callable[[bytes], int | None] | None = None) -> bytes:
+    """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic
+    (``stated``: the size the first decompressed bytes declare, see :func:`_gunzip_bounded`)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read file: {exc}") from exc
     if path.suffix == ".gz" or raw[:2] == b"\x1f\x8b":
-        return _gunzip_bounded(path, raw)
+        return _gunzip_bounded(path, raw, stated=stated)
     return raw
 
 
 MAX_DECOMPRESSED = 2**31  # no dataset file here decompresses to 2 GiB (EMNIST byclass: ~0.6 GB)
+_GZ_IN = 1 << 20  # compressed bytes fed at a time: zlib copies the unconsumed input per call
+_GZ_OUT = 1 << 24  # decompressed bytes asked for at a time
 
 
-def _gunzip_bounded(path: Path, raw: bytes, limit: int | None = None) -> bytes:
-    """gunzip in chunks, refusing output beyond ``limit`` bytes (default ``MAX_DECOMPRESSED``,
-    read at call time) (a gzip bomb stops there, before it is all in memory)."""
+def _gunzip_bounded(
+    path: Path,
+    raw: bytes,
+    limit: int | None = None,
+    stated: Callable[[bytes], int | None] | None = None,
+) -> bytes:
+    """gunzip in chunks, never holding more than ``limit`` + 1 output bytes (default
+    ``MAX_DECOMPRESSED``, read at call time): a gzip bomb stops there, before it is in memory.
+
+    ``stated(head)``: the total size the output's first bytes declare (an IDX header), or None
+    while they are too few; output beyond it is refused as soon as it appears, so a small header
+    in front of a bomb costs one chunk, not ``limit`` bytes of decompression."""
     limit = MAX_DECOMPRESSED if limit is None else limit
+    cap, declared = limit, False
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     out = bytearray()
-    data = raw
+    pos, pending = 0, b""
     try:
-        while data:
-            out += d.decompress(data, 1 << 24)
-            if len(out) > limit:
+        while True:
+            if not pending and pos < len(raw):
+                pending, pos = raw[pos : pos + _GZ_IN], pos + _GZ_IN
+            # cap + 1: one byte past the cap tells a file that is too long from one that fits
+            chunk = d.decompress(pending, min(_GZ_OUT, cap + 1 - len(out)))
+            pending = d.unconsumed_tail
+            out += chunk
+            if stated is not None and not declared:
+                size = stated(bytes(out[:4096]))
+                if size is not None:
+                    cap, declared = min(cap, size), True
+            if len(out) > cap:
+                if declared and cap < limit:
+                    raise DatasetError(
+                        f"{path}: decompresses to more than the {cap} bytes its header states; "
+                        "not a dataset file"
+                    )
                 raise DatasetError(
                     f"{path}: decompresses to more than {limit} bytes; not a dataset file"
                 )
-            data = d.unconsumed_tail
-            if not data and d.eof and d.unused_data:  # a multi-member gzip: next member
-                data, d = d.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
-        if not d.eof:
-            raise zlib.error("incomplete gzip stream")
+            if d.eof:
+                rest = d.unused_data + pending
+                if not rest and pos >= len(raw):
+                    break
+                # a multi-member gzip: the next member (trailing junk fails as corrupt)
+                d, pending = zlib.decompressobj(16 + zlib.MAX_WBITS), rest
+            elif not chunk and not pending and pos >= len(raw):
+                raise zlib.error("incomplete gzip stream")
     except (zlib.error, EOFError) as exc:
         raise DatasetError(f"{path}: corrupt gzip file ({exc}); delete it and re-fetch") from exc
     return bytes(out)
 
 
-def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
-    """Read an IDX file (``*-idx3-ubyte``, ``*-idx1-ubyte``, optionally gzipped) as uint8.
-
-    Header: magic ``00 00 <dtype> <ndim>`` then ``ndim`` big-endian uint32 sizes, then the data.
-    Only dtype 0x08 (unsigned byte) is accepted; ``ndim`` (if given) must match.
-    """
-    path = Path(path)
-    raw = _read_bytes(path)
+def _idx_header(path: Path, raw: bytes, ndim: int | None) -> tuple[int, tuple[int, ...]] | None:
+    """An IDX file's header length and dimensions from its first bytes; None while they are too
+    few to hold it; a DatasetError naming ``path`` for a header that is not IDX."""
     if len(raw) < 4:
-        raise DatasetError(f"{path}: truncated IDX file: {len(raw)} bytes, no 4-byte magic number")
+        return None
     magic = raw[:4].hex()
     if raw[0] != 0 or raw[1] != 0:
         raise DatasetError(f"{path}: not an IDX file (magic number 0x{magic}, expected 0x0000....)")
@@ -270,10 +295,32 @@ def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
         )
     header = 4 + 4 * nd
     if len(raw) < header:
+        return None
+    return header, struct.unpack(f">{nd}I", raw[4:header])
+
+
+def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
+    """Read an IDX file (``*-idx3-ubyte``, ``*-idx1-ubyte``, optionally gzipped) as uint8.
+
+    Header: magic ``00 00 <dtype> <ndim>`` then ``ndim`` big-endian uint32 sizes, then the data.
+    Only dtype 0x08 (unsigned byte) is accepted; ``ndim`` (if given) must match.
+    """
+    path = Path(path)
+
+    def stated(head: bytes) -> int | None:
+        found = _idx_header(path, head, ndim)
+        return None if found is None else found[0] + math.prod(found[1])
+
+    raw = _read_bytes(path, stated)
+    if len(raw) < 4:
+        raise DatasetError(f"{path}: truncated IDX file: {len(raw)} bytes, no 4-byte magic number")
+    found = _idx_header(path, raw, ndim)
+    if found is None:
+        header = 4 + 4 * raw[3]
         raise DatasetError(
             f"{path}: truncated IDX file: expected at least {header} header bytes, found {len(raw)}"
         )
-    dims = struct.unpack(f">{nd}I", raw[4:header])
+    header, dims = found
     expected = header + math.prod(dims)
     if len(raw) != expected:
         what = "truncated IDX file" if len(raw) < expected else "IDX file has trailing bytes"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_capped
 from dataset_files import idx_bytes, isolate_search, write_cifar, write_idx, write_mnist, write_tiny
 
 from fedmosaic.config import DataConfig
@@ -210,3 +212,38 @@ def test_tiny_imagenet_annotations_cannot_point_outside_the_root(tmp_path: Path)
     ann.write_text("\n".join(lines) + "\n")
     with pytest.raises(DatasetError, match="outside"):
         load_dataset(DataConfig(dataset="tinyimagenet", root=str(root)), 0)
+
+
+@pytest.fixture(scope="module")
+def gigabyte_of_zeros() -> bytes:
+    """1 GiB of zeros as one gzip member (~4.7 MB), compressed a chunk at a time."""
+    c = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 24)
+    return b"".join([*(c.compress(zeros) for _ in range(64)), c.flush()])
+
+
+@pytest.mark.parametrize("header", ["idx-header", "no-header"])
+def test_a_gzip_bomb_is_refused_by_name_within_two_seconds(
+    tmp_path: Path, gigabyte_of_zeros: bytes, header: str
+) -> None:
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    # A valid header (10 images of 28x28) as its own gzip member in front of the zeros.
+    dims = b"".join(n.to_bytes(4, "big") for n in (10, 28, 28))
+    head = gzip.compress(bytes([0, 0, 8, 3]) + dims) if header == "idx-header" else b""
+    bomb.write_bytes(head + gigabyte_of_zeros)
+    result = run_capped(
+        f"""
+        import time
+        from fedmosaic.data import DatasetError, read_idx
+        start = time.perf_counter()
+        try:
+            read_idx({str(bomb)!r})
+        except DatasetError as exc:
+            print("refused", time.perf_counter() - start, exc)
+        """,
+        headroom=512 << 20,  # the old reader held the whole GiB
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    verdict, seconds, message = result.stdout.strip().split(" ", 2)
+    assert verdict == "refused" and str(bomb) in message, result.stdout
+    assert float(seconds) < 2.0, result.stdout
