@@ -7,7 +7,6 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,7 +385,24 @@ def _device_ok(dev: str) -> bool:
 MAX_INT = 10**9
 MAX_FLOAT = 1e6
 MAX_FEATURE_DIM = 1 << 16
-MAX_SYNTHETIC_BYTES = 1 << 31  # data.synthetic_size x C x H x W uint8 pixels held in memory
+# The memory data.dataset = "synthetic" may take to generate (synthetic_memory); the images are
+# generated a chunk of CHUNK_PIXELS at a time and their statistics computed directly (a float64
+# copy, ~16 bytes a pixel) only up to STATS_DIRECT_PIXELS (fedmosaic/data/datasets.py).
+MAX_SYNTHETIC_BYTES = 1 << 31
+CHUNK_PIXELS = 1 << 22
+STATS_DIRECT_PIXELS = 1 << 25
+
+
+def synthetic_memory(size: int, classes: int, shape: list[int]) -> int:
+    """Peak bytes the synthetic generator needs: the uint8 images, int64 labels and their
+    shuffle (24 bytes an image), the class grids, one chunk's float64 working set (noise, class
+    means, their sum, the clipped and rounded copies) and the statistics' working set."""
+    c, h, w = shape
+    pixels = c * h * w
+    grids = classes * c * min(h, 4) * min(w, 4) * 8
+    chunk = 5 * 8 * max(CHUNK_PIXELS, pixels)
+    stats = 16 * min(size * pixels, STATS_DIRECT_PIXELS)
+    return size * (pixels + 24) + grids + chunk + stats
 
 
 def _check_magnitudes(where: str, obj: Any) -> None:
@@ -489,12 +505,6 @@ def validate_values(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"model.feature_dim = {cfg.model.feature_dim} must be in [1, {MAX_FEATURE_DIM}]"
         )
-    pixels = d.synthetic_size * math.prod(d.synthetic_shape)
-    if d.dataset == "synthetic" and pixels > MAX_SYNTHETIC_BYTES:
-        raise ConfigError(
-            f"data.synthetic_size x data.synthetic_shape = {pixels} pixels is more than "
-            f"{MAX_SYNTHETIC_BYTES} (2 GiB of images)"
-        )
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed = {cfg.seed} must be in [0, 2**63)")
     if not 0.0 <= t.momentum < 1.0:
@@ -519,6 +529,19 @@ def validate_values(cfg: ExperimentConfig) -> None:
     if len(d.synthetic_shape) != 3 or min(d.synthetic_shape) < 1:
         raise ConfigError(
             f"data.synthetic_shape = {d.synthetic_shape} must be [C, H, W], each >= 1"
+        )
+    need = synthetic_memory(d.synthetic_size, d.synthetic_classes, d.synthetic_shape)
+    if d.dataset == "synthetic" and need > MAX_SYNTHETIC_BYTES:
+        # the largest size that fits, by bisection (the need grows with the size)
+        lo, hi = 0, d.synthetic_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = synthetic_memory(mid, d.synthetic_classes, d.synthetic_shape)
+            lo, hi = (mid, hi) if fits <= MAX_SYNTHETIC_BYTES else (lo, mid - 1)
+        raise ConfigError(
+            f"data.synthetic_size = {d.synthetic_size} needs {need / 2**30:.1f} GiB to generate "
+            f"{d.synthetic_shape} images (at most {MAX_SYNTHETIC_BYTES / 2**30:g} GiB); the "
+            f"largest accepted size here is {lo}"
         )
     if not 0 <= cfg.eval.holdout_clients < d.num_clients:
         raise ConfigError(

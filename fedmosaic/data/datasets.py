@@ -22,13 +22,14 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedmosaic.config import DataConfig
+from fedmosaic.config import CHUNK_PIXELS, STATS_DIRECT_PIXELS, DataConfig
 from fedmosaic.core.errors import DatasetError
 from fedmosaic.core.registry import DATASETS
 from fedmosaic.data import _download
@@ -510,6 +511,89 @@ def _check_pickle_shape(path: Path, raw: bytes) -> None:
         raise DatasetError(f"{path}: corrupt or unsupported pickle ({exc}); re-fetch it") from exc
 
 
+# What a CIFAR file can hold: at most 50,000 images (CIFAR-100's train file), each 3072 bytes of
+# one uint8 array and, in lists, a label, a coarse label and a file name. A pickle reaching more
+# (shared references counted as often as they are reached, as np.asarray would materialize them)
+# is refused: 20 references of a list to one list, 10 levels deep, is 235 bytes and 10^10 leaves.
+CIFAR_MAX_IMAGES = 50_000
+MAX_PICKLE_OBJECTS = 20 * 3 * CIFAR_MAX_IMAGES  # Python objects reached through containers
+MAX_PICKLE_ELEMENTS = 2 * CIFAR_MAX_IMAGES * 3 * 32 * 32  # array elements reached
+
+
+_PICKLE_LEAVES = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _pickle_children(x: Any) -> list[Any] | None:
+    """What ``x`` holds, if it is a container (an object array is one); None for a leaf."""
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return list(x)
+    if isinstance(x, np.ndarray) and x.dtype.hasobject:
+        return list(x.ravel())
+    return None
+
+
+def _pickle_weight(x: Any) -> tuple[int, int]:
+    """(objects, array elements) of ``x`` itself, without what it holds."""
+    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+        return 1, int(x.size)
+    return 1, 0
+
+
+def _check_pickle_size(path: Path, obj: Any) -> None:
+    """Refuse an unpickled object that reaches more than ``MAX_PICKLE_OBJECTS`` objects or
+    ``MAX_PICKLE_ELEMENTS`` array elements, counting every reference to a shared container
+    (memoized by id, so each distinct object is walked once: the file's size bounds the walk),
+    or that contains itself. Iterative: memo references can nest deeper than the C stack."""
+    kids = _pickle_children(obj)
+    if kids is None:
+        return
+    done: dict[int, tuple[int, int]] = {}  # id -> (objects, array elements) it reaches
+    active = {id(obj)}  # on the walk's path: reached again = a cycle
+    keep = [obj]  # pins walked objects so no id() is reused while the walk runs
+    # frames: [container, its children, next child, objects, elements]
+    stack: list[list[Any]] = [[obj, kids, 0, *_pickle_weight(obj)]]
+    while stack:
+        frame = stack[-1]
+        x, kids, i = frame[0], frame[1], frame[2]
+        child = None
+        while i < len(kids):
+            kid, i = kids[i], i + 1
+            if type(kid) in _PICKLE_LEAVES:
+                frame[3] += 1
+                continue
+            if id(kid) in done:
+                o, e = done[id(kid)]
+            elif (sub := _pickle_children(kid)) is None:
+                o, e = _pickle_weight(kid)
+            elif id(kid) in active:
+                raise DatasetError(f"{path}: pickle contains itself; not a dataset file")
+            else:
+                child = [kid, sub, 0, *_pickle_weight(kid)]
+                break
+            frame[3], frame[4] = frame[3] + o, frame[4] + e
+        frame[2] = i
+        if child is not None:
+            active.add(id(child[0]))
+            keep.append(child[0])
+            stack.append(child)
+            continue
+        objects, elements = frame[3], frame[4]
+        if objects > MAX_PICKLE_OBJECTS or elements > MAX_PICKLE_ELEMENTS:
+            raise DatasetError(
+                f"{path}: pickle reaches more than {MAX_PICKLE_OBJECTS} objects or "
+                f"{MAX_PICKLE_ELEMENTS} array elements (shared references counted); not a "
+                "dataset file"
+            )
+        done[id(x)] = (objects, elements)
+        active.discard(id(x))
+        stack.pop()
+        if stack:
+            stack[-1][3] += objects
+            stack[-1][4] += elements
+
+
 def load_pickle(path: Path) -> Any:
     """Unpickle a dataset file with the restricted unpickler; any failure names the file."""
     try:
@@ -519,11 +603,15 @@ def load_pickle(path: Path) -> Any:
     _check_pickle_shape(path, raw)
     try:
         # encoding="bytes": the original CIFAR files are Python 2 pickles with byte-string keys.
-        return _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # any unpickling failure means a corrupt or foreign file
         raise DatasetError(
             f"{path}: corrupt or unsupported pickle ({type(exc).__name__}: {exc}); re-fetch it"
         ) from exc
+    # The objects unpickled are bounded by the file's size; what they reach through shared
+    # references is not, and np.asarray would build all of it.
+    _check_pickle_size(path, obj)
+    return obj
 
 
 def _cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -714,11 +802,45 @@ def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
 # ----------------------------------------------------------------------------- in-memory datasets
 
 
+# Up to STATS_DIRECT_PIXELS the statistics are computed as they always were (their float64
+# rounding kept, peak ~16 bytes a pixel); above it from exact per-channel byte histograms, a
+# chunk of images at a time, so a large dataset costs no float64 copy of itself. A chunk is
+# _CHUNK_PIXELS pixels (~32 MiB of float64); config.synthetic_memory counts both.
+_CHUNK_PIXELS = CHUNK_PIXELS
+
+
 def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean/std of uint8 images [N, C, H, W], in [0, 1] units."""
+    if images.numel() > STATS_DIRECT_PIXELS:
+        return _channel_stats_bounded(images)
     x = images.to(torch.float64).div(255).transpose(0, 1).reshape(images.shape[1], -1)
     std = x.std(dim=1).clamp_min(1e-6)
     return tuple(x.mean(dim=1).tolist()), tuple(std.tolist())
+
+
+def _channel_stats_bounded(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """:func:`_channel_stats` from byte counts: exact sums, one rounding, bounded memory."""
+    n, c = int(images.shape[0]), int(images.shape[1])
+    per_image = max(1, math.prod(images.shape[1:]))
+    rows = max(1, _CHUNK_PIXELS // per_image)
+    counts = np.zeros((c, 256), dtype=np.int64)
+    for start in range(0, n, rows):
+        chunk = images[start : start + rows].numpy()
+        for ch in range(c):
+            counts[ch] += np.bincount(chunk[:, ch].ravel(), minlength=256)
+    means, stds = [], []
+    for ch in range(c):
+        cnt = [int(k) for k in counts[ch]]  # Python ints: the sums below are exact
+        m = sum(cnt)
+        total = sum(v * k for v, k in enumerate(cnt))
+        squares = sum(v * v * k for v, k in enumerate(cnt))
+        means.append(total / (255 * m))  # int / int: correctly rounded
+        if m < 2:  # as torch's unbiased std of one value
+            stds.append(math.nan)
+            continue
+        var = Fraction(m * squares - total * total, m * (m - 1) * 255 * 255)
+        stds.append(max(math.sqrt(var), 1e-6))
+    return tuple(means), tuple(stds)
 
 
 @DATASETS.register("digits")
@@ -749,11 +871,17 @@ def _synthetic(
     # per pixel but are easy to tell apart from the whole image: any model can learn them.
     gh, gw = min(h, 4), min(w, 4)
     coarse = rng.uniform(0.15, 0.85, size=(num_classes, c, gh, gw))
-    protos = coarse.repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
     labels = rng.permutation(np.arange(size) % num_classes)  # balanced classes, shuffled
-    noise = rng.normal(0.0, 0.2, size=(size, c, h, w))
-    x = np.clip(protos[labels] + noise, 0.0, 1.0)
-    images = np.rint(x * 255).astype(np.uint8)  # [N, C, H, W]
+    # A chunk of images at a time: the float64 noise (the numbers as one draw would give them:
+    # the generator's stream does not depend on how it is split) is never held for all images.
+    images = np.empty((size, c, h, w), dtype=np.uint8)  # [N, C, H, W]
+    rows = max(1, _CHUNK_PIXELS // (c * h * w))
+    for start in range(0, size, rows):
+        lab = labels[start : start + rows]
+        protos = coarse[lab].repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
+        noise = rng.normal(0.0, 0.2, size=(len(lab), c, h, w))
+        x = np.clip(protos + noise, 0.0, 1.0)
+        images[start : start + len(lab)] = np.rint(x * 255).astype(np.uint8)
     return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
 
 
