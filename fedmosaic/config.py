@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.core.errors import ConfigError
-from fedmosaic.core.robust import RobustRule
+from fedmosaic.core.robust import RobustRule, largest_f, trim_limit
+from fedmosaic.core.rounds import clients_per_round
 from fedmosaic.core.typed import build_dataclass, type_ok
 
 
@@ -420,6 +421,37 @@ def _check_magnitudes(where: str, obj: Any) -> None:
                 )
 
 
+def planned_clients_per_round(cfg: ExperimentConfig) -> int:
+    """Clients sampled per round: ``train.clients_per_round``, else ``train.participation`` of
+    the clients that train (all but ``eval.holdout_clients``); the round plan's number."""
+    trainers = cfg.data.num_clients - cfg.eval.holdout_clients
+    return min(cfg.train.clients_per_round, trainers) or clients_per_round(
+        trainers, cfg.train.participation
+    )
+
+
+def _check_rule_fits_round(cfg: ExperimentConfig) -> None:
+    """A robust rule the planned round cannot satisfy is refused, naming the largest value that
+    fits (it would otherwise be clamped: multi-Krum on too few clients is Krum)."""
+    s, k = cfg.server, planned_clients_per_round(cfg)
+    sampled = f"{k} clients per round (data.num_clients, train.participation / clients_per_round)"
+    if s.aggregator in ("krum", "multi_krum") and s.f > largest_f(k):
+        if largest_f(k) < 0:
+            raise ConfigError(
+                f'server.aggregator = "{s.aggregator}" needs at least 3 clients per round '
+                f"(n > 2f + 2); this federation samples {sampled}"
+            )
+        raise ConfigError(
+            f'server.f = {s.f} is too large for "{s.aggregator}" on {sampled}: it needs '
+            f"n > 2f + 2; the largest allowed is {largest_f(k)}"
+        )
+    if s.aggregator == "trimmed_mean" and s.trim >= trim_limit(k):
+        raise ConfigError(
+            f"server.trim = {s.trim} would cut every value on {sampled}; it must be below "
+            f"{trim_limit(k):.6g}"
+        )
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
     validate_values(cfg)
@@ -548,6 +580,7 @@ def validate_values(cfg: ExperimentConfig) -> None:
             f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "
             f"[0, data.num_clients - 1 = {d.num_clients - 1}] (at least one client trains)"
         )
+    _check_rule_fits_round(cfg)
     if sim.wandb and not _wandb_installed():
         raise ConfigError(
             f"sim.wandb = {sim.wandb!r} needs the wandb package: pip install 'fedmosaic[wandb]'"
