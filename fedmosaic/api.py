@@ -45,8 +45,21 @@ from fedmosaic.algorithms._shared import (
     class_means,
     weighted_average,
 )
-from fedmosaic.checkpoint import FINAL_FILE, for_federation, peek
-from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict, load
+from fedmosaic.checkpoint import (
+    FINAL_FILE,
+    CheckpointError,
+    check_meta,
+    for_federation,
+    read_checkpoint,
+)
+from fedmosaic.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    from_dict,
+    load,
+    resolve_plugin,
+)
 from fedmosaic.core import schema  # declared upload schemas: schema.check(upload, cid, ...)
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
@@ -149,14 +162,34 @@ def run(config: Config, overrides: Sequence[str] = (), progress: bool = False) -
     return Result(doc, cfg, state, models, extras, done)
 
 
-def load_run(path: str | Path) -> Result:
+def load_run(
+    path: str | Path, *, trust_plugins: bool = False, plugins: Sequence[str] | None = None
+) -> Result:
     """The kept models of a finished run: ``path`` is a ``fedmosaic run --save-models --out``
     folder (its ``final.safetensors`` and ``results.json``) or a checkpoint file. Rebuilds the
     federation from the config stored in the file (the data are read again to size the models)
-    and loads the server state and every client's model into it."""
+    and loads the server state and every client's model into it.
+
+    Loading runs no code from the file: its digest is verified first, and a stored config that
+    names plugins (code, imported like a Python script) is refused unless the caller consents
+    with ``trust_plugins=True`` or a ``plugins`` list naming every one of them."""
     p = Path(path)
     file = p / FINAL_FILE if p.is_dir() else p
-    meta = peek(file)  # a missing, truncated or forged file is a CheckpointError naming it
+    # Digest first: a missing, truncated or forged file is a CheckpointError naming it, before
+    # anything of its config is used.
+    meta = check_meta(read_checkpoint(file).meta, file, full=True)
+    stored = meta["config"].get("plugins", [])
+    if not isinstance(stored, list) or not all(isinstance(s, str) for s in stored):
+        raise CheckpointError(f"{file}: corrupt checkpoint metadata (plugins = {stored!r})")
+    if stored and not trust_plugins:
+        allowed = {*(plugins or ()), *(resolve_plugin(n, Path.cwd()) for n in plugins or ())}
+        missing = [s for s in stored if s not in allowed]
+        if missing:
+            raise CheckpointError(
+                f"{file}: the run's config names plugins {missing}, code that loading would "
+                "import and run; pass load_run(..., trust_plugins=True) or plugins=[...] "
+                "naming them if you trust it"
+            )
     cfg = from_dict(meta["config"])
     fed = build_federation(replace(cfg, sim=replace(cfg.sim, backend="serial")))
     ckpt = for_federation(fed, None, file.parent, 0, resume=True)  # type: ignore[arg-type]
@@ -196,6 +229,7 @@ __all__ = [
     "FAMILIES",
     "PARTITIONERS",
     "Algorithm",
+    "CheckpointError",
     "ClientData",
     "ClientModel",
     "ConfigError",

@@ -9,7 +9,8 @@ and a digest over all of it.
 Server states are plain data (dataclasses of tensors, dicts and scalars: no modules, generators or
 caches), saved by a small flattener (:func:`flatten_tree`) and restored *into a template*: the
 freshly initialised state of the same algorithm on the same config (``algo.init_server(spec)``).
-Classes are never imported by name from the file, so loading a checkpoint runs no code from it; a
+Classes are never imported by name from the file, so loading a checkpoint runs no code from it
+(the plugins its config names are imported only with the caller's consent: ``api.load_run``); a
 file whose structure does not match the template is rejected as foreign. Leaves: ``None``,
 ``bool``, ``int``, ``float`` (NaN/Inf included), ``str``, tensors; containers: ``dict``
 (str/int/float/bool keys), ``list``, ``tuple``, dataclass instances. Anything else fails at save
@@ -116,11 +117,36 @@ def flatten_tree(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
     return walk(obj, prefix)
 
 
+def _template_kind(x: Any) -> tuple[str, tuple[str, ...]] | None:
+    """What a template value requires of the checkpoint's node at its place: (its name, the
+    node types that fit); None where anything may stand (None, numbers, strings)."""
+    if isinstance(x, Tensor):
+        return "a tensor", ("tensor",)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return f"a {type(x).__qualname__}", ("dataclass",)  # the class is checked below
+    if isinstance(x, dict):
+        return "a dict", ("dict",)
+    if isinstance(x, (list, tuple)):
+        return "a list", ("list", "tuple")
+    return None
+
+
+def _node_kind(n: Any) -> str:
+    """A checkpoint node in words (for the error)."""
+    if isinstance(n, dict) and isinstance(n.get("t"), str):
+        return {"tensor": "a tensor", "dict": "a dict", "float": "a number"}.get(
+            n["t"], f"a {n.get('cls', n['t'])!r}"
+        )
+    return f"the value {str(n)[:40]}"
+
+
 def restore_tree(node: Any, tensors: dict[str, Tensor], template: Any, path: str = "state") -> Any:
     """Rebuild the object described by ``node``, reusing ``template``'s classes and modules.
 
     Dataclasses must exist in the template at the same place with the same class
-    (nothing is imported from the file); plain containers and leaves may differ in content.
+    (nothing is imported from the file); where the template holds a tensor, a dict or a
+    sequence, so must the file (a number where the run has a state is a forged file);
+    containers and leaves may differ in content.
     """
     cache: dict[str, Tensor] = {}
 
@@ -134,6 +160,12 @@ def restore_tree(node: Any, tensors: dict[str, Tensor], template: Any, path: str
         return cache[key]
 
     def walk(n: Any, tmpl: Any, p: str) -> Any:
+        want = _template_kind(tmpl)
+        if want is not None and not (isinstance(n, dict) and n.get("t") in want[1]):
+            # e.g. server_state = 5 where the run has a dict: a forged or foreign file
+            raise CheckpointError(
+                f"{p}: the checkpoint has {_node_kind(n)} where this run has {want[0]}"
+            )
         if n is None or isinstance(n, (bool, int, float, str)):
             return n
         if isinstance(n, list):
@@ -366,6 +398,24 @@ def read_checkpoint(path: str | Path) -> Loaded:
     return Loaded(meta, tensors)
 
 
+# No trained weight comes near this: a value whose square overflows float32 (1.8e19) turns
+# the first loss or norm into inf. A checkpoint holding one is forged or corrupt (its digest
+# recomputed): resuming it would append NaN rounds.
+MAX_ABS_VALUE = 1e18
+
+
+def check_magnitudes(path: str | Path, tensors: dict[str, Tensor]) -> None:
+    """A CheckpointError naming the first floating tensor with a value beyond MAX_ABS_VALUE."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            top = float(t.detach().abs().max())
+            if not top <= MAX_ABS_VALUE:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} holds {top:.3g}, beyond any trained value "
+                    f"(|x| <= {MAX_ABS_VALUE:g}): a forged or corrupt checkpoint"
+                )
+
+
 # ---- the round-loop hook -----------------------------------------------------------------------------
 ClientStates = Callable[[], list[tuple[dict[str, Tensor], dict[str, Tensor]]]]
 LoadClientStates = Callable[[list[tuple[dict[str, Tensor], dict[str, Tensor]]]], None]
@@ -441,6 +491,7 @@ class Checkpointer:
         loaded = read_checkpoint(self.path)
         meta = check_meta(loaded.meta, self.path, full=True)
         self._check_config(meta)
+        check_magnitudes(self.path, loaded.tensors)
         if meta["round"] > self.last_round:
             raise CheckpointError(
                 f"{self.path}: checkpoint after round {meta['round']}, but this run has "

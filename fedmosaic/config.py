@@ -7,14 +7,14 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedmosaic.core.errors import ConfigError
-from fedmosaic.core.robust import RobustRule
+from fedmosaic.core.robust import RobustRule, largest_f, trim_limit
+from fedmosaic.core.rounds import clients_per_round
 from fedmosaic.core.typed import build_dataclass, type_ok
 
 
@@ -311,8 +311,6 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     if not isinstance(plugins, list) or not all(isinstance(p, str) and p for p in plugins):
         raise ConfigError(f"plugins = {plugins!r} must be a list of module names or .py paths")
     plugins = [*plugins, *(p for p in _CLI_PLUGINS if p not in plugins)]
-    load_entry_points()
-    load_plugins(plugins)  # before the algorithm/model names are looked up
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         value = raw.get(name, {})
@@ -323,7 +321,11 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
         raise ConfigError("[algorithm] must be a table with a string key 'name'")
     cfg = ExperimentConfig(seed=seed, plugins=list(plugins), algorithm=dict(algo), **sections)
-    validate(cfg)
+    # A plugin is code: a config whose own values are wrong is refused before any of it runs.
+    validate_values(cfg)
+    load_entry_points()
+    load_plugins(plugins)  # before the algorithm/model names are looked up
+    validate_registry(cfg)
     return cfg
 
 
@@ -384,7 +386,24 @@ def _device_ok(dev: str) -> bool:
 MAX_INT = 10**9
 MAX_FLOAT = 1e6
 MAX_FEATURE_DIM = 1 << 16
-MAX_SYNTHETIC_BYTES = 1 << 31  # data.synthetic_size x C x H x W uint8 pixels held in memory
+# The memory data.dataset = "synthetic" may take to generate (synthetic_memory); the images are
+# generated a chunk of CHUNK_PIXELS at a time and their statistics computed directly (a float64
+# copy, ~16 bytes a pixel) only up to STATS_DIRECT_PIXELS (fedmosaic/data/datasets.py).
+MAX_SYNTHETIC_BYTES = 1 << 31
+CHUNK_PIXELS = 1 << 22
+STATS_DIRECT_PIXELS = 1 << 25
+
+
+def synthetic_memory(size: int, classes: int, shape: list[int]) -> int:
+    """Peak bytes the synthetic generator needs: the uint8 images, int64 labels and their
+    shuffle (24 bytes an image), the class grids, one chunk's float64 working set (noise, class
+    means, their sum, the clipped and rounded copies) and the statistics' working set."""
+    c, h, w = shape
+    pixels = c * h * w
+    grids = classes * c * min(h, 4) * min(w, 4) * 8
+    chunk = 5 * 8 * max(CHUNK_PIXELS, pixels)
+    stats = 16 * min(size * pixels, STATS_DIRECT_PIXELS)
+    return size * (pixels + 24) + grids + chunk + stats
 
 
 def _check_magnitudes(where: str, obj: Any) -> None:
@@ -402,8 +421,46 @@ def _check_magnitudes(where: str, obj: Any) -> None:
                 )
 
 
+def planned_clients_per_round(cfg: ExperimentConfig) -> int:
+    """Clients sampled per round: ``train.clients_per_round``, else ``train.participation`` of
+    the clients that train (all but ``eval.holdout_clients``); the round plan's number."""
+    trainers = cfg.data.num_clients - cfg.eval.holdout_clients
+    return min(cfg.train.clients_per_round, trainers) or clients_per_round(
+        trainers, cfg.train.participation
+    )
+
+
+def _check_rule_fits_round(cfg: ExperimentConfig) -> None:
+    """A robust rule the planned round cannot satisfy is refused, naming the largest value that
+    fits (it would otherwise be clamped: multi-Krum on too few clients is Krum)."""
+    s, k = cfg.server, planned_clients_per_round(cfg)
+    sampled = f"{k} clients per round (data.num_clients, train.participation / clients_per_round)"
+    if s.aggregator in ("krum", "multi_krum") and s.f > largest_f(k):
+        if largest_f(k) < 0:
+            raise ConfigError(
+                f'server.aggregator = "{s.aggregator}" needs at least 3 clients per round '
+                f"(n > 2f + 2); this federation samples {sampled}"
+            )
+        raise ConfigError(
+            f'server.f = {s.f} is too large for "{s.aggregator}" on {sampled}: it needs '
+            f"n > 2f + 2; the largest allowed is {largest_f(k)}"
+        )
+    if s.aggregator == "trimmed_mean" and s.trim >= trim_limit(k):
+        raise ConfigError(
+            f"server.trim = {s.trim} would cut every value on {sampled}; it must be below "
+            f"{trim_limit(k):.6g}"
+        )
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Checks that need no data: choices, ranges, algorithm hyperparameters, model family."""
+    validate_values(cfg)
+    validate_registry(cfg)
+
+
+def validate_values(cfg: ExperimentConfig) -> None:
+    """The config's own values (choices, ranges, types): nothing looked up in a registry, so
+    these run before any plugin is imported."""
     for section in SECTIONS:
         _check_magnitudes(section, getattr(cfg, section))
     for dotted, choices in CHOICES.items():
@@ -480,12 +537,6 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"model.feature_dim = {cfg.model.feature_dim} must be in [1, {MAX_FEATURE_DIM}]"
         )
-    pixels = d.synthetic_size * math.prod(d.synthetic_shape)
-    if d.dataset == "synthetic" and pixels > MAX_SYNTHETIC_BYTES:
-        raise ConfigError(
-            f"data.synthetic_size x data.synthetic_shape = {pixels} pixels is more than "
-            f"{MAX_SYNTHETIC_BYTES} (2 GiB of images)"
-        )
     if not 0 <= cfg.seed < 2**63:
         raise ConfigError(f"seed = {cfg.seed} must be in [0, 2**63)")
     if not 0.0 <= t.momentum < 1.0:
@@ -511,11 +562,25 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"data.synthetic_shape = {d.synthetic_shape} must be [C, H, W], each >= 1"
         )
+    need = synthetic_memory(d.synthetic_size, d.synthetic_classes, d.synthetic_shape)
+    if d.dataset == "synthetic" and need > MAX_SYNTHETIC_BYTES:
+        # the largest size that fits, by bisection (the need grows with the size)
+        lo, hi = 0, d.synthetic_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = synthetic_memory(mid, d.synthetic_classes, d.synthetic_shape)
+            lo, hi = (mid, hi) if fits <= MAX_SYNTHETIC_BYTES else (lo, mid - 1)
+        raise ConfigError(
+            f"data.synthetic_size = {d.synthetic_size} needs {need / 2**30:.1f} GiB to generate "
+            f"{d.synthetic_shape} images (at most {MAX_SYNTHETIC_BYTES / 2**30:g} GiB); the "
+            f"largest accepted size here is {lo}"
+        )
     if not 0 <= cfg.eval.holdout_clients < d.num_clients:
         raise ConfigError(
             f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "
             f"[0, data.num_clients - 1 = {d.num_clients - 1}] (at least one client trains)"
         )
+    _check_rule_fits_round(cfg)
     if sim.wandb and not _wandb_installed():
         raise ConfigError(
             f"sim.wandb = {sim.wandb!r} needs the wandb package: pip install 'fedmosaic[wandb]'"
@@ -533,6 +598,12 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f'sim.devices = {sim.devices!r} places worker processes: set sim.backend = "processes"'
         )
+
+
+def validate_registry(cfg: ExperimentConfig) -> None:
+    """The names looked up in the registries (algorithm and its hyperparameters, model family):
+    after the plugins that may register them are imported."""
+    d = cfg.data
     # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).
     from fedmosaic.algorithms import build_algorithm
     from fedmosaic.models import family_members

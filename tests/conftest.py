@@ -98,3 +98,32 @@ def run_until_round(cfg: Any, last: int, checkpoint_dir: Path, monkeypatch: Any)
         m.setattr(Checkpointer, "after_round", stop_after)
         with pytest.raises(_Stopped):
             run_experiment(cfg, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_every=1)
+
+
+def run_capped(code: str, headroom: int, timeout: float = 120) -> Any:
+    """Run ``code`` in a fresh interpreter whose address space is capped at ``headroom`` bytes
+    above what it holds after importing fedmosaic's data loaders (``RLIMIT_AS``): a regression
+    that allocates far too much fails with MemoryError instead of swapping the machine. The
+    child prints what it found; returns the ``subprocess.CompletedProcess``."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    prelude = textwrap.dedent(
+        """
+        import resource
+        import fedmosaic.data.datasets  # torch, numpy: the baseline
+        with open("/proc/self/status") as fh:
+            vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + {headroom}, resource.RLIM_INFINITY))
+        """
+    ).format(headroom=int(headroom))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

@@ -3,6 +3,7 @@ trained them, and ``load_run`` reloads a finished run's kept models from ``--sav
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from conftest import tiny_raw, write_toml
 
 import fedmosaic.api as fm
+from fedmosaic.checkpoint import CheckpointError
 from fedmosaic.cli import main
 from fedmosaic.federation import build_federation
 
@@ -75,3 +77,70 @@ def test_load_run_restores_the_kept_models(tmp_path: Path):
     (out / "final.safetensors").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="final.safetensors"):
         fm.load_run(out)
+
+
+@pytest.fixture(scope="module")
+def kept_run(tmp_path_factory) -> Path:
+    """A finished ``--save-models`` run folder of a tiny federation (copied by each test)."""
+    folder = tmp_path_factory.mktemp("kept")
+    raw = tiny_raw(data={"synthetic_shape": [1, 16, 16]}, train={"rounds": 1}, sim={"threads": 1})
+    raw["sim"]["check_wire"] = False
+    cfg = write_toml(folder / "c.toml", raw)
+    out = folder / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
+    return out
+
+
+def _with_plugin(kept_run: Path, tmp_path: Path, recompute_digest: bool) -> tuple[Path, Path]:
+    """A copy of ``kept_run`` whose stored config names a plugin that leaves a marker file when
+    imported; ``recompute_digest``: a consistent file, else an edited one (stale digest)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from fedmosaic import checkpoint as ck
+
+    out = tmp_path / "run"
+    shutil.copytree(kept_run, out)
+    marker = tmp_path / "plugin_ran"
+    plugin = tmp_path / "evil.py"
+    plugin.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    final = out / "final.safetensors"
+    loaded = ck.read_checkpoint(final)
+    with safe_open(str(final), framework="pt") as fh:
+        header = dict(fh.metadata())
+    meta = dict(loaded.meta)
+    meta["config"] = {**meta["config"], "plugins": [str(plugin)]}
+    header["meta"] = json.dumps(meta, allow_nan=True, separators=(",", ":"))
+    if recompute_digest:
+        header["digest"] = ck._digest(header["meta"], loaded.tensors)
+    save_file(loaded.tensors, str(final), metadata=header)
+    return out, marker
+
+
+def test_load_run_imports_no_plugin_without_consent(kept_run: Path, tmp_path: Path):
+    out, marker = _with_plugin(kept_run, tmp_path, recompute_digest=True)
+    with pytest.raises(CheckpointError, match=r"evil\.py.*trust_plugins=True"):
+        fm.load_run(out)
+    with pytest.raises(CheckpointError, match=r"evil\.py"):
+        fm.load_run(out, plugins=["other.py"])  # consent to another plugin is not consent
+    assert not marker.exists()
+    kept = fm.load_run(out, trust_plugins=True)
+    assert marker.exists() and kept.rounds_done == 1
+
+
+def test_load_run_with_the_plugin_named_by_the_caller(kept_run: Path, tmp_path: Path):
+    out, marker = _with_plugin(kept_run, tmp_path, recompute_digest=True)
+    assert fm.load_run(out, plugins=[str(tmp_path / "evil.py")]).rounds_done == 1
+    assert marker.exists()
+
+
+def test_load_run_checks_the_digest_before_it_imports_anything(kept_run: Path, tmp_path: Path):
+    out, marker = _with_plugin(kept_run, tmp_path, recompute_digest=False)
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        fm.load_run(out)
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        fm.load_run(out, trust_plugins=True)  # consent is no reason to trust an edited file
+    assert not marker.exists()

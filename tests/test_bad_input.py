@@ -134,7 +134,20 @@ def test_checkpoints_that_do_not_fit_are_refused_and_change_nothing(
         )
         tensors[key] = tensors[key].clone().fill_(float("nan"))
 
+    def huge(prefix):
+        def change(meta, tensors):
+            key = next(
+                k for k, v in tensors.items() if k.startswith(prefix) and v.is_floating_point()
+            )
+            tensors[key] = tensors[key].clone().fill_(1e30)
+
+        return change
+
     cases = {
+        "server state 5": lambda m, t: m.update(server_state=5),
+        "server state a list": lambda m, t: m.update(server_state={"t": "list", "items": []}),
+        "1e30 client weights": huge("client/"),
+        "1e30 server weights": huge("server/"),
         "round 999": lambda m, t: m.update(round=999),
         "round not a number": lambda m, t: m.update(round="x"),
         "history": lambda m, t: m["history"]["rounds"].pop(),
@@ -147,10 +160,14 @@ def test_checkpoints_that_do_not_fit_are_refused_and_change_nothing(
         change(meta, tensors)
         _write_unverified(ck, path, meta, tensors)
         capsys.readouterr()
+        forged = path.read_bytes()
         assert main(["run", str(cfg), "--out", str(out), "--quiet", "--resume"]) == 2, what
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "checkpoint" in err[0], (what, err)
+        if what.startswith(("server state", "1e30")):
+            assert str(path) in err[0], (what, err)
         assert (out / "rounds.csv").read_bytes() == rows, what  # nothing changed
+        assert path.read_bytes() == forged, what
         assert not (out / "results.json").exists()
 
 

@@ -243,3 +243,44 @@ def test_saved_models_extend_a_finished_run_as_if_it_had_run_longer(tmp_path: Pa
     rows = (out / "rounds.csv").read_text().strip().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
     assert ck.peek(final)["round"] == 4  # the kept state follows the extended run
+
+
+def test_a_forged_state_of_the_wrong_kind_is_refused_by_its_path():
+    tensors: dict[str, torch.Tensor] = {}
+    template = {"w": torch.zeros(2), "inner": Inner(torch.zeros(1), 0)}
+    tree = flatten_tree({"w": torch.ones(2), "inner": Inner(torch.ones(1), 3)}, tensors, "server")
+    assert restore_tree(tree, tensors, template)["inner"].steps == 3
+    for node in (5, None, "x", {"t": "list", "items": []}, {"t": "float", "v": "nan"}):
+        with pytest.raises(
+            CheckpointError, match=r"^state: the checkpoint has .* this run has a dict"
+        ):
+            restore_tree(node, tensors, template)
+    forged = json.loads(json.dumps(tree))
+    forged["items"][0][1] = 5  # a number where the run has a tensor
+    with pytest.raises(
+        CheckpointError, match=r"state\['w'\]: .*the value 5 where this run has a tensor"
+    ):
+        restore_tree(forged, tensors, template)
+    forged = json.loads(json.dumps(tree))
+    forged["items"][1][1]["fields"]["w"] = {"t": "dict", "items": []}
+    with pytest.raises(CheckpointError, match=r"state\['inner'\]\.w: .*a dict where .* a tensor"):
+        restore_tree(forged, tensors, template)
+
+
+@pytest.mark.parametrize("where", ["client/", "server/"])
+def test_a_forged_checkpoint_with_huge_weights_is_refused(tmp_path: Path, monkeypatch, where):
+    cfg = from_dict(tiny_raw(data=SMALL, train={"rounds": 2}, algorithm={"name": "fedavg"}))
+    run_until_round(cfg, 1, tmp_path, monkeypatch)
+    path = tmp_path / ck.FILENAME
+    loaded = ck.read_checkpoint(path)
+    key = next(
+        k for k, v in loaded.tensors.items() if k.startswith(where) and v.is_floating_point()
+    )
+    tensors = {**loaded.tensors, key: loaded.tensors[key].clone().fill_(1e30)}
+    meta_json = json.dumps(loaded.meta, allow_nan=True, separators=(",", ":"))
+    header = {"format": ck.FORMAT, "meta": meta_json, "digest": ck._digest(meta_json, tensors)}
+    save_file(tensors, str(path), metadata=header)  # digest recomputed: only the values lie
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match=f"{path}: tensor '{key}' holds 1e\\+30"):
+        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+    assert path.read_bytes() == before

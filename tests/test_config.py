@@ -70,3 +70,22 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[data\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load(bad)
+
+
+def test_synthetic_size_is_capped_by_the_memory_its_generation_needs():
+    from fedmosaic.config import MAX_SYNTHETIC_BYTES, synthetic_memory
+
+    shape = [1, 28, 28]
+    with pytest.raises(
+        ConfigError, match=r"data\.synthetic_size = 3000000 .* largest accepted"
+    ) as e:
+        from_dict(tiny_raw(data={"synthetic_size": 3_000_000, "synthetic_shape": shape}))
+    largest = int(str(e.value).rsplit(" ", 1)[1])
+    assert synthetic_memory(largest, 4, shape) <= MAX_SYNTHETIC_BYTES
+    assert synthetic_memory(largest + 1, 4, shape) > MAX_SYNTHETIC_BYTES
+    from_dict(tiny_raw(data={"synthetic_size": largest, "synthetic_shape": shape}))
+    with pytest.raises(ConfigError, match=f"largest accepted size here is {largest}"):
+        from_dict(tiny_raw(data={"synthetic_size": largest + 1, "synthetic_shape": shape}))
+    # One huge image: the generator's working set is one image, counted too.
+    with pytest.raises(ConfigError, match="largest accepted size here is 0"):
+        from_dict(tiny_raw(data={"synthetic_size": 10, "synthetic_shape": [1, 10000, 10000]}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -160,3 +161,41 @@ def test_installed_packages_register_through_entry_points(tmp_path: Path, monkey
     monkeypatch.setattr(config, "_entry_points_loaded", False)
     with pytest.raises(ConfigError, match="entry point fedmosaic.models:bad"):
         config.load_entry_points()
+
+
+def _marker_plugin(folder: Path) -> tuple[Path, Path]:
+    """A plugin file that leaves a marker file behind when it is imported (it runs code)."""
+    marker = folder / "plugin_ran"
+    plugin = folder / "evil.py"
+    plugin.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    return plugin, marker
+
+
+@pytest.mark.parametrize(
+    ("bad", "key"), [({"lr": math.nan}, "train.lr"), ({"rounds": -1}, "train.rounds")]
+)
+def test_a_plugin_is_not_imported_when_the_config_is_invalid(tmp_path: Path, bad, key):
+    plugin, marker = _marker_plugin(tmp_path)
+    raw = tiny_raw(train=bad)
+    raw["plugins"] = [str(plugin)]
+    with pytest.raises(ConfigError, match=key):
+        from_dict(raw)
+    assert not marker.exists()
+    raw["train"] = dict(tiny_raw()["train"])  # the same config, valid: now the plugin runs
+    from_dict(raw)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("bad", ["train.lr=nan", "train.rounds=-1"])
+def test_the_command_line_refuses_an_invalid_config_before_its_plugins(
+    tmp_path: Path, capsys, bad: str
+):
+    plugin, marker = _marker_plugin(tmp_path)
+    raw = tiny_raw()
+    raw["plugins"] = [str(plugin)]
+    cfg = write_toml(tmp_path / "c.toml", raw)
+    out = tmp_path / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--set", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and bad.split("=")[0] in err[0], err
+    assert not marker.exists() and not out.exists()

@@ -33,9 +33,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from fedmosaic.core.payload import PayloadError
 
 AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+log = logging.getLogger("fedmosaic")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,17 @@ class ServerView:
     rule: RobustRule = RobustRule()
     num_train: tuple[int, ...] | None = None  # training examples per client (the partition)
     class_counts: tuple[tuple[int, ...], ...] | None = None  # per client, per class
+    round_num: int = 0  # the round being screened and aggregated (0: outside the round loop)
+    # what was already said this round (a rule that does not fit is said once, not per class)
+    said: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+
+    def note(self, message: str) -> None:
+        """Log ``message`` once for this view (a round: a fresh view per round)."""
+        if message in self.said:
+            return
+        self.said.add(message)
+        where = f"round {self.round_num}: " if self.round_num else ""
+        log.warning("%s%s", where, message)
 
     def held(self, client_id: int) -> Tensor | None:
         """``[C]`` bool: the classes client ``client_id``'s partition holds (None: unknown)."""
@@ -157,6 +170,8 @@ def _krum_from_distances(d2: Tensor, f: int) -> Tensor:
     k = d2.shape[0]
     if k == 1:
         return torch.zeros(1, dtype=torch.float64)
+    # Fewer contributions than Krum needs (k <= 2f + 2: clients dropped, a class few clients
+    # hold): the scores use what there is, and the round says so (never silently).
     closest = min(max(1, k - f - 2), k - 1)
     others = d2 + torch.diag(torch.full((k,), math.inf, dtype=d2.dtype))  # not itself
     return others.sort(1).values[:, :closest].sum(1)
@@ -175,6 +190,39 @@ def trim_count(k: int, trim: float) -> int:
     return min(math.floor(trim * k + 1e-9), (k - 1) // 2)
 
 
+def largest_f(k: int) -> int:
+    """The largest ``f`` Krum and multi-Krum accept for ``k`` contributions (``k > 2f + 2``;
+    negative: none, fewer than 3 contributions)."""
+    return (k - 3) // 2
+
+
+def trim_limit(k: int) -> float:
+    """``trim`` must stay below this for ``k`` rows: ``floor(trim k)`` leaves at least one."""
+    return ((k - 1) // 2 + 1 - 1e-9) / k
+
+
+def _say_if_unfit(k: int, r: RobustRule) -> None:
+    """A rule that does not fit the ``k`` contributions in hand (fewer than planned) is applied
+    as well as it can be and said once per round; the federation keeps going."""
+    if r.aggregator in ("krum", "multi_krum") and r.f > largest_f(k):
+        closest = min(max(1, k - r.f - 2), k - 1)
+        kept = max(1, k - r.f) if r.aggregator == "multi_krum" else 1
+        done = (
+            f"scored each on its {closest} nearest other(s) and kept {kept}"
+            if k > 1
+            else "kept the only one"
+        )
+        current().note(
+            f"{r.aggregator} with server.f = {r.f} needs more than {2 * r.f + 2} contributions, "
+            f"got {k}: {done}"
+        )
+    elif r.aggregator == "trimmed_mean" and math.floor(r.trim * k + 1e-9) > (k - 1) // 2:
+        current().note(
+            f"trimmed_mean with server.trim = {r.trim} would cut every value of {k} "
+            f"contributions: cut {trim_count(k, r.trim)} at each end instead"
+        )
+
+
 def aggregate_rows(x: Tensor, w: Tensor, r: RobustRule, selected: Tensor | None = None) -> Tensor:
     """Aggregate ``x [K, ...]`` over its first dimension with weights ``w [K]`` under rule ``r``.
 
@@ -184,6 +232,8 @@ def aggregate_rows(x: Tensor, w: Tensor, r: RobustRule, selected: Tensor | None 
     x = x.to(torch.float64)
     w = w.to(torch.float64)
     k = x.shape[0]
+    if selected is None:
+        _say_if_unfit(k, r)
     if r.aggregator == "median":
         s = x.sort(0).values
         return s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
@@ -238,6 +288,7 @@ def average_states(
             sq += updates(key).flatten(1).pow(2).sum(1)
         scales = clip_scales(sq, r.clip_update_norm)
     selected = None
+    _say_if_unfit(k, r)
     if r.aggregator in ("krum", "multi_krum"):
         d2 = torch.zeros(k, k, dtype=torch.float64)
         for key in keys:

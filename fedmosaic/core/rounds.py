@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -297,6 +298,7 @@ def run_rounds(
     for t in range(start, plan.rounds + 1):
         last = t
         rec: dict[str, Any] = {"round": t}
+        round_view = dataclasses.replace(view, round_num=t)  # what it says names the round
         # Without held-out clients the pool is range(num_clients): the same draws as always.
         pool = plan.pool
         sampled = [pool[i] for i in sample_clients(spec.seed, t, len(pool), plan.clients_per_round)]
@@ -316,7 +318,7 @@ def run_rounds(
                     raise PayloadError(
                         f"claims {r.num_examples} training examples; its partition has {held}"
                     )
-                with robust.serving(view):
+                with robust.serving(round_view):
                     algo.validate_upload(state, r.upload, r.client_id)
             except PayloadError as exc:
                 log.warning("round %d: dropped the reply of client %d: %s", t, r.client_id, exc)
@@ -329,7 +331,7 @@ def run_rounds(
                 rec[k] = rec.get(k, 0) + v
         rec["aggregated"] = len(uploads) >= max(plan.min_replies, 1)
         if rec["aggregated"]:
-            with robust.serving(view):
+            with robust.serving(round_view):
                 new_state = algo.aggregate(state, uploads, t)
             if robust.all_finite(new_state):
                 state = new_state

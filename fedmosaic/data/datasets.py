@@ -22,13 +22,14 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedmosaic.config import DataConfig
+from fedmosaic.config import CHUNK_PIXELS, STATS_DIRECT_PIXELS, DataConfig
 from fedmosaic.core.errors import DatasetError
 from fedmosaic.core.registry import DATASETS
 from fedmosaic.data import _download
@@ -206,54 +207,79 @@ def _stamp(paths: Sequence[Path]) -> tuple[tuple[str, int, int], ...]:
 # ----------------------------------------------------------------------------- IDX
 
 
-def _read_bytes(path: Path) -> bytes:
-    """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic."""
+def _read_bytes(path: Path, stated: Callable[[bytes], int | None] | None = None) -> bytes:
+    """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic
+    (``stated``: the size the first decompressed bytes declare, see :func:`_gunzip_bounded`)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read file: {exc}") from exc
     if path.suffix == ".gz" or raw[:2] == b"\x1f\x8b":
-        return _gunzip_bounded(path, raw)
+        return _gunzip_bounded(path, raw, stated=stated)
     return raw
 
 
 MAX_DECOMPRESSED = 2**31  # no dataset file here decompresses to 2 GiB (EMNIST byclass: ~0.6 GB)
+_GZ_IN = 1 << 20  # compressed bytes fed at a time: zlib copies the unconsumed input per call
+_GZ_OUT = 1 << 24  # decompressed bytes asked for at a time
 
 
-def _gunzip_bounded(path: Path, raw: bytes, limit: int | None = None) -> bytes:
-    """gunzip in chunks, refusing output beyond ``limit`` bytes (default ``MAX_DECOMPRESSED``,
-    read at call time) (a gzip bomb stops there, before it is all in memory)."""
+def _gunzip_bounded(
+    path: Path,
+    raw: bytes,
+    limit: int | None = None,
+    stated: Callable[[bytes], int | None] | None = None,
+) -> bytes:
+    """gunzip in chunks, never holding more than ``limit`` + 1 output bytes (default
+    ``MAX_DECOMPRESSED``, read at call time): a gzip bomb stops there, before it is in memory.
+
+    ``stated(head)``: the total size the output's first bytes declare (an IDX header), or None
+    while they are too few; output beyond it is refused as soon as it appears, so a small header
+    in front of a bomb costs one chunk, not ``limit`` bytes of decompression."""
     limit = MAX_DECOMPRESSED if limit is None else limit
+    cap, declared = limit, False
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     out = bytearray()
-    data = raw
+    pos, pending = 0, b""
     try:
-        while data:
-            out += d.decompress(data, 1 << 24)
-            if len(out) > limit:
+        while True:
+            if not pending and pos < len(raw):
+                pending, pos = raw[pos : pos + _GZ_IN], pos + _GZ_IN
+            # cap + 1: one byte past the cap tells a file that is too long from one that fits
+            chunk = d.decompress(pending, min(_GZ_OUT, cap + 1 - len(out)))
+            pending = d.unconsumed_tail
+            out += chunk
+            if stated is not None and not declared:
+                size = stated(bytes(out[:4096]))
+                if size is not None:
+                    cap, declared = min(cap, size), True
+            if len(out) > cap:
+                if declared and cap < limit:
+                    raise DatasetError(
+                        f"{path}: decompresses to more than the {cap} bytes its header states; "
+                        "not a dataset file"
+                    )
                 raise DatasetError(
                     f"{path}: decompresses to more than {limit} bytes; not a dataset file"
                 )
-            data = d.unconsumed_tail
-            if not data and d.eof and d.unused_data:  # a multi-member gzip: next member
-                data, d = d.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
-        if not d.eof:
-            raise zlib.error("incomplete gzip stream")
+            if d.eof:
+                rest = d.unused_data + pending
+                if not rest and pos >= len(raw):
+                    break
+                # a multi-member gzip: the next member (trailing junk fails as corrupt)
+                d, pending = zlib.decompressobj(16 + zlib.MAX_WBITS), rest
+            elif not chunk and not pending and pos >= len(raw):
+                raise zlib.error("incomplete gzip stream")
     except (zlib.error, EOFError) as exc:
         raise DatasetError(f"{path}: corrupt gzip file ({exc}); delete it and re-fetch") from exc
     return bytes(out)
 
 
-def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
-    """Read an IDX file (``*-idx3-ubyte``, ``*-idx1-ubyte``, optionally gzipped) as uint8.
-
-    Header: magic ``00 00 <dtype> <ndim>`` then ``ndim`` big-endian uint32 sizes, then the data.
-    Only dtype 0x08 (unsigned byte) is accepted; ``ndim`` (if given) must match.
-    """
-    path = Path(path)
-    raw = _read_bytes(path)
+def _idx_header(path: Path, raw: bytes, ndim: int | None) -> tuple[int, tuple[int, ...]] | None:
+    """An IDX file's header length and dimensions from its first bytes; None while they are too
+    few to hold it; a DatasetError naming ``path`` for a header that is not IDX."""
     if len(raw) < 4:
-        raise DatasetError(f"{path}: truncated IDX file: {len(raw)} bytes, no 4-byte magic number")
+        return None
     magic = raw[:4].hex()
     if raw[0] != 0 or raw[1] != 0:
         raise DatasetError(f"{path}: not an IDX file (magic number 0x{magic}, expected 0x0000....)")
@@ -270,10 +296,32 @@ def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
         )
     header = 4 + 4 * nd
     if len(raw) < header:
+        return None
+    return header, struct.unpack(f">{nd}I", raw[4:header])
+
+
+def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
+    """Read an IDX file (``*-idx3-ubyte``, ``*-idx1-ubyte``, optionally gzipped) as uint8.
+
+    Header: magic ``00 00 <dtype> <ndim>`` then ``ndim`` big-endian uint32 sizes, then the data.
+    Only dtype 0x08 (unsigned byte) is accepted; ``ndim`` (if given) must match.
+    """
+    path = Path(path)
+
+    def stated(head: bytes) -> int | None:
+        found = _idx_header(path, head, ndim)
+        return None if found is None else found[0] + math.prod(found[1])
+
+    raw = _read_bytes(path, stated)
+    if len(raw) < 4:
+        raise DatasetError(f"{path}: truncated IDX file: {len(raw)} bytes, no 4-byte magic number")
+    found = _idx_header(path, raw, ndim)
+    if found is None:
+        header = 4 + 4 * raw[3]
         raise DatasetError(
             f"{path}: truncated IDX file: expected at least {header} header bytes, found {len(raw)}"
         )
-    dims = struct.unpack(f">{nd}I", raw[4:header])
+    header, dims = found
     expected = header + math.prod(dims)
     if len(raw) != expected:
         what = "truncated IDX file" if len(raw) < expected else "IDX file has trailing bytes"
@@ -463,6 +511,89 @@ def _check_pickle_shape(path: Path, raw: bytes) -> None:
         raise DatasetError(f"{path}: corrupt or unsupported pickle ({exc}); re-fetch it") from exc
 
 
+# What a CIFAR file can hold: at most 50,000 images (CIFAR-100's train file), each 3072 bytes of
+# one uint8 array and, in lists, a label, a coarse label and a file name. A pickle reaching more
+# (shared references counted as often as they are reached, as np.asarray would materialize them)
+# is refused: 20 references of a list to one list, 10 levels deep, is 235 bytes and 10^10 leaves.
+CIFAR_MAX_IMAGES = 50_000
+MAX_PICKLE_OBJECTS = 20 * 3 * CIFAR_MAX_IMAGES  # Python objects reached through containers
+MAX_PICKLE_ELEMENTS = 2 * CIFAR_MAX_IMAGES * 3 * 32 * 32  # array elements reached
+
+
+_PICKLE_LEAVES = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _pickle_children(x: Any) -> list[Any] | None:
+    """What ``x`` holds, if it is a container (an object array is one); None for a leaf."""
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return list(x)
+    if isinstance(x, np.ndarray) and x.dtype.hasobject:
+        return list(x.ravel())
+    return None
+
+
+def _pickle_weight(x: Any) -> tuple[int, int]:
+    """(objects, array elements) of ``x`` itself, without what it holds."""
+    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+        return 1, int(x.size)
+    return 1, 0
+
+
+def _check_pickle_size(path: Path, obj: Any) -> None:
+    """Refuse an unpickled object that reaches more than ``MAX_PICKLE_OBJECTS`` objects or
+    ``MAX_PICKLE_ELEMENTS`` array elements, counting every reference to a shared container
+    (memoized by id, so each distinct object is walked once: the file's size bounds the walk),
+    or that contains itself. Iterative: memo references can nest deeper than the C stack."""
+    kids = _pickle_children(obj)
+    if kids is None:
+        return
+    done: dict[int, tuple[int, int]] = {}  # id -> (objects, array elements) it reaches
+    active = {id(obj)}  # on the walk's path: reached again = a cycle
+    keep = [obj]  # pins walked objects so no id() is reused while the walk runs
+    # frames: [container, its children, next child, objects, elements]
+    stack: list[list[Any]] = [[obj, kids, 0, *_pickle_weight(obj)]]
+    while stack:
+        frame = stack[-1]
+        x, kids, i = frame[0], frame[1], frame[2]
+        child = None
+        while i < len(kids):
+            kid, i = kids[i], i + 1
+            if type(kid) in _PICKLE_LEAVES:
+                frame[3] += 1
+                continue
+            if id(kid) in done:
+                o, e = done[id(kid)]
+            elif (sub := _pickle_children(kid)) is None:
+                o, e = _pickle_weight(kid)
+            elif id(kid) in active:
+                raise DatasetError(f"{path}: pickle contains itself; not a dataset file")
+            else:
+                child = [kid, sub, 0, *_pickle_weight(kid)]
+                break
+            frame[3], frame[4] = frame[3] + o, frame[4] + e
+        frame[2] = i
+        if child is not None:
+            active.add(id(child[0]))
+            keep.append(child[0])
+            stack.append(child)
+            continue
+        objects, elements = frame[3], frame[4]
+        if objects > MAX_PICKLE_OBJECTS or elements > MAX_PICKLE_ELEMENTS:
+            raise DatasetError(
+                f"{path}: pickle reaches more than {MAX_PICKLE_OBJECTS} objects or "
+                f"{MAX_PICKLE_ELEMENTS} array elements (shared references counted); not a "
+                "dataset file"
+            )
+        done[id(x)] = (objects, elements)
+        active.discard(id(x))
+        stack.pop()
+        if stack:
+            stack[-1][3] += objects
+            stack[-1][4] += elements
+
+
 def load_pickle(path: Path) -> Any:
     """Unpickle a dataset file with the restricted unpickler; any failure names the file."""
     try:
@@ -472,11 +603,15 @@ def load_pickle(path: Path) -> Any:
     _check_pickle_shape(path, raw)
     try:
         # encoding="bytes": the original CIFAR files are Python 2 pickles with byte-string keys.
-        return _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # any unpickling failure means a corrupt or foreign file
         raise DatasetError(
             f"{path}: corrupt or unsupported pickle ({type(exc).__name__}: {exc}); re-fetch it"
         ) from exc
+    # The objects unpickled are bounded by the file's size; what they reach through shared
+    # references is not, and np.asarray would build all of it.
+    _check_pickle_size(path, obj)
+    return obj
 
 
 def _cifar_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -667,11 +802,45 @@ def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
 # ----------------------------------------------------------------------------- in-memory datasets
 
 
+# Up to STATS_DIRECT_PIXELS the statistics are computed as they always were (their float64
+# rounding kept, peak ~16 bytes a pixel); above it from exact per-channel byte histograms, a
+# chunk of images at a time, so a large dataset costs no float64 copy of itself. A chunk is
+# _CHUNK_PIXELS pixels (~32 MiB of float64); config.synthetic_memory counts both.
+_CHUNK_PIXELS = CHUNK_PIXELS
+
+
 def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean/std of uint8 images [N, C, H, W], in [0, 1] units."""
+    if images.numel() > STATS_DIRECT_PIXELS:
+        return _channel_stats_bounded(images)
     x = images.to(torch.float64).div(255).transpose(0, 1).reshape(images.shape[1], -1)
     std = x.std(dim=1).clamp_min(1e-6)
     return tuple(x.mean(dim=1).tolist()), tuple(std.tolist())
+
+
+def _channel_stats_bounded(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """:func:`_channel_stats` from byte counts: exact sums, one rounding, bounded memory."""
+    n, c = int(images.shape[0]), int(images.shape[1])
+    per_image = max(1, math.prod(images.shape[1:]))
+    rows = max(1, _CHUNK_PIXELS // per_image)
+    counts = np.zeros((c, 256), dtype=np.int64)
+    for start in range(0, n, rows):
+        chunk = images[start : start + rows].numpy()
+        for ch in range(c):
+            counts[ch] += np.bincount(chunk[:, ch].ravel(), minlength=256)
+    means, stds = [], []
+    for ch in range(c):
+        cnt = [int(k) for k in counts[ch]]  # Python ints: the sums below are exact
+        m = sum(cnt)
+        total = sum(v * k for v, k in enumerate(cnt))
+        squares = sum(v * v * k for v, k in enumerate(cnt))
+        means.append(total / (255 * m))  # int / int: correctly rounded
+        if m < 2:  # as torch's unbiased std of one value
+            stds.append(math.nan)
+            continue
+        var = Fraction(m * squares - total * total, m * (m - 1) * 255 * 255)
+        stds.append(max(math.sqrt(var), 1e-6))
+    return tuple(means), tuple(stds)
 
 
 @DATASETS.register("digits")
@@ -702,11 +871,17 @@ def _synthetic(
     # per pixel but are easy to tell apart from the whole image: any model can learn them.
     gh, gw = min(h, 4), min(w, 4)
     coarse = rng.uniform(0.15, 0.85, size=(num_classes, c, gh, gw))
-    protos = coarse.repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
     labels = rng.permutation(np.arange(size) % num_classes)  # balanced classes, shuffled
-    noise = rng.normal(0.0, 0.2, size=(size, c, h, w))
-    x = np.clip(protos[labels] + noise, 0.0, 1.0)
-    images = np.rint(x * 255).astype(np.uint8)  # [N, C, H, W]
+    # A chunk of images at a time: the float64 noise (the numbers as one draw would give them:
+    # the generator's stream does not depend on how it is split) is never held for all images.
+    images = np.empty((size, c, h, w), dtype=np.uint8)  # [N, C, H, W]
+    rows = max(1, _CHUNK_PIXELS // (c * h * w))
+    for start in range(0, size, rows):
+        lab = labels[start : start + rows]
+        protos = coarse[lab].repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
+        noise = rng.normal(0.0, 0.2, size=(len(lab), c, h, w))
+        x = np.clip(protos + noise, 0.0, 1.0)
+        images[start : start + len(lab)] = np.rint(x * 255).astype(np.uint8)
     return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
 
 

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, RecordDict
 
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.payload import Payload, PayloadError
-from fedmosaic.flower.codec import payload_to_records
+from fedmosaic.flower.codec import ARRAYS, SCALARS, payload_to_records
 
 HEADER = "fedmosaic"
 COUNTS = "counts"
@@ -56,6 +56,33 @@ def header(content: RecordDict) -> dict[str, Any]:
     if head.get("protocol") != PROTOCOL:
         raise PayloadError(f"unsupported fedmosaic protocol {head.get('protocol')!r}")
     return head
+
+
+# The records each reply carries, by message type and record kind (arrays, configs, metrics);
+# anything else in a reply is refused: nothing a client sends is ignored unseen.
+REPLY_RECORDS: dict[str, dict[str, frozenset[str]]] = {
+    HELLO: {"configs": frozenset({HEADER})},
+    FIT: {"arrays": frozenset({ARRAYS}), "configs": frozenset({HEADER, SCALARS})},
+    EVALUATE: {"configs": frozenset({HEADER, COUNTS})},
+    FINETUNE: {"configs": frozenset({HEADER})},
+}
+
+
+def check_reply_records(content: RecordDict, kind: str) -> None:
+    """Refuse a ``kind`` reply carrying a record the protocol does not expect there."""
+    expected = REPLY_RECORDS[kind]
+    groups = {
+        "arrays": content.array_records,
+        "configs": content.config_records,
+        "metrics": content.metric_records,
+    }
+    for group, records in groups.items():
+        extra = sorted(set(records) - expected.get(group, frozenset()))
+        if extra:
+            raise PayloadError(
+                f"unexpected {group} record(s) {extra} in a {kind!r} reply (expected: "
+                f"{sorted(expected.get(group, ())) or 'none'})"
+            )
 
 
 def int_field(head: Mapping[str, Any], key: str) -> int:

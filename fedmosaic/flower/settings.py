@@ -21,7 +21,7 @@ RUN_CONFIG: dict[str, tuple[Any, str]] = {
     "min-replies": (1, "fewer valid training replies than this: the round is skipped"),
     "min-nodes": (0, "SuperNodes to wait for before round 1 (0 = one per client)"),
     "connect-timeout": (600.0, "seconds to wait for min-nodes SuperNodes"),
-    "max-reply-mb": (256.0, "replies with more array data than this are rejected"),
+    "max-reply-mb": (256.0, "replies with more data than this (all records) are rejected"),
     "node-partitions": (
         "",
         'allow-list "NODE=PARTITION ..." (SuperNode ids as the SuperLink assigns them to '
@@ -60,13 +60,19 @@ class FlowerOptions:
                 raise ConfigError(f"run config {key} = {value!r} must be an integer >= {low}")
             return int(value)
 
+        max_reply = int(num("max-reply-mb", 1e6) * (1 << 20))
+        if max_reply < 1:  # a cap of no bytes rejects every reply: every round skipped
+            raise ConfigError(
+                f"run config max-reply-mb = {rc.get('max-reply-mb')!r} must be > 0 (at least "
+                "one byte)"
+            )
         return cls(
             round_timeout=num("round-timeout"),
             eval_timeout=num("eval-timeout"),
             min_replies=count("min-replies", 1),
             min_nodes=count("min-nodes"),
             connect_timeout=num("connect-timeout"),
-            max_reply_bytes=int(num("max-reply-mb", 1e6) * (1 << 20)),
+            max_reply_bytes=max_reply,
             results_dir=str(rc.get("results-dir", "")),
             node_partitions=parse_node_partitions(rc.get("node-partitions", "")),
         )

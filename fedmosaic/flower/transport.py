@@ -5,10 +5,12 @@ map comes from a ``query`` handshake (each SuperNode answers with its ``partitio
 config). A declared partition is only a claim: with the ``node-partitions`` allow-list a node
 serves only the partition listed for its (authenticated) node id; without it the first claimant
 keeps the partition and later ones are refused with a log line (never silently preferred).
-A reply whose source node is not the node its message went to is dropped with a log line. Replies are decoded and validated here (header, payload type, byte cap, array kinds,
-dtypes and shapes as declared, finite values, the client's known example count); a reply that
-fails, arrives late, or never arrives becomes a :class:`FitResult` with ``error`` set, which the
-round loop drops with a log line naming the client. Nothing here raises on a bad reply.
+A reply whose source node is not the node its message went to is dropped with a log line.
+Replies are decoded and validated here (header, the records expected and no others, payload
+type, byte cap over every record, array kinds, dtypes and shapes as declared, finite values, the
+client's known example count); a reply that fails, arrives late, or never arrives becomes a
+:class:`FitResult` with ``error`` set, which the round loop drops with a log line naming the
+client. Nothing here raises on a bad reply.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ TTL_MARGIN = 10.0  # seconds a message outlives the wait for its reply
 
 
 def content_bytes(content: RecordDict) -> int:
-    """Array bytes plus config bytes of a message's records (cheap: nothing is serialized)."""
+    """Bytes of every record of a message: array data plus config and metric records (cheap:
+    nothing is serialized). Every kind counts, so no record can smuggle data past the cap."""
     total = sum(len(a.data) for rec in content.array_records.values() for a in rec.values())
-    return total + sum(rec.count_bytes() for rec in content.config_records.values())
+    total += sum(rec.count_bytes() for rec in content.config_records.values())
+    return total + sum(rec.count_bytes() for rec in content.metric_records.values())
 
 
 def _reason(reply: Message) -> str:
@@ -143,6 +147,7 @@ class GridTransport:
         try:
             if reply.has_error():
                 raise PayloadError(_reason(reply))
+            m.check_reply_records(reply.content, m.HELLO)
             head = m.header(reply.content)
             pid, total = m.int_field(head, "partition-id"), m.int_field(head, "num-partitions")
             if total != self.num_clients or not 0 <= pid < total:
@@ -259,10 +264,11 @@ class GridTransport:
     def _note(self, round_num: int, key: str, value: Any) -> None:
         self.rounds.setdefault(round_num, {"round": round_num})[key] = value
 
-    def _check_reply(self, cid: int, reply: Message) -> dict[str, Any]:
+    def _check_reply(self, cid: int, reply: Message, kind: str) -> dict[str, Any]:
         size = content_bytes(reply.content)
         if size > self.options.max_reply_bytes:
             raise PayloadError(f"{size} bytes exceeds the cap of {self.options.max_reply_bytes}")
+        m.check_reply_records(reply.content, kind)
         head = m.header(reply.content)
         claimed = m.int_field(head, "client-id")
         if claimed != cid:
@@ -295,7 +301,7 @@ class GridTransport:
     def _fit_result(self, cid: int, reply: Message, down: int) -> FitResult:
         up = 0
         try:
-            head = self._check_reply(cid, reply)
+            head = self._check_reply(cid, reply, m.FIT)
             up = wire_size(reply.content)
             m.check_payload_type(head, self.algo.Upload)
             n = m.int_field(head, "num-examples")
@@ -328,7 +334,7 @@ class GridTransport:
             if reply is None:
                 continue
             try:
-                self._check_reply(cid, reply)
+                self._check_reply(cid, reply, m.EVALUATE)
                 counts_rec = reply.content.config_records.get(m.COUNTS)
                 if counts_rec is None:
                     raise PayloadError("no counts")
@@ -359,7 +365,12 @@ class GridTransport:
             cid: m.payload_message(msg, **{"client-id": cid, "phases": spec})
             for cid, msg in messages.items()
         }
-        _, failures, _ = self._send(m.FINETUNE, 0, contents, self.options.eval_timeout)
+        replies, failures, _ = self._send(m.FINETUNE, 0, contents, self.options.eval_timeout)
+        for cid, reply in replies.items():
+            try:
+                self._check_reply(cid, reply, m.FINETUNE)
+            except PayloadError as exc:
+                failures[cid] = f"SuperNode {self.node_of.get(cid)}: invalid reply: {exc}"
         for cid, reason in sorted(failures.items()):
             log.warning("fine-tuning: client %d: %s", cid, reason)
         self._note(0, "finetune_failures", dict(sorted(failures.items())))

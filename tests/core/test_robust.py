@@ -213,3 +213,91 @@ def test_server_table_reaches_the_rule():
     cfg = from_dict({"server": {"aggregator": "multi_krum", "f": 2, "clip_update_norm": 3}})
     assert cfg.server == RobustRule("multi_krum", f=2, clip_update_norm=3.0)
     assert from_dict({}).server.plain
+
+
+# ---- a rule that does not fit the round: refused at config time, said at aggregation time ----
+
+
+@pytest.mark.parametrize(
+    ("server", "sizes", "message"),
+    [
+        ({"aggregator": "krum", "f": 1}, {}, 'server.f = 1 .* "krum" on 4 clients.* is 0'),
+        ({"aggregator": "multi_krum", "f": 4}, {}, "server.f = 4 .*largest allowed is 0"),
+        (
+            {"aggregator": "multi_krum", "f": 4},
+            {"num_clients": 20, "participation": 0.5},  # 10 a round
+            "server.f = 4 .* 10 clients per round.*largest allowed is 3",
+        ),
+        ({"aggregator": "krum", "f": 0}, {"clients_per_round": 2}, "needs at least 3 clients"),
+        (
+            {"aggregator": "trimmed_mean", "trim": 0.4999999999},
+            {"clients_per_round": 2},
+            "server.trim = 0.4999999999 would cut every value .* below 0.5",
+        ),
+    ],
+)
+def test_a_rule_too_large_for_the_round_is_a_config_error(server, sizes, message):
+    from conftest import tiny_raw
+
+    data = {k: v for k, v in sizes.items() if k == "num_clients"}
+    train = {k: v for k, v in sizes.items() if k != "num_clients"}
+    with pytest.raises(ConfigError, match=message) as info:
+        from_dict(tiny_raw(server=server, data=data, train=train))
+    assert "\n" not in str(info.value)
+
+
+def test_the_largest_allowed_values_are_accepted():
+    from conftest import tiny_raw
+
+    from_dict(tiny_raw(server={"aggregator": "multi_krum", "f": 0}))  # 4 clients: f <= 0
+    from_dict(tiny_raw(server={"aggregator": "krum", "f": 1}, data={"num_clients": 5}))
+    from_dict(tiny_raw(server={"aggregator": "trimmed_mean", "trim": 0.49}))
+
+
+def test_fewer_contributions_than_the_rule_needs_are_said_once_per_round(caplog):
+    r = RobustRule("multi_krum", f=1)
+    clamped = robust.aggregate_rows(X[:4], ONES[:4], r)  # 4 <= 2f + 2: what it did before
+    with caplog.at_level("WARNING", logger="fedmosaic"), robust.serving(ServerView(r, round_num=3)):
+        got = robust.aggregate_rows(X[:4], ONES[:4], r)
+        robust.aggregate_rows(X[:4], ONES[:4], r)
+        robust.aggregate_rows(X, ONES, r)  # 5 > 4: fits, nothing said
+    assert torch.equal(got, clamped)
+    said = [rec.getMessage() for rec in caplog.records]
+    assert said == [
+        "round 3: multi_krum with server.f = 1 needs more than 4 contributions, got 4: scored "
+        "each on its 1 nearest other(s) and kept 3"
+    ]
+
+
+def test_a_round_with_dropped_clients_keeps_going_and_says_what_it_did(caplog):
+    from conftest import tiny_raw
+
+    from fedmosaic.core.rounds import run_rounds
+    from fedmosaic.federation import build_federation
+    from fedmosaic.sim.simulator import SimTransport
+
+    class Dropping(SimTransport):
+        def fit(self, round_num, messages):
+            out = super().fit(round_num, messages)
+            out[0].error, out[0].upload = "gone", None  # client 0 never answers
+            return out
+
+    raw = tiny_raw(
+        data={"num_clients": 5, "synthetic_shape": [1, 16, 16]},
+        server={"aggregator": "multi_krum", "f": 1},
+        sim={"check_wire": False},
+    )
+    fed = build_federation(from_dict(raw))
+    transport = Dropping(
+        fed.algo, fed.models, fed.extras, fed.clients, fed.settings, fed.cfg.seed,
+        fed.cfg.train.local_epochs,
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="fedmosaic"):
+        history, _ = run_rounds(fed.algo, fed.spec, transport, fed.plan)
+    assert [r["aggregated"] for r in history.rounds] == [True, True]
+    for t in (1, 2):
+        assert (
+            f"round {t}: multi_krum with server.f = 1 needs more than 4 contributions, got 4"
+            in (caplog.text)
+        )
+        assert caplog.text.count(f"round {t}: multi_krum with server.f = 1") == 1

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_capped
 from dataset_files import idx_bytes, isolate_search, write_cifar, write_idx, write_mnist, write_tiny
 
 from fedmosaic.config import DataConfig
@@ -210,3 +212,88 @@ def test_tiny_imagenet_annotations_cannot_point_outside_the_root(tmp_path: Path)
     ann.write_text("\n".join(lines) + "\n")
     with pytest.raises(DatasetError, match="outside"):
         load_dataset(DataConfig(dataset="tinyimagenet", root=str(root)), 0)
+
+
+@pytest.fixture(scope="module")
+def gigabyte_of_zeros() -> bytes:
+    """1 GiB of zeros as one gzip member (~4.7 MB), compressed a chunk at a time."""
+    c = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 24)
+    return b"".join([*(c.compress(zeros) for _ in range(64)), c.flush()])
+
+
+@pytest.mark.parametrize("header", ["idx-header", "no-header"])
+def test_a_gzip_bomb_is_refused_by_name_within_two_seconds(
+    tmp_path: Path, gigabyte_of_zeros: bytes, header: str
+) -> None:
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    # A valid header (10 images of 28x28) as its own gzip member in front of the zeros.
+    dims = b"".join(n.to_bytes(4, "big") for n in (10, 28, 28))
+    head = gzip.compress(bytes([0, 0, 8, 3]) + dims) if header == "idx-header" else b""
+    bomb.write_bytes(head + gigabyte_of_zeros)
+    result = run_capped(
+        f"""
+        import time
+        from fedmosaic.data import DatasetError, read_idx
+        start = time.perf_counter()
+        try:
+            read_idx({str(bomb)!r})
+        except DatasetError as exc:
+            print("refused", time.perf_counter() - start, exc)
+        """,
+        headroom=512 << 20,  # the old reader held the whole GiB
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    verdict, seconds, message = result.stdout.strip().split(" ", 2)
+    assert verdict == "refused" and str(bomb) in message, result.stdout
+    assert float(seconds) < 2.0, result.stdout
+
+
+def _shared_reference_pickle(levels: int = 10, fanout: int = 10) -> bytes:
+    """A CIFAR batch dict whose labels are ``levels`` nested lists, each of ``fanout`` references
+    to the list below (memo ops: BINPUT/BINGET): fanout**levels leaves in a few hundred bytes."""
+    ops = b"](" + b"K\x01" * fanout + b"eq\xc8"  # level 0: [1] * fanout, memo 200
+    for level in range(1, levels):  # pop the level below (it stays in the memo), refer to it
+        below, here = bytes([199 + level]), bytes([200 + level])
+        ops += b"0](" + b"h" + below + (b"h" + below) * (fanout - 1) + b"eq" + here
+    data = np.zeros((1, 3072), dtype=np.uint8)
+    body = pickle.dumps({b"batch_label": b"x", b"data": data, b"labels": None}, protocol=2)
+    assert body.startswith(b"\x80\x02") and body.endswith(b"Nu.")  # labels: None, last
+    top = bytes([200 + levels - 1])
+    return b"\x80\x02" + ops + b"0" + body[2:-3] + b"h" + top + b"u."
+
+
+def test_the_pickle_walk_counts_shared_references() -> None:
+    small = pickle.loads(_shared_reference_pickle(levels=3, fanout=4))
+    assert np.asarray(small[b"labels"]).shape == (4, 4, 4)  # the builder builds what it says
+    from fedmosaic.data import datasets
+
+    datasets._check_pickle_size(Path("x"), small)  # 64 leaves: fine
+    looped: list = [1]
+    looped.append(looped)
+    with pytest.raises(DatasetError, match="contains itself"):
+        datasets._check_pickle_size(Path("x"), looped)
+
+
+def test_a_pickle_of_shared_references_is_refused_by_name_in_milliseconds(tmp_path: Path) -> None:
+    root = tmp_path / "cifar"
+    write_cifar(root, "cifar10")
+    bomb = root / "data_batch_1"
+    bomb.write_bytes(_shared_reference_pickle())  # 10^10 labels once materialized
+    result = run_capped(
+        f"""
+        import time
+        from fedmosaic.config import DataConfig
+        from fedmosaic.data import DatasetError, load_dataset
+        start = time.perf_counter()
+        try:
+            load_dataset(DataConfig(dataset="cifar10", root={str(root)!r}), 0)
+        except DatasetError as exc:
+            print("refused", time.perf_counter() - start, exc)
+        """,
+        headroom=2 << 30,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    verdict, seconds, message = result.stdout.strip().split(" ", 2)
+    assert verdict == "refused" and str(bomb) in message and "shared references" in message
+    assert float(seconds) < 0.5, result.stdout

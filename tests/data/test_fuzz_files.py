@@ -42,7 +42,9 @@ def _gzip_bomb(tmp_path: Path, monkeypatch) -> tuple[str, Path, str]:
 
     root = _mnist_root(tmp_path)
     (root / "train-images-idx3-ubyte").unlink()
-    (root / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(b"\0" * (4 << 20)))
+    # A header stating a real MNIST size (47 MB) in front of the bomb: the limit stops it.
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (60000, 28, 28))
+    (root / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(header + b"\0" * (4 << 20)))
     monkeypatch.setattr(datasets, "MAX_DECOMPRESSED", 1 << 20)  # the real limit, scaled down
     return "mnist", root, "decompresses to more than"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_capped
 from dataset_files import (
     isolate_search,
     write_cifar,
@@ -193,6 +194,54 @@ def test_synthetic_deterministic_and_learnable() -> None:
     means = torch.stack([x[:300][y[:300] == c].mean(0) for c in range(6)])
     pred = torch.cdist(x[300:], means).argmin(1)
     assert (pred == y[300:]).float().mean() > 0.9
+
+
+def _old_synthetic(seed: int, size: int, classes: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """The generator as it was before it worked in chunks: one float64 draw for every pixel."""
+    rng = np.random.default_rng([seed % 2**64, 0x5EED])
+    c, h, w = shape
+    gh, gw = min(h, 4), min(w, 4)
+    coarse = rng.uniform(0.15, 0.85, size=(classes, c, gh, gw))
+    protos = coarse.repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]
+    labels = rng.permutation(np.arange(size) % classes)
+    noise = rng.normal(0.0, 0.2, size=(size, c, h, w))
+    return np.rint(np.clip(protos[labels] + noise, 0.0, 1.0) * 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize(
+    "args", [(0, 240, 4, (1, 28, 28)), (7, 12_000, 10, (3, 5, 7)), (2, 9000, 100, (3, 32, 32))]
+)
+def test_synthetic_images_are_bitwise_the_same_in_chunks(args) -> None:
+    from fedmosaic.data import datasets
+
+    datasets.clear_cache()
+    images, _ = datasets._synthetic(*args)
+    assert np.array_equal(images.numpy(), _old_synthetic(*args))  # several chunks, same bits
+
+
+def test_channel_stats_of_a_large_dataset_in_bounded_memory() -> None:
+    from fedmosaic.data import datasets
+
+    images = datasets._synthetic(1, 6000, 10, (3, 16, 16))[0]
+    direct = datasets._channel_stats(images)  # small enough: the float64 computation
+    bounded = datasets._channel_stats_bounded(images)  # exact sums: equal to ~1e-12
+    for a, b in zip([*direct[0], *direct[1]], [*bounded[0], *bounded[1]], strict=True):
+        assert b == pytest.approx(a, rel=1e-12) and np.float32(a) == np.float32(b)
+
+
+def test_synthetic_generation_stays_within_a_memory_ceiling() -> None:
+    """120,000 images of 28x28 are 94 MB; generating them used to take ~2 GB of float64."""
+    result = run_capped(
+        """
+        from fedmosaic.config import DataConfig
+        from fedmosaic.data import load_dataset
+        ds = load_dataset(DataConfig(dataset="synthetic", synthetic_size=120_000), 0)
+        print("loaded", tuple(ds.images.shape), ds.mean, ds.std)
+        """,
+        headroom=768 << 20,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("loaded (120000, 1, 28, 28)"), result.stdout
 
 
 def test_synthetic_shape_rgb() -> None:

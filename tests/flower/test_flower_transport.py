@@ -216,3 +216,53 @@ def test_no_node_at_all_is_a_clear_error(tmp_path):
     rc = run_config(raw(rounds=1), tmp_path, **{"connect-timeout": 0.5})
     with pytest.raises(RuntimeError, match="no SuperNode"):
         run_server(LocalGrid(client_app, [], rc), rc)
+
+
+def _big_metrics(content: RecordDict) -> None:
+    from flwr.app import MetricRecord
+
+    content["metrics"] = MetricRecord({"padding": [0.0] * (256 << 10)})  # 2 MiB of floats
+
+
+def test_every_record_counts_towards_the_reply_cap(tmp_path):
+    rc = run_config(raw(rounds=1), tmp_path, **{"max-reply-mb": 1})
+    doc = run_server(LocalGrid(lying_app(change_fit=_big_metrics), nodes(), rc), rc)
+    assert doc["rounds"][0]["rejected"] == [1] and doc["rounds"][0]["aggregated"]
+    assert "exceeds the cap of 1048576" in doc["flower"]["rounds"][0]["fit_invalid"][1]
+
+
+def _extra_arrays(content: RecordDict) -> None:
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    content["more"] = ArrayRecord({"x": Array(np.zeros(3, dtype=np.float32))})
+
+
+def _extra_config(content: RecordDict) -> None:
+    content["notes"] = ConfigRecord({"hello": "world"})
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [(_extra_arrays, "arrays record(s) ['more']"), (_extra_config, "configs record(s) ['notes']")],
+)
+def test_a_reply_with_a_record_the_protocol_does_not_expect_is_refused(
+    change, found, tmp_path, caplog
+):
+    rc = run_config(raw(rounds=1), tmp_path)
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        doc = run_server(
+            LocalGrid(lying_app(change_fit=change, change_eval=change), nodes(), rc), rc
+        )
+    flower = doc["flower"]["rounds"][0]
+    assert doc["rounds"][0]["rejected"] == [1]
+    assert found in flower["fit_invalid"][1] and found in flower["eval_failures"][1]
+    assert "dropped the reply of client 1" in caplog.text and found in caplog.text
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1e-9, -1, float("nan")])
+def test_a_reply_cap_that_rejects_everything_is_a_config_error(value):
+    from fedmosaic.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max-reply-mb"):
+        FlowerOptions.from_run_config({"max-reply-mb": value})
