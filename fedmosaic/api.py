@@ -69,6 +69,7 @@ from fedmosaic.core.registry import ALGORITHMS, DATASETS, ENCODERS, FAMILIES, PA
 from fedmosaic.data import DatasetError, ImageDataset, PartitionError
 from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import Federation, build_federation, make_client
+from fedmosaic.runfolder import RunFolder, RunFolderError
 
 Config = str | Path | dict[str, Any] | ExperimentConfig
 
@@ -207,19 +208,32 @@ def load_run(
 
 
 def run_flower_in_memory(
-    config: Config, results_dir: str | Path, overrides: Sequence[str] = ()
+    config: Config,
+    results_dir: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """The same experiment through Flower's real ServerApp and ClientApp code over an in-process
     grid (one node per client, messages serialized as a SuperLink would); needs the ``flower``
-    extra. Writes ``results.json`` under ``results_dir`` and returns it."""
+    extra. Writes ``results.json`` under ``results_dir`` and returns it.
+
+    ``results_dir`` goes through the run-folder lifecycle (``fedmosaic.runfolder``) as
+    ``fedmosaic run --out`` does: locked for the run (a second run into it raises
+    RunFolderError), checked before anything is written; a finished run of this config there is
+    returned as it is unless ``overwrite``, and another config's needs ``overwrite``."""
     from fedmosaic.flower.app import client_app, run_server  # the optional flower extra
     from fedmosaic.flower.local import LocalGrid
 
     cfg = experiment_config(config, overrides)
-    n = cfg.data.num_clients
-    rc = {"experiment": json.dumps(cfg.to_dict()), "results-dir": str(results_dir)}
-    nodes = [{"partition-id": i, "num-partitions": n} for i in range(n)]
-    return run_server(LocalGrid(client_app, nodes, rc), rc)
+    with RunFolder(results_dir, flag="results_dir") as folder:
+        start = folder.check(cfg, overwrite=overwrite)
+        if start.done is not None:
+            return start.done
+        n = cfg.data.num_clients
+        rc = {"experiment": json.dumps(cfg.to_dict()), "results-dir": str(results_dir)}
+        nodes = [{"partition-id": i, "num-partitions": n} for i in range(n)]
+        return run_server(LocalGrid(client_app, nodes, rc), rc)
 
 
 __all__ = [
@@ -243,6 +257,7 @@ __all__ = [
     "PayloadError",
     "Phase",
     "Result",
+    "RunFolderError",
     "SharedState",
     "SharedWeights",
     "Weighted",

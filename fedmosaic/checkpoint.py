@@ -44,6 +44,7 @@ import fedmosaic
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.rounds import EvalResult, History, Transport
 from fedmosaic.federation import Federation
+from fedmosaic.report.results import replace_all, write_temp
 
 log = logging.getLogger("fedmosaic")
 
@@ -295,22 +296,21 @@ class Loaded:
 
 
 def write_checkpoint(path: Path, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    """Write-then-rename: the previous checkpoint stays until the new one is verified on disk."""
+    """Write-then-rename: the previous checkpoint stays until the new one is verified on disk.
+    The temporary is this write's own (``temp_path``): another process's write in progress is
+    never touched, and one killed mid-write leaves its temporary to the run folder's lock
+    (``runfolder``), which removes a dead writer's temporaries."""
     path.parent.mkdir(parents=True, exist_ok=True)
     meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
     header = {"format": FORMAT, "meta": meta_json, "digest": _digest(meta_json, tensors)}
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp), metadata=header)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         read_checkpoint(tmp)  # verify before it replaces anything
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by a process killed mid-write
-        stale.unlink(missing_ok=True)
+
+    replace_all([(write_temp(path, write), path)])
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -20,13 +19,7 @@ import torch
 import fedmosaic
 import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import (
-    FILENAME,
-    FINAL_FILE,
-    Checkpointer,
-    CheckpointError,
-    config_fingerprint,
-)
+from fedmosaic.checkpoint import FILENAME
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
@@ -39,12 +32,11 @@ from fedmosaic.config import (
 from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
 from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
-from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import check_runs
 from fedmosaic.flower.project import write_app
 from fedmosaic.models import build_client_model, count_params, flops_per_image
-from fedmosaic.report.results import format_table, plot_curves, write_results
-from fedmosaic.report.sinks import Sinks
+from fedmosaic.report.results import format_table, plot_curves
+from fedmosaic.runfolder import RunFolder, fs_error
 
 # The default job's baselines: its claim's (docs/results.md: Vanilla scheduling level with FedBABU
 # after fine-tuning, at about a third of its training compute) and the other schedule.
@@ -76,127 +68,62 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}")
     names = [cfg.algorithm["name"], *baselines]
     # Every run's config is checked before anything runs or is written (a bad --baseline fails
-    # now, not after the main run), and no other configuration's finished run is overwritten.
+    # now, not after the main run).
     plans: list[tuple[str, ExperimentConfig, Path]] = []
     for name in names:
         if name == names[0]:
             run_cfg = _load(args.config, args.set)
         else:
             run_cfg = baseline_config(args.config, args.set, name)
-        target = out if len(names) == 1 else out / name
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--out {out} is a file, not a folder")
-        if args.extend:
-            if not (target / FINAL_FILE).is_file():
-                raise ConfigError(
-                    f"--extend: {target / FINAL_FILE} does not exist (run with --save-models first)"
-                )
-        else:
-            _check_out(target, run_cfg, args.overwrite)
-        plans.append((name, run_cfg, target))
+        plans.append((name, run_cfg, out if len(names) == 1 else out / name))
     # Each method against its federation (public split, heads, ...), still before anything runs.
     check_runs([(f"--baseline {n}" if i else f"run {n}", c) for i, (n, c, _) in enumerate(plans)])
+    keep_final = args.save_models or args.extend  # an extended run keeps its final state
     docs: dict[str, dict[str, Any]] = {}
-    for name, run_cfg, target in plans:
-        print(
-            f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
-            f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
-        )
-        doc = _run_one(run_cfg, target, args)
-        write_results(target, doc)
-        ckpt = target / CHECKPOINT_FILE
-        if (args.save_models or args.extend) and ckpt.exists():  # kept: inspection, --extend
-            os.replace(ckpt, target / FINAL_FILE)
-        ckpt.unlink(missing_ok=True)  # complete: results.json is the product
-        docs[name] = doc
-    if len(docs) > 1:
-        plot_curves(docs, out / "curves.png")
+    ran = False
+    with contextlib.ExitStack() as stack:
+        # Every folder locked and checked before the first run starts (runfolder's lifecycle):
+        # a refusal of any of them leaves all of them as they were.
+        starts = []
+        for name, run_cfg, target in plans:
+            folder = stack.enter_context(RunFolder(target))
+            start = folder.check(
+                run_cfg, overwrite=args.overwrite, resume=args.resume, extend=args.extend
+            )
+            starts.append((name, run_cfg, folder, start))
+        for name, run_cfg, folder, start in starts:
+            if start.done is not None:
+                print(
+                    f"== {name}: already done: {folder.path} holds this configuration's finished "
+                    "run (kept; --overwrite runs it again)"
+                )
+                docs[name] = start.done
+                continue
+            print(
+                f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
+                f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
+            )
+            doc = folder.run(
+                run_cfg,
+                start,
+                progress=not args.quiet,
+                checkpoint_every=args.checkpoint_every,
+                resume=args.resume,
+                extend=args.extend,
+                keep_final=keep_final,
+            )
+            folder.finish(doc, keep_final=keep_final)
+            docs[name] = doc
+            ran = True
+        if len(docs) > 1 and ran:
+            try:
+                plot_curves(docs, out / "curves.png")
+            except OSError as exc:
+                raise fs_error(exc, out / "curves.png") from exc
     print()
     print(format_table(list(docs.values())))
     print(f"\nreport written to {out}/")
     return 0
-
-
-def _check_out(target: Path, cfg: ExperimentConfig, overwrite: bool) -> None:
-    """Refuse to overwrite a finished run of another configuration in ``target``."""
-
-    done = target / "results.json"
-    if overwrite or not done.is_file():
-        return
-    try:
-        theirs = json.loads(done.read_text()).get("config", {})
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        theirs = None
-    if theirs is None or config_fingerprint(theirs) != config_fingerprint(cfg.to_dict()):
-        raise ConfigError(
-            f"{target} holds a finished run of another configuration: choose another --out, "
-            "or pass --overwrite to replace it"
-        )
-
-
-def _run_one(cfg: ExperimentConfig, target: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One run with the CSV/TensorBoard sinks and, when asked, checkpoints in ``target``."""
-
-    ckpt = target / CHECKPOINT_FILE
-    keep = 0
-    resume = args.resume or args.extend
-    if args.extend and not ckpt.exists():
-        # Continue from a copy: the finished run's final state stays as it was until the
-        # extended run completes (an interrupted extension resumes from its own checkpoint).
-        shutil.copyfile(target / FINAL_FILE, ckpt)
-    if ckpt.exists() and not resume:
-        raise CheckpointError(
-            f"{ckpt} exists (an interrupted run): pass --resume to continue it, "
-            "or delete it to start over"
-        )
-    if ckpt.exists():
-        # Verified in full (digest, config, round, clients) before anything in --out changes:
-        # a refused resume leaves rounds.csv and the checkpoint as they were.
-
-        checker = Checkpointer(
-            ckpt, 0, cfg.to_dict(), lambda: [], lambda s: None, resume=True, extend=args.extend
-        )
-        keep = int(checker.verify()[0]["round"])
-    existed = target.exists()
-    before = {p.name for p in target.iterdir()} if existed else set()
-    sinks = Sinks(target, keep_rounds=keep, config=cfg.to_dict())
-    started = [False]
-
-    def on_round(rec: dict[str, Any]) -> None:
-        started[0] = True
-        sinks(rec)
-
-    try:
-        return run_experiment(
-            cfg,
-            progress=not args.quiet,
-            on_round=on_round,
-            checkpoint_dir=target,
-            checkpoint_every=args.checkpoint_every,
-            resume=resume,
-            keep_final=args.save_models or args.extend,  # an extended run keeps its final state
-            extend=args.extend,
-        )
-    except BaseException:
-        if not started[0] and not keep:  # failed before any round: leave --out as it was
-            sinks.close()
-            _remove_new(target, existed, before)
-        raise
-    finally:
-        sinks.close()
-
-
-def _remove_new(target: Path, existed: bool, before: set[str]) -> None:
-    """Delete what a failed start created in ``target`` (the folder too if it is new)."""
-
-    if not target.exists():
-        return
-    if not existed:
-        shutil.rmtree(target, ignore_errors=True)
-        return
-    for p in target.iterdir():
-        if p.name not in before:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -489,8 +416,14 @@ def setup_logging(args: argparse.Namespace) -> None:
             h.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if getattr(args, "log_file", None):
-        Path(args.log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(args.log_file))
+        path = Path(args.log_file)
+        if path.is_dir():  # FileHandler's own error would not say which option
+            raise ValueError(f"--log-file {path} is a directory, not a file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handlers.append(logging.FileHandler(path))
+        except OSError as exc:
+            raise ValueError(f"--log-file {exc.filename or path}: {exc.strerror or exc}") from exc
     for h in handlers:
         h.setFormatter(fmt)
         h._fedmosaic = True  # type: ignore[attr-defined]
@@ -515,12 +448,12 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args)
     stop_requested.clear()
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
+        setup_logging(args)  # inside: a --log-file that cannot be written is one line, exit 2
         load_entry_points()
         add_plugins(getattr(args, "plugin", None) or [])
         return int(args.func(args))
@@ -548,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:  # a read-only or full disk, a path that is a file, ...
-        print(f"error: {exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a library's own error type (safetensors, PIL, ...): one line
         logging.getLogger("fedmosaic").debug("traceback", exc_info=True)

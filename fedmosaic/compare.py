@@ -61,13 +61,12 @@ from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
 from fedmosaic.checkpoint import CheckpointError, config_hash, peek
 from fedmosaic.config import ConfigError, apply_overrides, from_dict, read_toml
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import check_runs
 from fedmosaic.report.compare import write_report
 from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
-from fedmosaic.report.results import write_results
-from fedmosaic.report.sinks import Sinks
+from fedmosaic.report.results import write_atomic
 from fedmosaic.report.suite import Cell, Method, Setting, Suite
+from fedmosaic.runfolder import FolderLock, RunFolder, Start
 
 __all__ = ["Cell", "Method", "Setting", "Suite", "build_cells", "load_suite", "run_suite"]
 
@@ -293,49 +292,50 @@ def run_cell(
     progress: bool = False,
     prototype_plot: str = "tsne",
 ) -> dict[str, Any]:
+    """Run one cell in its folder, through the run-folder lifecycle (``runfolder``: locked,
+    files checked before training, results written atomically). Unlike ``fedmosaic run``, a
+    cell's checkpoint without ``resume`` (or of another config) is discarded: the suite's
+    config decides what the cell is."""
     d = cell_dir(out, cell)
-    d.mkdir(parents=True, exist_ok=True)
-    ckpt = d / CHECKPOINT_FILE
-    keep = 0
-    if ckpt.exists() and not resume:
-        log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
-        ckpt.unlink()
-    elif ckpt.exists():
-        try:
-            meta = peek(ckpt)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{cell.key}: {exc} (delete it to restart this cell)") from exc
-        if meta.get("config_hash") == cell.hash:
-            keep = int(meta["round"])
-        else:  # the suite (or --set) changed since: that checkpoint is another cell's
-            log.warning("%s: the checkpoint is of another configuration; starting over", cell.key)
+    with RunFolder(d, flag=f"cell {cell.key}") as folder:
+        folder.check_files()
+        ckpt = d / CHECKPOINT_FILE
+        keep = 0
+        if ckpt.exists() and not resume:
+            log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
             ckpt.unlink()
-    sinks = Sinks(d, keep_rounds=keep, config=cell.cfg.to_dict())
-    every = checkpoint_every if checkpoint_every > 0 else cell.cfg.train.rounds
-    try:
-        doc = run_experiment(
-            cell.cfg,
-            progress=progress,
-            on_round=sinks,
-            checkpoint_dir=d,
-            checkpoint_every=every,
-            resume=resume,
+        elif ckpt.exists():
+            try:
+                meta = peek(ckpt)
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{cell.key}: {exc} (delete it to restart this cell)"
+                ) from exc
+            if meta.get("config_hash") == cell.hash:
+                keep = int(meta["round"])
+            else:  # the suite (or --set) changed since: that checkpoint is another cell's
+                log.warning(
+                    "%s: the checkpoint is of another configuration; starting over", cell.key
+                )
+                ckpt.unlink()
+        every = checkpoint_every if checkpoint_every > 0 else cell.cfg.train.rounds
+        doc = folder.run(
+            cell.cfg, Start(keep=keep), progress=progress, checkpoint_every=every, resume=resume
         )
-    finally:
-        sinks.close()
-    doc["cell"] = {
-        "suite_setting": cell.setting.label,
-        "method": cell.method.label,
-        "seed": cell.seed,
-        "config_hash": cell.hash,
-    }
-    if prototype_plot != "none" and is_prototype_method(cell.cfg.algorithm["name"]):
-        try:
-            plot_prototypes_from_checkpoint(cell.cfg, ckpt, d / "prototypes.png", prototype_plot)
-        except Exception as exc:  # a report plot must not lose a finished run
-            log.warning("%s: prototype plot failed: %s", cell.key, exc)
-    write_results(d, doc)
-    ckpt.unlink(missing_ok=True)  # the run is complete; results.json is the product
+        doc["cell"] = {
+            "suite_setting": cell.setting.label,
+            "method": cell.method.label,
+            "seed": cell.seed,
+            "config_hash": cell.hash,
+        }
+        if prototype_plot != "none" and is_prototype_method(cell.cfg.algorithm["name"]):
+            try:
+                plot_prototypes_from_checkpoint(
+                    cell.cfg, ckpt, d / "prototypes.png", prototype_plot
+                )
+            except Exception as exc:  # a report plot must not lose a finished run
+                log.warning("%s: prototype plot failed: %s", cell.key, exc)
+        folder.finish(doc)
     return doc
 
 
@@ -365,7 +365,25 @@ def run_suite(
     produced with other code (by default they are run again: their numbers may be stale).
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    # One suite run per folder at a time (each cell's folder is locked as well, against a
+    # `fedmosaic run --out` into it).
+    with FolderLock(out):
+        return _run_suite(
+            suite, out, cells, resume, checkpoint_every, progress, command, force, reuse_other_code
+        )
+
+
+def _run_suite(
+    suite: Suite,
+    out: Path,
+    cells: list[Cell],
+    resume: bool,
+    checkpoint_every: int | None,
+    progress: bool,
+    command: str,
+    force: bool,
+    reuse_other_code: bool,
+) -> dict[str, list[dict[str, Any]]]:
     every = suite.checkpoint_every if checkpoint_every is None else checkpoint_every
     docs: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
@@ -407,6 +425,6 @@ def run_suite(
         ],
         "seconds": time.perf_counter() - t_start,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_atomic(out / "manifest.json", json.dumps(manifest, indent=1).encode())
     write_report(suite, out, cells, docs, command=command)
     return {k: [v] for k, v in docs.items()}

@@ -144,3 +144,32 @@ def test_load_run_checks_the_digest_before_it_imports_anything(kept_run: Path, t
     with pytest.raises(CheckpointError, match="digest mismatch"):
         fm.load_run(out, trust_plugins=True)  # consent is no reason to trust an edited file
     assert not marker.exists()
+
+
+def test_run_flower_in_memory_goes_through_the_run_folder_lifecycle(tmp_path: Path, monkeypatch):
+    """results_dir is locked and checked as `fedmosaic run --out` is: a folder in use or holding
+    another config's results is refused with nothing written; this config's finished run is
+    returned as it is (nothing runs) unless overwrite."""
+    pytest.importorskip("flwr")
+    import fedmosaic.flower.app as app
+    from fedmosaic.runfolder import FolderLock
+
+    ran: list[str] = []
+    monkeypatch.setattr(app, "run_server", lambda grid, rc: ran.append(rc["results-dir"]) or {})
+    raw = tiny_raw(train={"rounds": 1})
+    cfg = fm.experiment_config(raw)
+    out = tmp_path / "flower"
+    with FolderLock(out):
+        with pytest.raises(fm.RunFolderError, match="in use by another run"):
+            fm.run_flower_in_memory(raw, out)
+    assert ran == [] and not out.exists()
+    out.mkdir()
+    other = fm.experiment_config(tiny_raw(train={"rounds": 1, "lr": 0.2})).to_dict()
+    (out / "results.json").write_text(json.dumps({"config": other}))
+    with pytest.raises(fm.ConfigError, match="another configuration"):
+        fm.run_flower_in_memory(raw, out)
+    assert ran == [] and json.loads((out / "results.json").read_text())["config"] == other
+    (out / "results.json").write_text(json.dumps({"config": cfg.to_dict(), "kept": True}))
+    assert fm.run_flower_in_memory(raw, out)["kept"] is True and ran == []
+    fm.run_flower_in_memory(raw, out, overwrite=True)
+    assert ran == [str(out)]

@@ -138,12 +138,42 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch)
         ck.write_checkpoint(path, {"version": ck.VERSION, "round": 4}, {"a": torch.zeros(1)})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [ck.FILENAME]  # no temporary left behind
-    # A writer SIGKILLed mid-write leaves its temporary: the next good write removes it.
-    monkeypatch.undo()
-    (tmp_path / f"{ck.FILENAME}.tmp-999999").write_bytes(b"half")
-    ck.write_checkpoint(path, {"version": ck.VERSION, "round": 5}, {"a": torch.zeros(1)})
-    assert [p.name for p in tmp_path.iterdir()] == [ck.FILENAME]
-    assert ck.read_checkpoint(path).meta["round"] == 5
+
+
+def test_a_write_never_touches_another_writers_temporary(tmp_path: Path, monkeypatch):
+    """Temporaries are unique per write (pid + random part) and only their writer removes them:
+    another process's write in progress survives ours; a dead writer's is removed when the run
+    folder is next locked (runfolder)."""
+    from fedmosaic.runfolder import FolderLock
+
+    path = _good(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        theirs = tmp_path / f"{ck.FILENAME}.tmp-{live.pid}-0123abcd"  # a write in progress
+        theirs.write_bytes(b"their half-written checkpoint")
+        killed = tmp_path / f"{ck.FILENAME}.tmp-{dead.pid}-4567cdef"  # its writer was killed
+        killed.write_bytes(b"half")
+        seen = []
+        real = ck.save_file
+
+        def spy(tensors, filename, metadata=None):
+            seen.append(Path(filename).name)
+            return real(tensors, filename, metadata=metadata)
+
+        monkeypatch.setattr(ck, "save_file", spy)
+        for r in (5, 6):
+            ck.write_checkpoint(path, {"version": ck.VERSION, "round": r}, {"a": torch.zeros(1)})
+        assert ck.read_checkpoint(path).meta["round"] == 6
+        assert len(set(seen)) == 2 and all(f"tmp-{os.getpid()}-" in n for n in seen), seen
+        assert theirs.read_bytes() == b"their half-written checkpoint"
+        assert killed.exists()  # not the writer's to judge; the folder's lock is
+        with FolderLock(tmp_path):
+            assert theirs.exists() and not killed.exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def _without_timing(doc: dict[str, Any]) -> dict[str, Any]:

@@ -110,3 +110,41 @@ def test_baseline_drops_the_methods_own_settings(tmp_path):
     ours = json.loads((out / "fedproto" / "results.json").read_text())["config"]["algorithm"]
     theirs = json.loads((out / "local" / "results.json").read_text())["config"]["algorithm"]
     assert ours == {"name": "fedproto", "lam": 0.25} and theirs == {"name": "local"}
+
+
+def test_a_log_file_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """--log-file naming a directory, or on a read-only file system: one line naming the path,
+    exit 2, and nothing run or written (setup_logging runs inside the error handling)."""
+    import builtins
+    import errno
+    import os
+
+    cfg = tmp_path / "exp.toml"
+    _write_config(cfg, tiny_raw(train={"rounds": 1}))
+    out = tmp_path / "out"
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    log = folder / "run.log"
+    if os.geteuid() == 0:
+        # root ignores permission bits: the file system refuses instead, as a read-only mount
+        real = builtins.open
+
+        def read_only(path, mode="r", *args, **kwargs):
+            if str(path).startswith(str(folder)) and any(m in mode for m in "wax+"):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", read_only)  # what logging.FileHandler opens with
+    else:
+        folder.chmod(0o555)
+    try:
+        for path, says in ((folder, "is a directory"), (log, "")):
+            capsys.readouterr()
+            argv = ["run", str(cfg), "--out", str(out), "--quiet", "--log-file", str(path)]
+            assert main(argv) == 2, path
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and str(path) in err[0] and says in err[0], err
+            assert err[0].startswith("error: --log-file"), err
+            assert not out.exists() and not log.exists()
+    finally:
+        folder.chmod(0o755)

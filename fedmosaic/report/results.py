@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +45,113 @@ def _jsonable(obj: Any) -> Any:
 FIGURE_DPI = 150  # every PNG the library writes (run, compare and prototype figures)
 
 
+# ---- atomic writes: a temporary file per writer, renamed over the target --------------------
+TEMP_MARK = ".tmp-"  # <name>.tmp-<pid>-<random>: whose it is, and unique per write
+
+
+def temp_path(path: Path) -> Path:
+    """A temporary name beside ``path`` that no other writer uses: the pid says whose it is (a
+    dead pid's temporaries are removed when the run folder is next locked) and the random part
+    keeps two writes of one process apart. Only its writer removes it."""
+    return path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def write_temp(path: Path, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` to a fresh temporary beside ``path`` and return it (not yet renamed); on
+    failure this writer's temporary is removed and the OSError names ``path``."""
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def replace_all(pairs: Sequence[tuple[Path, Path]]) -> None:
+    """Rename each temporary over its target, in order; on failure the temporaries not yet
+    renamed are removed and the OSError names the target."""
+    for i, (tmp, path) in enumerate(pairs):
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            for t, _ in pairs[i:]:
+                t.unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write-then-rename: readers see the old file or the new one, never half of one."""
+    replace_all([(write_temp(path, lambda t: t.write_bytes(data)), path)])
+
+
 def save_figure(fig: Any, path: str | Path) -> list[Path]:
-    """``path`` as PNG (``FIGURE_DPI``) plus vector SVG and PDF beside it, for papers."""
+    """``path`` as PNG (``FIGURE_DPI``) plus vector SVG and PDF beside it, for papers (each
+    written to a temporary and renamed: a full disk leaves the previous figures)."""
     path = Path(path)
     paths = [path, path.with_suffix(".svg"), path.with_suffix(".pdf")]
-    for p in paths:
-        fig.savefig(p, bbox_inches="tight", dpi=FIGURE_DPI if p.suffix == ".png" else None)
+    temps: list[tuple[Path, Path]] = []
+
+    def saver(p: Path) -> Callable[[Path], None]:
+        dpi = FIGURE_DPI if p.suffix == ".png" else None
+        return lambda t: fig.savefig(t, format=p.suffix[1:], bbox_inches="tight", dpi=dpi)
+
+    try:
+        for p in paths:
+            temps.append((write_temp(p, saver(p)), p))
+    except BaseException:
+        for t, _ in temps:
+            t.unlink(missing_ok=True)
+        raise
+    replace_all(temps)
     return paths
+
+
+def json_bytes(doc: Any) -> bytes:
+    """``doc`` as ``results.json`` holds it (NaN as null)."""
+    return json.dumps(_jsonable(doc), indent=1, sort_keys=False).encode()
 
 
 def write_json_atomic(path: Path, doc: Any) -> None:
     """Write-then-rename so an interrupted write never leaves a half file behind."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(doc), indent=1, sort_keys=False))
-    os.replace(tmp, path)
+    write_atomic(path, json_bytes(doc))
 
 
-def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "results.json", doc)
-    rounds = doc.get("rounds", [])
+def rounds_csv(rounds: Sequence[dict[str, Any]]) -> bytes:
+    """The rounds as ``rounds.csv``: the columns the run has, per-mode accuracies after them."""
     extra = sorted(
         {k for r in rounds for k in r if k.startswith("acc_head") or k.startswith("acc_proto")}
     )
     cols = [c for c in ROUND_COLUMNS if any(c in r for r in rounds)] + extra
-    tmp = out / "rounds.csv.tmp"  # replaces the per-round file of the sink in one step
-    with open(tmp, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(cols)
-        for r in rounds:
-            w.writerow([r.get(c, "") for c in cols])
-    os.replace(tmp, out / "rounds.csv")
-    if plot:
-        plot_curves({doc["config"]["algorithm"]["name"]: doc}, out / "curve.png")
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for r in rounds:
+        w.writerow([r.get(c, "") for c in cols])
+    return buf.getvalue().encode()
+
+
+def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -> Path:
+    """``results.json``, ``rounds.csv`` and (``plot``) ``curve.png`` in ``out_dir``: every file
+    is written to its own temporary first, and ``results.json`` (what marks the run finished) is
+    renamed last, so a failed write (a full disk) leaves the previous files as they were."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = out / "results.json"
+    rows = out / "rounds.csv"
+    temps = [(write_temp(rows, lambda t: t.write_bytes(rounds_csv(doc.get("rounds", [])))), rows)]
+    try:
+        temps.append((write_temp(done, lambda t: t.write_bytes(json_bytes(doc))), done))
+        if plot:
+            plot_curves({doc["config"]["algorithm"]["name"]: doc}, out / "curve.png")
+    except BaseException:
+        for t, _ in temps:
+            t.unlink(missing_ok=True)
+        raise
+    replace_all(temps)
     return out
 
 

@@ -17,6 +17,7 @@ round's numbers as one ``log`` call at ``step = round``; its files go under ``<o
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.config import ConfigError
-from fedmosaic.report.results import ROUND_COLUMNS
+from fedmosaic.report.results import ROUND_COLUMNS, write_atomic
 
 log = logging.getLogger("fedmosaic")
 PROGRESS_FILE = "rounds.csv"
@@ -44,10 +45,11 @@ class CSVSink:
                 header = next(reader, None)
                 if header == list(ROUND_COLUMNS):
                     rows = [r for r in reader if r and r[0].isdigit() and int(r[0]) <= keep_rounds]
-        with open(self.path, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(ROUND_COLUMNS)
-            w.writerows(rows)
+        buf = io.StringIO(newline="")
+        w = csv.writer(buf)
+        w.writerow(ROUND_COLUMNS)
+        w.writerows(rows)
+        write_atomic(self.path, buf.getvalue().encode())  # a failed start keeps the old file
 
     def __call__(self, rec: dict[str, Any]) -> None:
         with open(self.path, "a", newline="") as fh:

@@ -584,3 +584,29 @@ def test_label_histogram_has_a_class_colour_key(num_classes: int, key: str):
         assert legend is None and len(fig.axes) == 2  # the colour bar's axes
         assert fig.axes[1].get_ylabel() == "class"
     plt.close(fig)
+
+
+def test_compare_goes_through_the_run_folder_lifecycle(tmp_path: Path, monkeypatch, capsys):
+    """A suite folder in use by another run is refused at once (one line, nothing written); a
+    cell whose results.json is a directory fails before that cell trains, naming the path."""
+    from fedmosaic import experiment
+    from fedmosaic.runfolder import FolderLock
+
+    suite = _suite(tmp_path)
+    out = tmp_path / "out"
+    args = ["compare", str(suite), "--out", str(out), "--quiet", "--quick", "--seeds", "0"]
+    with FolderLock(out):
+        before = sorted(p.name for p in out.iterdir())
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(out) in err[0] and "in use" in err[0], err
+        assert sorted(p.name for p in out.iterdir()) == before
+    cell = out / "cells" / "dir" / "local" / "seed0"
+    (cell / "results.json").mkdir(parents=True)
+    monkeypatch.setattr(experiment, "build_federation", lambda *a, **k: pytest.fail("trained"))
+    capsys.readouterr()
+    assert main([*args, "--methods", "local"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(cell / "results.json") in err[0], err
+    assert sorted(p.name for p in cell.iterdir()) == ["results.json"]

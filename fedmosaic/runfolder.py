@@ -1,0 +1,367 @@
+"""One run folder's lifecycle: ``fedmosaic run`` (``--resume``, ``--extend``, ``--overwrite``),
+each ``fedmosaic compare`` cell and ``fedmosaic.api`` go through it.
+
+1. **Lock** (:class:`FolderLock`): an exclusive ``fcntl.flock`` on ``.fedmosaic.lock`` in the
+   folder, which holds the owner's pid. A second run into the folder is refused at once, naming
+   the holder; the kernel drops the lock of a process that dies, so a killed run's lock is simply
+   taken over (and its temporary files, whose names carry its pid, are removed). The lock file
+   is removed on release, and a folder the lock created is removed again if nothing was written.
+2. **Check** (:meth:`RunFolder.check`), nothing written yet: every file a run writes must be a
+   file or absent (``results.json`` being a directory is refused before training); a finished
+   run of the same config is kept and reported (``Start.done``) unless ``overwrite``; another
+   config's finished run needs ``overwrite``; a checkpoint (an interrupted run) needs ``resume``;
+   ``resume``/``extend`` verify the checkpoint in full (digest, config, round) before anything
+   changes.
+3. **Run** (:meth:`RunFolder.run`): the sinks (``rounds.csv``, TensorBoard, W&B) and the round
+   loop; a start that fails before its first round leaves the folder as it was.
+4. **Finish** (:meth:`RunFolder.finish`): ``rounds.csv``, the curve and ``results.json`` written
+   to temporaries of this writer and renamed, ``results.json`` last; the checkpoint is kept as
+   ``final.safetensors`` or removed.
+
+A file-system error (read-only, full, a directory where a file goes) is a :class:`RunFolderError`:
+one line naming the path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
+from fedmosaic.checkpoint import FINAL_FILE, Checkpointer, CheckpointError, config_hash
+from fedmosaic.config import ConfigError, ExperimentConfig
+from fedmosaic.experiment import run_experiment
+from fedmosaic.report.results import TEMP_MARK, replace_all, write_results, write_temp
+from fedmosaic.report.sinks import PROGRESS_FILE, Sinks
+
+log = logging.getLogger("fedmosaic")
+
+LOCK_FILE = ".fedmosaic.lock"
+RESULTS_FILE = "results.json"
+# Every file a run writes into its folder: each must be a regular file or absent at the start.
+RUN_FILES = (
+    RESULTS_FILE,
+    PROGRESS_FILE,
+    "curve.png",
+    "curve.svg",
+    "curve.pdf",
+    CHECKPOINT_FILE,
+    FINAL_FILE,
+)
+# Temporaries of earlier fedmosaic versions (fixed names, no pid): nobody writes them any more.
+LEGACY_TEMPS = (f"{RESULTS_FILE}.tmp", f"{PROGRESS_FILE}.tmp")
+
+
+class RunFolderError(ValueError):
+    """A run folder this start may not use (in use, a file where the folder goes, a directory
+    where a file goes, a file-system error), in one line naming the path."""
+
+
+def fs_error(exc: OSError, path: Path) -> RunFolderError:
+    """``exc`` as one line naming the path it concerns (its own, else ``path``)."""
+    where = exc.filename if exc.filename is not None else path
+    return RunFolderError(f"{where}: {exc.strerror or exc}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temps(folder: Path) -> list[Path]:
+    """Remove the temporaries (``<name>.tmp-<pid>-<random>``) in ``folder`` whose writer is
+    dead (killed mid-write); a live writer's are left alone. Returns what was removed."""
+    removed = []
+    for p in folder.iterdir():
+        name = p.name
+        if TEMP_MARK in name:
+            pid = name.rsplit(TEMP_MARK, 1)[1].split("-")[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+        elif name not in LEGACY_TEMPS:
+            continue
+        if p.is_file() or p.is_symlink():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+class FolderLock:
+    """An exclusive lock on ``folder`` (created when missing) while held; ``flag`` names the
+    option the folder came from, for the messages (``--out``, ``results_dir``, a cell)."""
+
+    def __init__(self, folder: str | Path, flag: str = "--out") -> None:
+        self.folder = Path(folder)
+        self.flag = flag
+        self.fd: int | None = None
+        self.created: list[Path] = []  # folders this lock made, deepest first
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        """Lock, or a RunFolderError naming the folder and the holder; nothing is left behind
+        by a refusal."""
+        folder = self.folder
+        if folder.exists() and not folder.is_dir():
+            raise RunFolderError(f"{self.flag} {folder} is a file, not a folder")
+        missing = []
+        for p in (folder, *folder.parents):
+            if p.exists():
+                break
+            missing.append(p)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._remove_created(missing)
+            raise fs_error(exc, folder) from exc
+        self.created = missing
+        try:
+            self.fd = self._lock(folder / LOCK_FILE)
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+            remove_dead_temps(folder)  # we hold the lock: a dead writer's temporaries are junk
+        except BaseException as exc:
+            self.release()
+            if isinstance(exc, OSError):
+                raise fs_error(exc, folder) from exc
+            raise
+
+    def _lock(self, path: Path) -> int:
+        for _ in range(100):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                who = f"pid {holder}" if holder.isdigit() else "pid unknown"
+                raise RunFolderError(
+                    f"{self.folder} is in use by another run ({who}): wait for it to finish, "
+                    f"or choose another {self.flag}"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The holder removes the file as it releases: a lock on that unlinked file would
+            # exclude nobody, so lock the file that is there now.
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        raise RunFolderError(f"{path}: could not be locked (removed and recreated under us)")
+
+    def release(self) -> None:
+        """Unlock and remove the lock file (and the folders the lock made, if still empty)."""
+        if self.fd is not None:
+            try:
+                (self.folder / LOCK_FILE).unlink(missing_ok=True)  # before the lock goes
+            except OSError:  # a folder that turned read-only: the stale file is harmless
+                pass
+            os.close(self.fd)
+            self.fd = None
+        self._remove_created(self.created)
+        self.created = []
+
+    @staticmethod
+    def _remove_created(folders: list[Path]) -> None:
+        for p in folders:
+            try:
+                p.rmdir()  # only when empty: what a run wrote stays
+            except OSError:
+                break
+
+
+@dataclass
+class Start:
+    """What :meth:`RunFolder.check` found: ``done``, the finished results of this very config
+    (nothing to run); else the rounds the checkpoint already holds (``keep``) and, for
+    ``extend``, the finished run's state to continue from (``source``)."""
+
+    done: dict[str, Any] | None = None
+    keep: int = 0
+    source: Path | None = None
+
+
+def read_results(path: Path) -> dict[str, Any] | None:
+    """The results document at ``path``, or None when it is not one (unreadable, not JSON)."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class RunFolder:
+    """One run's output folder, locked while open (``with RunFolder(out) as folder``)."""
+
+    def __init__(self, path: str | Path, flag: str = "--out") -> None:
+        self.path = Path(path)
+        self.flag = flag
+        self.lock = FolderLock(self.path, flag)
+
+    def __enter__(self) -> RunFolder:
+        self.lock.acquire()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock.release()
+
+    def check_files(self) -> None:
+        """Every file a run writes is a regular file or absent (a directory named
+        ``results.json`` fails now, not after training)."""
+        for name in RUN_FILES:
+            p = self.path / name
+            if (p.exists() or p.is_symlink()) and not p.is_file():
+                kind = "a directory" if p.is_dir() else "not a regular file"
+                raise RunFolderError(
+                    f"{p} is {kind}, where the run writes a file: remove it or choose "
+                    f"another {self.flag}"
+                )
+
+    def check(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        overwrite: bool = False,
+        resume: bool = False,
+        extend: bool = False,
+    ) -> Start:
+        """What this start may do with the folder, before anything in it changes: refusals are
+        one line (ConfigError, CheckpointError, RunFolderError); see the module's step 2."""
+        self.check_files()
+        results = self.path / RESULTS_FILE
+        if results.is_file():
+            doc = read_results(results)
+            same = doc is not None and config_hash(_config_of(doc)) == config_hash(cfg.to_dict())
+            if same and not overwrite:
+                return Start(done=doc)
+            if not same and not overwrite and not extend:
+                raise ConfigError(
+                    f"{self.path} holds a finished run of another configuration: choose another "
+                    f"{self.flag}, or pass --overwrite to replace it"
+                )
+        ckpt = self.path / CHECKPOINT_FILE
+        source = None
+        if extend and not ckpt.exists():
+            source = self.path / FINAL_FILE
+            if not source.is_file():
+                raise ConfigError(
+                    f"--extend: {source} does not exist (run with --save-models first)"
+                )
+        if ckpt.exists() and not (resume or extend):
+            raise CheckpointError(
+                f"{ckpt} exists (an interrupted run): pass --resume to continue it, "
+                "or delete it to start over"
+            )
+        keep = 0
+        verify = source or ckpt
+        if (resume or extend) and verify.exists():
+            # Verified in full (digest, config, round, clients) before anything changes: a
+            # refused resume or extension leaves every file as it was.
+            checker = Checkpointer(
+                verify, 0, cfg.to_dict(), lambda: [], lambda s: None, resume=True, extend=extend
+            )
+            keep = int(checker.verify()[0]["round"])
+        return Start(keep=keep, source=source)
+
+    def run(
+        self,
+        cfg: ExperimentConfig,
+        start: Start,
+        *,
+        progress: bool = False,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+        extend: bool = False,
+        keep_final: bool = False,
+    ) -> dict[str, Any]:
+        """Train ``cfg`` here (the sinks as it goes, a checkpoint every ``checkpoint_every``
+        rounds) and return the results document, not yet written (:meth:`finish`). A start that
+        fails before its first round removes what it created."""
+        ckpt = self.path / CHECKPOINT_FILE
+        before = {p.name for p in self.path.iterdir()}
+        try:
+            if start.source is not None:
+                # Continue from a copy: the finished run's final state stays as it was until the
+                # extended run completes (an interrupted extension resumes from its own copy).
+                source = start.source
+                replace_all([(write_temp(ckpt, lambda t: shutil.copyfile(source, t)), ckpt)])
+            sinks = Sinks(self.path, keep_rounds=start.keep, config=cfg.to_dict())
+        except OSError as exc:
+            self._remove_new(before)
+            raise fs_error(exc, self.path) from exc
+        started = False
+
+        def on_round(rec: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            sinks(rec)
+
+        closed = False
+        try:
+            return run_experiment(
+                cfg,
+                progress=progress,
+                on_round=on_round,
+                checkpoint_dir=self.path,
+                checkpoint_every=checkpoint_every,
+                resume=resume or extend,
+                keep_final=keep_final,
+                extend=extend,
+            )
+        except BaseException:
+            if not started and not start.keep:  # failed before any round: leave it as it was
+                sinks.close()
+                closed = True
+                self._remove_new(before)
+            raise
+        finally:
+            if not closed:
+                sinks.close()
+
+    def finish(self, doc: dict[str, Any], *, keep_final: bool = False) -> None:
+        """Write the results (``results.json`` renamed last: a failed write keeps the previous
+        files), then keep the checkpoint as ``final.safetensors`` or remove it."""
+        try:
+            write_results(self.path, doc)
+            ckpt = self.path / CHECKPOINT_FILE
+            if keep_final and ckpt.exists():  # kept: inspection, load_run, --extend
+                os.replace(ckpt, self.path / FINAL_FILE)
+            ckpt.unlink(missing_ok=True)  # complete: results.json is the product
+        except OSError as exc:
+            raise fs_error(exc, self.path) from exc
+
+    def _remove_new(self, before: set[str]) -> None:
+        """Delete what a failed start created in the folder (the lock's own file stays)."""
+        for p in self.path.iterdir():
+            if p.name not in before and p.name != LOCK_FILE:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _config_of(doc: dict[str, Any]) -> dict[str, Any]:
+    config = doc.get("config")
+    return config if isinstance(config, dict) else {}
