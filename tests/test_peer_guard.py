@@ -70,6 +70,8 @@ def test_no_majority_below_three_uploads_and_k_zero_is_off():
     norms = {0: 1.0, 1: 1.0, 2: 1e6}
     assert list(robust.peer_screen(view(norms=norms), same_weight(range(3)))) == [2]
     assert robust.peer_screen(view(0.0, norms), same_weight(range(3))) == {}
+    # Most clients did not move: no scale to measure the one that did against.
+    assert robust.peer_screen(view(norms={0: 0.0, 1: 0.0, 2: 1e-9}), same_weight(range(3))) == {}
 
 
 def test_clients_of_very_different_sizes_are_not_outliers():
@@ -123,6 +125,9 @@ def test_rows_that_differ_among_honest_clients_are_measured_against_their_spread
     assert robust.peer_screen(v, same_weight(range(3))) == {}
     v.peer_rows[2] = {0: torch.tensor([-31.0, 0.0], dtype=torch.float64)}  # 31 > 10 x 3
     assert list(robust.peer_screen(v, same_weight(range(3)))) == [2]
+    for c in range(2):
+        v.peer_rows[c] = {0: torch.zeros(2, dtype=torch.float64)}  # most rows zero: no scale
+    assert robust.peer_screen(v, same_weight(range(3))) == {}
 
 
 def test_nothing_is_kept_outside_the_round_loop():

@@ -32,8 +32,8 @@ upload far outside the round's majority is dropped with a logged reason (:func:`
 a model update whose norm is more than ``k`` x the median of the round's update norms (and more
 than ``k`` x the median per training example), or a per-class row (prototype, class mean,
 logits) farther than ``k`` x its class's spread from the coordinate-wise median row of that
-class. Medians of at least 3 values: one client cannot move
-them outside the honest values, and each client is tested on its own numbers only.
+class. Medians of at least 3 values: one client cannot move them outside the honest values, and
+each client is tested on its own numbers only.
 """
 
 from __future__ import annotations
@@ -408,8 +408,8 @@ def peer_screen(view: ServerView, uploads: Sequence[tuple[int, float]]) -> dict[
     distance and the median row norm (so honest rows that differ among themselves, e.g. models
     of different architectures, are measured against their own spread).
 
-    Fewer than ``PEER_MIN`` values (uploads; holders of a class) have no majority: the test is
-    skipped for them. One client cannot move a median of 3 or more values outside the honest
+    Fewer than ``PEER_MIN`` values (uploads; holders of a class) have no majority, and a median
+    of 0 (most clients did not move) no scale: the test is skipped for them. One client cannot move a median of 3 or more values outside the honest
     ones, so an honest upload is not dropped for another client's poison; each client is tested
     on its own numbers.
     """
@@ -420,8 +420,8 @@ def peer_screen(view: ServerView, uploads: Sequence[tuple[int, float]]) -> dict[
     sizes = {c: max(float(w), 1.0) for c, w in uploads}  # a 0 weight counts as one example
     ids = list(sizes)
     norms = {c: math.sqrt(view.peer_sq[c]) for c in ids if c in view.peer_sq}
-    if len(norms) >= PEER_MIN:
-        med = _median(list(norms.values()))
+    med = _median(list(norms.values())) if len(norms) >= PEER_MIN else 0.0
+    if med > 0:  # 0: most clients did not move, there is no scale to measure a peer against
         per = {c: n / sizes[c] for c, n in norms.items()}
         med_per = _median(list(per.values()))
         for c, n in norms.items():
@@ -440,6 +440,8 @@ def peer_screen(view: ServerView, uploads: Sequence[tuple[int, float]]) -> dict[
         centre = aggregate_rows(x, torch.ones(len(holders)), RobustRule("median"))
         dist = (x - centre).norm(dim=1).tolist()
         scale = max(_median(dist), _median(x.norm(dim=1).tolist()))
+        if not scale > 0:  # most rows are zero: no scale to measure the others against
+            continue
         for c, dc in zip(holders, dist, strict=True):
             if c not in out and not dc <= k * scale:
                 out[c] = (
