@@ -148,8 +148,8 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    # the server's aggregation: robust aggregators, update clipping, magnitude sanity
-    # (``core/robust.py``): aggregator, trim, f, clip_update_norm, max_norm_ratio
+    # the server's aggregation: robust aggregators, update clipping, magnitude sanity, peer guard
+    # (``core/robust.py``): aggregator, trim, f, clip_update_norm, max_norm_ratio, peer_factor
     server: RobustRule = field(default_factory=RobustRule)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
 

@@ -4,7 +4,9 @@ The attacker (client 0) trains honestly, then replaces its upload: ``huge`` send
 value; ``flip`` sends ``broadcast - 10 x update`` (prototypes: ``-10 x`` its own). The plain mean
 does not survive either attack; the robust aggregators and clipping (``[server]``,
 ``core/robust.py``) keep accuracy near the honest run; magnitude sanity rejects the 1e30 model
-upload, and a server whose aggregate would be non-finite keeps its previous state.
+upload, and a server whose aggregate would be non-finite keeps its previous state. The peer guard
+(``server.peer_factor``, on by default) is switched off here wherever a case shows what a rule
+does alone; its own cases are in tests/test_peer_guard.py.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def test_fedavg_learns_honestly():
 
 
 def test_fedavg_plain_mean_is_destroyed_by_one_huge_upload():
-    # Magnitude sanity off: the 1e30 enters the mean, every client's next loss is non-finite.
-    assert outcome("fedavg", "huge", max_norm_ratio=0.0)["diverged"]
+    # Magnitude sanity and the peer guard off: the 1e30 enters the mean, every client's next
+    # loss is non-finite.
+    assert outcome("fedavg", "huge", max_norm_ratio=0.0, peer_factor=0.0)["diverged"]
 
 
 def test_fedavg_magnitude_sanity_rejects_the_huge_upload(caplog):
@@ -137,7 +140,7 @@ def test_fedavg_magnitude_sanity_rejects_the_huge_upload(caplog):
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )
 def test_fedavg_robust_rules_survive_the_huge_upload(server):
-    out = outcome("fedavg", "huge", max_norm_ratio=0.0, **server)
+    out = outcome("fedavg", "huge", max_norm_ratio=0.0, peer_factor=0.0, **server)
     assert out["rejected"] == [[]] * ROUNDS  # nothing rejected: the rule alone defends
     # Krum keeps one client's update per round: it learns slower even without an attack.
     slack = 0.1 if server.get("aggregator") == "krum" else 0.03
@@ -145,13 +148,14 @@ def test_fedavg_robust_rules_survive_the_huge_upload(server):
 
 
 def test_fedavg_sign_flip_x10_plain_mean_vs_robust():
-    mean = outcome("fedavg", "flip")["acc"]  # passes magnitude sanity: 10x is a plausible norm
+    # passes magnitude sanity: 10x is a plausible norm (the peer guard off: the rules alone)
+    mean = outcome("fedavg", "flip", peer_factor=0.0)["acc"]
     assert mean <= 0.2
     for aggregator in ("median", "trimmed_mean", "multi_krum"):
-        acc = outcome("fedavg", "flip", aggregator=aggregator)["acc"]
+        acc = outcome("fedavg", "flip", aggregator=aggregator, peer_factor=0.0)["acc"]
         assert acc >= honest("fedavg") - 0.05, (aggregator, acc)
     # Clipping alone bounds the damage but does not remove the wrong direction.
-    assert outcome("fedavg", "flip", clip_update_norm=1.0)["acc"] >= mean + 0.3
+    assert outcome("fedavg", "flip", clip_update_norm=1.0, peer_factor=0.0)["acc"] >= mean + 0.3
 
 
 # ---- FedTGP prototypes --------------------------------------------------------------------------
@@ -160,7 +164,7 @@ def test_fedavg_sign_flip_x10_plain_mean_vs_robust():
 def test_fedtgp_plain_mean_never_broadcasts_nan():
     # The 1e30 prototypes would make the server's prototypes non-finite: every aggregation is
     # refused and the previous (initial) state kept, so no client ever receives NaN.
-    out = outcome("fedtgp", "huge", max_norm_ratio=0.0)
+    out = outcome("fedtgp", "huge", max_norm_ratio=0.0, peer_factor=0.0)
     assert out["aggregated"] == [False] * ROUNDS
     assert robust.all_finite(out["state"])
     assert not bool(out["state"].known.any())  # the federation learned nothing from its server
@@ -172,7 +176,7 @@ def test_fedtgp_plain_mean_never_broadcasts_nan():
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )
 def test_fedtgp_robust_rules_survive_huge_prototypes(server):
-    out = outcome("fedtgp", "huge", max_norm_ratio=0.0, **server)
+    out = outcome("fedtgp", "huge", max_norm_ratio=0.0, peer_factor=0.0, **server)
     assert out["aggregated"] == [True] * ROUNDS
     assert robust.all_finite(out["state"]) and bool(out["state"].known.all())
     assert out["acc"] >= honest("fedtgp") - 0.1, (out["acc"], honest("fedtgp"))

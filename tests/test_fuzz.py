@@ -59,6 +59,7 @@ ZERO_OK = {
     "server.f": "krum tolerating no Byzantine client",
     "server.clip_update_norm": "no clipping",
     "server.max_norm_ratio": "magnitude check off",
+    "server.peer_factor": "peer guard off",
     # server optimizers: no first/second moment memory; FedAvgM has no tau at all
     "fedadagrad.beta1": "no momentum",
     "fedadagrad.beta2": "no second-moment memory",

@@ -204,6 +204,7 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         claimed = torch.zeros(c, dtype=torch.bool)
         claimed[upload.classes] = True
         robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
+        robust.note_rows(upload.protos, upload.classes, client_id)  # for the peer guard
 
     def aggregate(
         self, state: FedGHState, uploads: Sequence[Weighted[ClassMeans]], round_num: int

@@ -25,7 +25,15 @@ to norm at most the bound before aggregation.
 Magnitude sanity (``max_norm_ratio``): an upload whose update norm exceeds the ratio times the
 norm of what the server broadcast is rejected with a logged reason (``PayloadError``), before any
 aggregation. Where the server has broadcast nothing to compare with (prototypes in round 1) the
-check cannot apply; clipping and the robust aggregators still do.
+check cannot apply; clipping, the peer guard and the robust aggregators still do.
+
+Peer guard (``peer_factor = k``, on by default): after every upload passed its own checks, an
+upload far outside the round's majority is dropped with a logged reason (:func:`peer_screen`):
+a model update whose norm is more than ``k`` x the median of the round's update norms (and more
+than ``k`` x the median per training example), or a per-class row (prototype, class mean,
+logits) farther than ``k`` x its class's spread from the coordinate-wise median row of that
+class. Medians of at least 3 values: one client cannot move them outside the honest values, and
+each client is tested on its own numbers only.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ from torch import Tensor, nn
 from fedmosaic.core.payload import PayloadError
 
 AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
+# Fewer values than this (uploads in a round, holders of a class) have no majority to be
+# measured against: the peer guard does not apply to them.
+PEER_MIN = 3
 log = logging.getLogger("fedmosaic")
 
 
@@ -58,6 +69,9 @@ class RobustRule:
     clip_update_norm: float = 0.0  # > 0: every client update scaled to at most this L2 norm
     # reject an upload whose update norm exceeds this many times the broadcast's norm; 0 = off
     max_norm_ratio: float = 100.0
+    # peer guard: reject an upload more than this many times the round's median (update norm,
+    # per-class row distance) away; 0 = off. See docs/robustness.md for why 10.
+    peer_factor: float = 10.0
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATORS:
@@ -68,6 +82,7 @@ class RobustRule:
         _number("f", self.f, int)
         _number("clip_update_norm", self.clip_update_norm, float)
         _number("max_norm_ratio", self.max_norm_ratio, float)
+        _number("peer_factor", self.peer_factor, float)
         if not 0.0 <= self.trim < 0.5:
             raise ValueError(f"server.trim = {self.trim} must be in [0, 0.5)")
         if self.f < 0:
@@ -76,6 +91,8 @@ class RobustRule:
             raise ValueError(f"server.clip_update_norm = {self.clip_update_norm} must be >= 0")
         if self.max_norm_ratio < 0:
             raise ValueError(f"server.max_norm_ratio = {self.max_norm_ratio} must be >= 0")
+        if self.peer_factor < 0:
+            raise ValueError(f"server.peer_factor = {self.peer_factor} must be >= 0")
 
     @property
     def plain(self) -> bool:
@@ -103,6 +120,12 @@ class ServerView:
     round_num: int = 0  # the round being screened and aggregated (0: outside the round loop)
     # what was already said this round (a rule that does not fit is said once, not per class)
     said: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    # what each client's upload showed while it was validated, for the peer guard: its update
+    # norm (squared, summed over the parts checked) and its per-class rows (class -> [d])
+    peer_sq: dict[int, float] = field(default_factory=dict, init=False, compare=False, repr=False)
+    peer_rows: dict[int, dict[int, Tensor]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def note(self, message: str) -> None:
         """Log ``message`` once for this view (a round: a fresh view per round)."""
@@ -323,19 +346,109 @@ def update_norm(state: dict[str, Tensor], reference: dict[str, Tensor]) -> tuple
     return math.sqrt(du), math.sqrt(dr)
 
 
+def _peer_view() -> ServerView | None:
+    """The round's view where the peer guard is on (None outside the round loop: nothing kept)."""
+    view = _CURRENT.get()
+    return view if view is not None and view.rule.peer_factor > 0 else None
+
+
 def check_update(
     state: dict[str, Tensor], reference: dict[str, Tensor], client_id: int, what: str
 ) -> None:
-    """Magnitude sanity of a model upload: ``||state - reference|| <= ratio * ||reference||``."""
+    """Magnitude sanity of a model upload: ``||state - reference|| <= ratio * ||reference||``.
+
+    The update norm is also kept for the round's peer guard (:func:`peer_screen`)."""
     ratio = rule().max_norm_ratio
-    if ratio <= 0:
+    peers = _peer_view()
+    if ratio <= 0 and peers is None:
         return
     du, dr = update_norm(state, reference)
-    if dr > 0 and not du <= ratio * dr:  # ``not <=``: a NaN norm is rejected too
+    if ratio > 0 and dr > 0 and not du <= ratio * dr:  # ``not <=``: a NaN norm is rejected too
         raise PayloadError(
             f"client {client_id} {what}: update norm {du:.3g} exceeds {ratio:g} x the "
             f"broadcast's norm {dr:.3g} (server.max_norm_ratio)"
         )
+    if peers is not None:  # parts checked one by one add up to the upload's update norm
+        peers.peer_sq[client_id] = peers.peer_sq.get(client_id, 0.0) + du * du
+
+
+def note_rows(rows: Tensor, classes: Tensor, client_id: int) -> None:
+    """Keep a client's per-class vectors ``rows [k, d]`` of ``classes [k]`` for the round's peer
+    guard (:func:`peer_screen`); a no-op outside the round loop or with the guard off."""
+    peers = _peer_view()
+    if peers is None:
+        return
+    kept = peers.peer_rows.setdefault(client_id, {})
+    for j, row in zip(classes.tolist(), rows.detach().cpu().to(torch.float64), strict=True):
+        kept[int(j)] = row
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median (even count: the mean of the two middle values); NaN sorts last."""
+    s = sorted(values, key=lambda v: (math.isnan(v), v))
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def peer_screen(view: ServerView, uploads: Sequence[tuple[int, float]]) -> dict[int, str]:
+    """The uploads the peer guard rejects, with the reason: ``{client id: reason}``; empty when
+    none or the guard is off. ``uploads``: ``(client id, weight)`` of the round's uploads that
+    passed their own checks (the weight: the training examples the client reported, which the
+    round loop bounds by its partition).
+
+    Model updates: rejected where the update norm ``||w_i - w_broadcast||`` is more than ``k x``
+    the median of the round's update norms *and* the norm per training example is more than
+    ``k x`` the median per example. Clients of very different sizes take very different numbers
+    of local steps: a client with 100 x the median's data moves 100 steps' worth (an outlier by
+    norm, ordinary per example), a client with 3 examples moves one step (an outlier per
+    example, small by norm); an attacker scaling its update is an outlier by both.
+
+    Per-class rows: for each class, rejected where the row's distance to the coordinate-wise
+    median row of the holders exceeds ``k x`` the class's scale, the larger of the median
+    distance and the median row norm (so honest rows that differ among themselves, e.g. models
+    of different architectures, are measured against their own spread).
+
+    Fewer than ``PEER_MIN`` values (uploads; holders of a class) have no majority, and a median
+    of 0 (most clients did not move) no scale: the test is skipped for them. One client cannot move a median of 3 or more values outside the honest
+    ones, so an honest upload is not dropped for another client's poison; each client is tested
+    on its own numbers.
+    """
+    k = view.rule.peer_factor
+    if k <= 0 or len(uploads) < PEER_MIN:
+        return {}
+    out: dict[int, str] = {}
+    sizes = {c: max(float(w), 1.0) for c, w in uploads}  # a 0 weight counts as one example
+    ids = list(sizes)
+    norms = {c: math.sqrt(view.peer_sq[c]) for c in ids if c in view.peer_sq}
+    med = _median(list(norms.values())) if len(norms) >= PEER_MIN else 0.0
+    if med > 0:  # 0: most clients did not move, there is no scale to measure a peer against
+        per = {c: n / sizes[c] for c, n in norms.items()}
+        med_per = _median(list(per.values()))
+        for c, n in norms.items():
+            if not (n <= k * med or per[c] <= k * med_per):  # ``not <=``: NaN is rejected too
+                out[c] = (
+                    f"update norm {n:.3g} is more than {k:g} x the median {med:.3g} of the "
+                    f"round's {len(norms)} update norms, and {per[c]:.3g} per training example "
+                    f"more than {k:g} x the median {med_per:.3g} per example (server.peer_factor)"
+                )
+    rows = {c: view.peer_rows[c] for c in ids if c in view.peer_rows}
+    for j in sorted({j for r in rows.values() for j in r}):
+        holders = [c for c in rows if j in rows[c]]
+        if len(holders) < PEER_MIN:
+            continue
+        x = torch.stack([rows[c][j] for c in holders])  # [h, d] float64
+        centre = aggregate_rows(x, torch.ones(len(holders)), RobustRule("median"))
+        dist = (x - centre).norm(dim=1).tolist()
+        scale = max(_median(dist), _median(x.norm(dim=1).tolist()))
+        if not scale > 0:  # most rows are zero: no scale to measure the others against
+            continue
+        for c, dc in zip(holders, dist, strict=True):
+            if c not in out and not dc <= k * scale:
+                out[c] = (
+                    f"its class {j} row is {dc:.3g} from the median of the {len(holders)} "
+                    f"clients' rows, more than {k:g} x their scale {scale:.3g} (server.peer_factor)"
+                )
+    return out
 
 
 # ---- per-class vectors (prototypes, class means, logits) -------------------------------------
@@ -359,8 +472,10 @@ def check_rows(
 
     A row of a class the server has a global vector for must stay within ``ratio x`` the largest
     global row norm of that global (``reference [C, d]``, ``ref_known [C]``). Rows of classes
-    the server has nothing for are not bounded here (nothing to derive a bound from).
+    the server has nothing for are not bounded here (nothing to derive a bound from); every row
+    is kept for the round's peer guard, which bounds them against the other clients' rows.
     """
+    note_rows(rows, classes, client_id)  # for the peer guard, with or without a global row
     ratio = rule().max_norm_ratio
     if ratio <= 0 or not bool(ref_known.any()) or classes.numel() == 0:
         return

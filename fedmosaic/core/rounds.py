@@ -325,6 +325,17 @@ def run_rounds(
                 rejected.append(r.client_id)
                 continue
             uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
+        # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
+        # is dropped like an invalid one; nothing is dropped in an honest round, so the numbers
+        # are those without the guard.
+        far = robust.peer_screen(round_view, [(u.client_id, u.weight) for u in uploads])
+        for u in uploads:
+            if u.client_id in far:
+                log.warning(
+                    "round %d: dropped the reply of client %d: %s", t, u.client_id, far[u.client_id]
+                )
+                rejected.append(u.client_id)
+        uploads = [u for u in uploads if u.client_id not in far]
         rec["rejected"] = rejected
         for u in uploads:
             for k, v in algo.upload_metrics(u.payload).items():

@@ -200,6 +200,9 @@ def test_all_finite_walks_server_states():
         ({"clip_update_norm": -1.0}, "server.clip_update_norm = -1.0 must be >= 0"),
         ({"clip_update_norm": math.inf}, "server.clip_update_norm = inf must be a finite"),
         ({"max_norm_ratio": "big"}, "server.max_norm_ratio = 'big' has type str"),
+        ({"peer_factor": -1.0}, "server.peer_factor = -1.0 must be >= 0"),
+        ({"peer_factor": math.nan}, "server.peer_factor = nan must be a finite number"),
+        ({"peer_factor": math.inf}, "server.peer_factor = inf must be a finite number"),
         ({"bogus": 1}, "unknown key 'server.bogus'"),
     ],
 )

@@ -6,7 +6,8 @@ wire. 10 IID digits clients, cnn1, 8 rounds (the simulator's cases in tests/test
 FedAvg: magnitude sanity (the default) rejects the reply with a logged reason; with it off the
 plain mean diverges, the median and the trimmed mean survive. FedTGP prototypes: the plain mean's
 aggregate would be non-finite, so every aggregation is refused (logged) and no NaN is broadcast;
-the median survives.
+the median survives. The peer guard (on by default) is switched off wherever a case shows what a
+rule does alone; its own Flower cases are in test_flower_peer_guard.py.
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ def test_fedavg_magnitude_sanity_rejects_the_hostile_reply_with_a_logged_reason(
 
 
 def test_fedavg_plain_mean_without_sanity_diverges(outcome):
-    assert outcome("fedavg", True, max_norm_ratio=0.0)["diverged"]
+    assert outcome("fedavg", True, max_norm_ratio=0.0, peer_factor=0.0)["diverged"]
 
 
 @pytest.mark.parametrize("aggregator", ["median", "trimmed_mean"])
 def test_fedavg_robust_aggregators_survive_without_sanity(outcome, aggregator):
-    out = outcome("fedavg", True, max_norm_ratio=0.0, aggregator=aggregator)
+    out = outcome("fedavg", True, max_norm_ratio=0.0, peer_factor=0.0, aggregator=aggregator)
     assert [r["rejected"] for r in out["rounds"]] == [[]] * ROUNDS  # the rule alone defends
     assert all(r["aggregated"] for r in out["rounds"])
     assert out["acc"] >= outcome("fedavg", False)["acc"] - 0.03, out["acc"]
@@ -139,12 +140,12 @@ def test_fedavg_robust_aggregators_survive_without_sanity(outcome, aggregator):
 
 # ---- FedTGP: prototypes of 1e30 ---------------------------------------------------------------
 def test_fedtgp_plain_mean_refuses_every_non_finite_aggregate(outcome):
-    out = outcome("fedtgp", True, max_norm_ratio=0.0)
+    out = outcome("fedtgp", True, max_norm_ratio=0.0, peer_factor=0.0)
     assert [r["aggregated"] for r in out["rounds"]] == [False] * ROUNDS
     assert out["log"].count("the new server state has NaN or Inf values") == ROUNDS
 
 
 def test_fedtgp_median_survives_huge_prototypes(outcome):
-    out = outcome("fedtgp", True, max_norm_ratio=0.0, aggregator="median")
+    out = outcome("fedtgp", True, max_norm_ratio=0.0, peer_factor=0.0, aggregator="median")
     assert [r["aggregated"] for r in out["rounds"]] == [True] * ROUNDS
     assert out["acc"] >= outcome("fedtgp", False)["acc"] - 0.1
