@@ -314,3 +314,34 @@ def test_a_forged_checkpoint_with_huge_weights_is_refused(tmp_path: Path, monkey
     with pytest.raises(CheckpointError, match=f"{path}: tensor '{key}' holds 1e\\+30"):
         run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
     assert path.read_bytes() == before
+
+
+def test_a_later_key_at_its_old_behaviour_keeps_stored_hashes() -> None:
+    """``server.peer_factor`` came after the committed cells and checkpoints: at its default
+    (which drops no honest upload) a config hashes as one recorded without the key, so stored
+    cells are not re-run and checkpoints still resume; another value is another config."""
+    from fedmosaic.checkpoint import config_hash
+
+    cfg = from_dict(tiny_raw()).to_dict()
+    assert cfg["server"]["peer_factor"] == 10.0
+    old = json.loads(json.dumps(cfg))
+    del old["server"]["peer_factor"]
+    assert config_hash(cfg) == config_hash(old)
+    cfg["server"]["peer_factor"] = 0.0
+    assert config_hash(cfg) != config_hash(old)
+
+
+def test_committed_cells_keep_their_config_hashes() -> None:
+    """A committed cell's config, rebuilt by today's code, hashes as the stored one (else
+    ``compare`` would run every committed cell again)."""
+    from fedmosaic.checkpoint import config_hash
+    from fedmosaic.compare import build_cells, load_suite
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "results" / "converged"
+    doc = json.loads(
+        (root / "fedgh_table3/cells/pathological/fedgh/seed0/results.json").read_text()
+    )
+    (cell,) = build_cells(
+        load_suite("fedgh_table3"), converged=True, methods=["fedgh"], seeds=[0], check=False
+    )
+    assert cell.hash == config_hash(doc["config"])
