@@ -367,3 +367,17 @@ def test_every_accuracy_row_has_a_power_column() -> None:
             c = j["comparison"]
             if c.metric in claims.ACCURACY_METRICS and j["diff"]["n"] >= 2:
                 assert j["power"]["delta"] is not None and j["resolution"]["test_images"] > 0
+
+
+def test_a_verdict_from_less_than_the_papers_budget_says_so() -> None:
+    """Reduced data or fewer rounds than the suite's paper_rounds: "... at this budget"; the full
+    data at the paper's rounds, and costs, are verdicts without it."""
+    c = Comparison("layer_expansion", "dir01", "fedseq_vanilla", "fedbabu")  # paper: 100 rounds
+    assert claims.reduced_budget(c, {"fraction": [0.25], "rounds": [100]})
+    assert claims.reduced_budget(c, {"fraction": [1.0], "rounds": [60]})
+    assert not claims.reduced_budget(c, {"fraction": [1.0], "rounds": [100]})
+    cost = Comparison("layer_expansion", "dir01", "m", "b", relation="lower", metric="paper_cost_g")
+    assert not claims.reduced_budget(cost, {"fraction": [0.25], "rounds": []})
+    (tgp,) = [r for r in claims.evaluate() if r["claim"].key == "fedtgp"]
+    for j in tgp["comparisons"]:  # 5% of the data: nothing on this page refutes the paper itself
+        assert not j["verdict"].startswith(FAILS) or j["verdict"].endswith(claims.AT_THIS_BUDGET)
