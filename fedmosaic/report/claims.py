@@ -698,6 +698,9 @@ def judge(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]]) -> d
     pw = power(c, d)
     if label == INCONCLUSIVE and pw["delta"] is not None:
         label += f": needs {needs_text(pw, d['n'])}"
+        gap = None if c.paper is None else c.paper[0] - c.paper[1]
+        if c.relation == "above" and gap is not None and gap > 0 and d["mean"] + d["ci95"] < gap:
+            label += f"; the paper's gap (+{gap:.2f}) is above the interval"
     return {
         "comparison": c,
         "seeds": seeds,
@@ -739,8 +742,14 @@ def paired_seeds(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]
 
 
 def claim_verdict(verdicts: Sequence[str]) -> str:
-    """The weakest of a claim's comparison verdicts ("not run" if any is)."""
-    if not verdicts or any(v == "not run" for v in verdicts):
+    """The weakest of a claim's comparison verdicts. A claim is a conjunction: one comparison
+    that does not hold settles it even with others not run yet; otherwise a missing one leaves
+    the claim "not run"."""
+    ran = [v for v in verdicts if v != "not run"]
+    failed = [v for v in ran if v.startswith(FAILS)]
+    if failed:
+        return failed[0] if all(v == failed[0] for v in failed) else FAILS
+    if not verdicts or len(ran) < len(verdicts):
         return "not run (cells missing)"
     worst = min(verdicts, key=lambda v: RANK[next(k for k in RANK if v.startswith(k))])
     if worst.startswith((NOT_COMPARABLE, INCONCLUSIVE + ":")):  # the rows give the details

@@ -381,3 +381,24 @@ def test_a_verdict_from_less_than_the_papers_budget_says_so() -> None:
     (tgp,) = [r for r in claims.evaluate() if r["claim"].key == "fedtgp"]
     for j in tgp["comparisons"]:  # 5% of the data: nothing on this page refutes the paper itself
         assert not j["verdict"].startswith(FAILS) or j["verdict"].endswith(claims.AT_THIS_BUDGET)
+
+
+def test_a_claim_is_a_conjunction() -> None:
+    """One comparison that does not hold settles the claim, cells missing elsewhere or not; a
+    missing one otherwise leaves it not run."""
+    budget = FAILS + claims.AT_THIS_BUDGET
+    assert claims.claim_verdict([budget, "not run", HOLDS]) == budget
+    assert claims.claim_verdict([budget, FAILS]) == FAILS
+    assert claims.claim_verdict([HOLDS, "not run"]) == "not run (cells missing)"
+    assert claims.claim_verdict([]) == "not run (cells missing)"
+
+
+def test_an_inconclusive_row_says_when_the_interval_excludes_the_papers_gap() -> None:
+    c = Comparison("x", "s", "m", "b", paper=(95.0, 90.0))  # the paper: +5
+    j = claims.judge(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))  # +2 [-0.48, +4.48]
+    assert j["verdict"].endswith("; the paper's gap (+5.00) is above the interval")
+    wide = Comparison("x", "s", "m", "b", paper=(94.0, 90.0))  # +4: inside the interval
+    assert (
+        "above the interval"
+        not in claims.judge(wide, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))["verdict"]
+    )
