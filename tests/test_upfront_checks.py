@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_raw, write_toml
 
-from fedmosaic import compare
+from fedmosaic import runfolder
 from fedmosaic.cli import main
 from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError, from_dict
@@ -26,14 +26,13 @@ NO_PUBLIC = {"synthetic_shape": [1, 16, 16], "public_size": 0}
 def ran(monkeypatch) -> list[str]:
     """The runs that started (none may start when a later one is refused)."""
     started: list[str] = []
-    real = compare.run_experiment
+    real = runfolder.run_experiment  # every run (fedmosaic run, compare cells) starts there
 
     def spy(cfg, *args, **kwargs):
         started.append(cfg.algorithm["name"])
         return real(cfg, *args, **kwargs)
 
-    monkeypatch.setattr(compare, "run_experiment", spy)
-    monkeypatch.setattr("fedmosaic.cli.run_experiment", spy)
+    monkeypatch.setattr(runfolder, "run_experiment", spy)
     return started
 
 
