@@ -321,9 +321,8 @@ class RunFolder:
             started = True
             sinks(rec)
 
-        closed = False
         try:
-            return run_experiment(
+            doc = run_experiment(
                 cfg,
                 progress=progress,
                 on_round=on_round,
@@ -334,14 +333,12 @@ class RunFolder:
                 extend=extend,
             )
         except BaseException:
+            sinks.close()
             if not started and not start.keep:  # failed before any round: leave it as it was
-                sinks.close()
-                closed = True
                 self._remove_new(before)
             raise
-        finally:
-            if not closed:
-                sinks.close()
+        sinks.close()
+        return doc
 
     def finish(self, doc: dict[str, Any], *, keep_final: bool = False) -> None:
         """Write the results (``results.json`` renamed last: a failed write keeps the previous

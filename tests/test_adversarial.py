@@ -13,44 +13,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from functools import cache
 from typing import Any
 
 import pytest
 import torch
+from _attack import ATTACKER, Poison, attacked_run
 from conftest import tiny_raw
 
 from fedmosaic.algorithms._shared import SharedState
-from fedmosaic.config import from_dict
 from fedmosaic.core import robust
-from fedmosaic.core.rounds import Diverged, run_rounds
-from fedmosaic.federation import build_federation
-from fedmosaic.sim.simulator import SimTransport
 
 ROUNDS = 8
-ATTACKER = 0
 
 
-class Attacker(SimTransport):
-    """Client ``ATTACKER`` replaces its trained upload by a poisoned one."""
+def poisoner(attack: str) -> Poison | None:
+    """``huge``: 1e30 everywhere; ``flip``: ``broadcast - 10 x update`` (prototypes: ``-10 x``)."""
+    if attack == "none":
+        return None
 
-    attack = "none"
+    def poison(round_num: int, up: Any, sent: Any) -> Any:
+        if isinstance(up, SharedState):
+            return dataclasses.replace(up, state=poison_state(up.state, sent.state, attack))
+        p = torch.full_like(up.protos, 1e30) if attack == "huge" else -10 * up.protos
+        return dataclasses.replace(up, protos=p)
 
-    def fit(self, round_num, messages):
-        out = super().fit(round_num, messages)
-        for r in out:
-            if self.attack == "none" or r.client_id != ATTACKER or r.upload is None:
-                continue
-            up, msg = r.upload, messages[r.client_id]
-            if isinstance(up, SharedState):
-                r.upload = dataclasses.replace(
-                    up, state=poison_state(up.state, msg.state, self.attack)
-                )
-            else:  # prototypes
-                p = torch.full_like(up.protos, 1e30) if self.attack == "huge" else -10 * up.protos
-                r.upload = dataclasses.replace(up, protos=p)
-        return out
+    return poison
 
 
 def poison_state(state: dict, sent: dict, attack: str) -> dict:
@@ -84,23 +72,7 @@ def raw(name: str, server: dict[str, Any]) -> dict[str, Any]:
 @cache
 def outcome(name: str, attack: str, **server: Any) -> dict[str, Any]:
     """Final accuracy (NaN if the run diverged), rejections, refusals and the final state."""
-    fed = build_federation(from_dict(raw(name, server)))
-    t = Attacker(
-        fed.algo, fed.models, fed.extras, fed.clients, fed.settings, fed.cfg.seed,
-        fed.cfg.train.local_epochs,
-    )  # fmt: skip
-    t.attack = attack
-    try:
-        history, state = run_rounds(fed.algo, fed.spec, t, fed.plan)
-    except Diverged:
-        return {"acc": math.nan, "diverged": True}
-    return {
-        "acc": history.rounds[-1]["acc_weighted"],
-        "rejected": [r["rejected"] for r in history.rounds],
-        "aggregated": [r["aggregated"] for r in history.rounds],
-        "state": state,
-        "diverged": False,
-    }
+    return attacked_run(raw(name, server), poisoner(attack))
 
 
 def honest(name: str) -> float:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _attack import ATTACKER, Poison, attacked_run
 from conftest import numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
@@ -26,13 +27,9 @@ from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.config import from_dict
 from fedmosaic.core import robust
 from fedmosaic.core.robust import RobustRule, ServerView
-from fedmosaic.core.rounds import Diverged, run_rounds
 from fedmosaic.experiment import run_experiment
-from fedmosaic.federation import build_federation
-from fedmosaic.sim.simulator import SimTransport
 
 ROUNDS = 6
-ATTACKER = 0
 TOLERANCE = 0.02  # the issue's "within 2 points of the honest run"
 
 
@@ -140,23 +137,20 @@ def test_nothing_is_kept_outside_the_round_loop():
 # ---- issue 23's single attacker, end to end --------------------------------------------------
 
 
-class Attacker(SimTransport):
-    """Client ``ATTACKER`` replaces its trained upload by a poisoned one (``attack``)."""
+def poisoner(attack: str) -> Poison | None:
+    """Model uploads: ``poison_state``; prototypes: 1e30 (``huge``), in round 1 only
+    (``huge_round1``)."""
+    if attack == "none":
+        return None
 
-    attack = "none"
+    def poison(round_num: int, up: Any, sent: Any) -> Any:
+        if isinstance(up, SharedState):
+            return dataclasses.replace(up, state=poison_state(up.state, sent.state, attack))
+        if attack == "huge" or (attack == "huge_round1" and round_num == 1):
+            return dataclasses.replace(up, protos=torch.full_like(up.protos, 1e30))
+        return up
 
-    def fit(self, round_num, messages):
-        out = super().fit(round_num, messages)
-        for r in out:
-            if self.attack == "none" or r.client_id != ATTACKER or r.upload is None:
-                continue
-            up = r.upload
-            if isinstance(up, SharedState):
-                state = poison_state(up.state, messages[r.client_id].state, self.attack)
-                r.upload = dataclasses.replace(up, state=state)
-            elif self.attack == "huge" or (self.attack == "huge_round1" and round_num == 1):
-                r.upload = dataclasses.replace(up, protos=torch.full_like(up.protos, 1e30))
-        return out
+    return poison
 
 
 def poison_state(state: dict, sent: dict, attack: str) -> dict:
@@ -190,23 +184,7 @@ def raw(name: str, server: dict[str, Any]) -> dict[str, Any]:
 @cache
 def outcome(name: str, attack: str, **server: Any) -> dict[str, Any]:
     """Final accuracy (``diverged`` if the round loop gave up), rejections, aggregations."""
-    fed = build_federation(from_dict(raw(name, server)))
-    t = Attacker(
-        fed.algo, fed.models, fed.extras, fed.clients, fed.settings, fed.cfg.seed,
-        fed.cfg.train.local_epochs,
-    )  # fmt: skip
-    t.attack = attack
-    try:
-        history, state = run_rounds(fed.algo, fed.spec, t, fed.plan)
-    except Diverged:
-        return {"diverged": True}
-    return {
-        "diverged": False,
-        "acc": history.rounds[-1]["acc_weighted"],
-        "rejected": [r["rejected"] for r in history.rounds],
-        "aggregated": [r["aggregated"] for r in history.rounds],
-        "state": state,
-    }
+    return attacked_run(raw(name, server), poisoner(attack))
 
 
 def honest(name: str) -> float:

@@ -195,7 +195,7 @@ def _krum_from_distances(d2: Tensor, f: int) -> Tensor:
         return torch.zeros(1, dtype=torch.float64)
     # Fewer contributions than Krum needs (k <= 2f + 2: clients dropped, a class few clients
     # hold): the scores use what there is, and the round says so (never silently).
-    closest = min(max(1, k - f - 2), k - 1)
+    closest = krum_neighbours(k, f)
     others = d2 + torch.diag(torch.full((k,), math.inf, dtype=d2.dtype))  # not itself
     return others.sort(1).values[:, :closest].sum(1)
 
@@ -213,6 +213,12 @@ def trim_count(k: int, trim: float) -> int:
     return min(math.floor(trim * k + 1e-9), (k - 1) // 2)
 
 
+def krum_neighbours(k: int, f: int) -> int:
+    """The nearest others each of ``k`` contributions is scored on: ``k - f - 2``, at least 1
+    and at most ``k - 1`` (fewer contributions than Krum needs still give a score)."""
+    return min(max(1, k - f - 2), k - 1)
+
+
 def largest_f(k: int) -> int:
     """The largest ``f`` Krum and multi-Krum accept for ``k`` contributions (``k > 2f + 2``;
     negative: none, fewer than 3 contributions)."""
@@ -228,7 +234,7 @@ def _say_if_unfit(k: int, r: RobustRule) -> None:
     """A rule that does not fit the ``k`` contributions in hand (fewer than planned) is applied
     as well as it can be and said once per round; the federation keeps going."""
     if r.aggregator in ("krum", "multi_krum") and r.f > largest_f(k):
-        closest = min(max(1, k - r.f - 2), k - 1)
+        closest = krum_neighbours(k, r.f)
         kept = max(1, k - r.f) if r.aggregator == "multi_krum" else 1
         done = (
             f"scored each on its {closest} nearest other(s) and kept {kept}"
@@ -409,9 +415,9 @@ def peer_screen(view: ServerView, uploads: Sequence[tuple[int, float]]) -> dict[
     of different architectures, are measured against their own spread).
 
     Fewer than ``PEER_MIN`` values (uploads; holders of a class) have no majority, and a median
-    of 0 (most clients did not move) no scale: the test is skipped for them. One client cannot move a median of 3 or more values outside the honest
-    ones, so an honest upload is not dropped for another client's poison; each client is tested
-    on its own numbers.
+    of 0 (most clients did not move) no scale: the test is skipped for them. One client cannot
+    move a median of 3 or more values outside the honest ones, so an honest upload is not
+    dropped for another client's poison; each client is tested on its own numbers.
     """
     k = view.rule.peer_factor
     if k <= 0 or len(uploads) < PEER_MIN:

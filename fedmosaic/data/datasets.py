@@ -805,8 +805,7 @@ def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
 # Up to STATS_DIRECT_PIXELS the statistics are computed as they always were (their float64
 # rounding kept, peak ~16 bytes a pixel); above it from exact per-channel byte histograms, a
 # chunk of images at a time, so a large dataset costs no float64 copy of itself. A chunk is
-# _CHUNK_PIXELS pixels (~32 MiB of float64); config.synthetic_memory counts both.
-_CHUNK_PIXELS = CHUNK_PIXELS
+# CHUNK_PIXELS pixels (~32 MiB of float64); config.synthetic_memory counts both.
 
 
 def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -822,7 +821,7 @@ def _channel_stats_bounded(images: torch.Tensor) -> tuple[tuple[float, ...], tup
     """:func:`_channel_stats` from byte counts: exact sums, one rounding, bounded memory."""
     n, c = int(images.shape[0]), int(images.shape[1])
     per_image = max(1, math.prod(images.shape[1:]))
-    rows = max(1, _CHUNK_PIXELS // per_image)
+    rows = max(1, CHUNK_PIXELS // per_image)
     counts = np.zeros((c, 256), dtype=np.int64)
     for start in range(0, n, rows):
         chunk = images[start : start + rows].numpy()
@@ -875,7 +874,7 @@ def _synthetic(
     # A chunk of images at a time: the float64 noise (the numbers as one draw would give them:
     # the generator's stream does not depend on how it is split) is never held for all images.
     images = np.empty((size, c, h, w), dtype=np.uint8)  # [N, C, H, W]
-    rows = max(1, _CHUNK_PIXELS // (c * h * w))
+    rows = max(1, CHUNK_PIXELS // (c * h * w))
     for start in range(0, size, rows):
         lab = labels[start : start + rows]
         protos = coarse[lab].repeat(-(-h // gh), axis=2).repeat(-(-w // gw), axis=3)[:, :, :h, :w]

@@ -455,18 +455,23 @@ def param_counts(doc: dict[str, Any]) -> tuple[int, ...] | None:
     num_classes = len(clients[0]["train_label_counts"])
     key = json.dumps([model, projection, shape, num_classes, len(clients)], sort_keys=True)
     if key not in _COUNTS:
-        members = family_members(model["family"])
         out = []
-        with torch.device("meta"):  # shapes only: nothing allocated
-            for cid in range(len(clients)):
-                m = build_client_model(
-                    members[cid % len(members)],
-                    shape,
-                    num_classes,
-                    int(model["feature_dim"]),
-                    projection=projection,
-                )
-                out.append(sum(p.numel() for p in m.parameters()))
+        try:
+            members = family_members(model["family"])
+            with torch.device("meta"):  # shapes only: nothing allocated
+                for cid in range(len(clients)):
+                    m = build_client_model(
+                        members[cid % len(members)],
+                        shape,
+                        num_classes,
+                        int(model["feature_dim"]),
+                        projection=projection,
+                    )
+                    out.append(sum(p.numel() for p in m.parameters()))
+        except (KeyError, TypeError, ValueError) as exc:  # a damaged cell: name it, no traceback
+            raise ValueError(
+                f"a cell's stored model config {model!r} cannot be rebuilt ({exc!r})"
+            ) from exc
         _COUNTS[key] = tuple(out)
     return _COUNTS[key]
 

@@ -11,7 +11,6 @@ attacker). The synthetic federation of tests/test_peer_guard.py: 10 IID clients,
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import pytest
@@ -19,55 +18,27 @@ from conftest import tiny_raw
 
 pytest.importorskip("flwr")
 
+from _hostile import ATTACKER, grid_run  # noqa: E402
 from flwr.app import Array  # noqa: E402
-
-from fedmosaic.flower import messages as m  # noqa: E402
-from fedmosaic.flower.app import client_app, run_server  # noqa: E402
-from fedmosaic.flower.codec import ARRAYS  # noqa: E402
-from fedmosaic.flower.local import FIRST_NODE_ID, LocalGrid  # noqa: E402
 
 N = 10
 ROUNDS = 5
-ATTACKER = 0
-HOSTILE_NODE = FIRST_NODE_ID + ATTACKER  # node configs are listed in partition order
 TOLERANCE = 0.02
 
 
-def hostile(attack: str):
-    """The real ClientApp, except that the hostile node's train replies are rewritten."""
+def rewrite(attack: str):
+    """``scale50``: the update x 50; ``huge_round1``: 1e30 in round 1 only."""
 
-    def app(msg, context):
-        reply = client_app(msg, context)
-        if (
-            context.node_id != HOSTILE_NODE
-            or msg.metadata.message_type != m.FIT
-            or reply.has_error()
-        ):
-            return reply
-        sent = msg.content.array_records[ARRAYS]
-        arrays = reply.content.array_records[ARRAYS]
-        first = m.header(msg.content)["round"] == 1
-        for name, arr in list(arrays.items()):
-            if not arr.dtype.startswith("float"):
-                continue
-            x = arr.numpy()
-            if attack == "scale50":
-                s = sent[name].numpy()
-                arrays[name] = Array((s + 50 * (x - s)).astype(x.dtype))
-            elif attack == "huge_round1" and first:
-                arrays[name] = Array(x * 0 + 1e30)
-        return reply
+    def arrays(name: str, arr: Array, sent: Array, round_num: int) -> Array | None:
+        x = arr.numpy()
+        if attack == "scale50":
+            s = sent.numpy()
+            return Array((s + 50 * (x - s)).astype(x.dtype))
+        if attack == "huge_round1" and round_num == 1:
+            return Array(x * 0 + 1e30)
+        return None
 
-    return app
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+    return None if attack == "none" else arrays
 
 
 _RUNS: dict[str, dict[str, Any]] = {}
@@ -93,25 +64,14 @@ def outcome(tmp_path_factory):
                 train={"rounds": ROUNDS},
                 server=server,
             )
-            rc = {
-                "experiment": json.dumps(experiment),
-                "results-dir": str(tmp_path_factory.mktemp("guard") / "results"),
-            }
-            nodes = [{"partition-id": i, "num-partitions": N} for i in range(N)]
-            grid = LocalGrid(hostile(attack), nodes, rc)
-            logs = _Collect()
-            logger = logging.getLogger("fedmosaic")
-            logger.addHandler(logs)
-            try:
-                doc = run_server(grid, rc)
-            finally:
-                logger.removeHandler(logs)
-            rounds = doc["rounds"]
+            results = tmp_path_factory.mktemp("guard") / "results"
+            out = grid_run(experiment, rewrite(attack), results, N)
+            rounds = out["rounds"]
             _RUNS[key] = {
                 "acc": rounds[-1]["acc_weighted"],
                 "rejected": [r["rejected"] for r in rounds],
                 "aggregated": [r["aggregated"] for r in rounds],
-                "log": "\n".join(logs.lines),
+                "log": out["log"],
             }
         return _RUNS[key]
 

@@ -13,7 +13,6 @@ rule does alone; its own Flower cases are in test_flower_peer_guard.py.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import pytest
@@ -22,33 +21,16 @@ from conftest import tiny_raw
 pytest.importorskip("flwr")
 
 import numpy as np  # noqa: E402
+from _hostile import ATTACKER, grid_run  # noqa: E402
 from flwr.app import Array  # noqa: E402
-
-from fedmosaic.core.rounds import Diverged  # noqa: E402
-from fedmosaic.flower import messages as m  # noqa: E402
-from fedmosaic.flower.app import client_app, run_server  # noqa: E402
-from fedmosaic.flower.codec import ARRAYS  # noqa: E402
-from fedmosaic.flower.local import FIRST_NODE_ID, LocalGrid  # noqa: E402
 
 N = 10
 ROUNDS = 8
-ATTACKER = 0  # the partition the hostile node serves
-HOSTILE_NODE = FIRST_NODE_ID + ATTACKER  # node configs are listed in partition order
 
 
-def hostile_app(msg, context):
-    """The real ClientApp, except that the hostile node's train replies carry 1e30."""
-    reply = client_app(msg, context)
-    if (
-        context.node_id == HOSTILE_NODE
-        and msg.metadata.message_type == m.FIT
-        and not reply.has_error()
-    ):
-        arrays = reply.content.array_records[ARRAYS]
-        for name, arr in list(arrays.items()):
-            if arr.dtype.startswith("float"):
-                arrays[name] = Array(np.full(arr.shape, 1e30, dtype=arr.dtype))
-    return reply
+def huge(name: str, arr: Array, sent: Array, round_num: int) -> Array:
+    """Every floating array of the hostile node's train reply: 1e30."""
+    return Array(np.full(arr.shape, 1e30, dtype=arr.dtype))
 
 
 def experiment(name: str, server: dict[str, Any]) -> dict[str, Any]:
@@ -66,15 +48,6 @@ def experiment(name: str, server: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 _RUNS: dict[str, dict[str, Any]] = {}
 
 
@@ -86,25 +59,8 @@ def outcome(tmp_path_factory):
     def run(name: str, attacked: bool, **server: Any) -> dict[str, Any]:
         key = json.dumps([name, attacked, server], sort_keys=True)
         if key not in _RUNS:
-            rc = {
-                "experiment": json.dumps(experiment(name, server)),
-                "results-dir": str(tmp_path_factory.mktemp("poison") / "results"),
-            }
-            nodes = [{"partition-id": i, "num-partitions": N} for i in range(N)]
-            grid = LocalGrid(hostile_app if attacked else client_app, nodes, rc)
-            logs = _Collect()
-            logger = logging.getLogger("fedmosaic")
-            logger.addHandler(logs)
-            try:
-                doc = run_server(grid, rc)
-                rounds = doc["rounds"]
-                out = {"diverged": False, "acc": rounds[-1]["acc_weighted"], "rounds": rounds}
-            except Diverged:
-                out = {"diverged": True}
-            finally:
-                logger.removeHandler(logs)
-            out["log"] = "\n".join(logs.lines)
-            _RUNS[key] = out
+            results = tmp_path_factory.mktemp("poison") / "results"
+            _RUNS[key] = grid_run(experiment(name, server), huge if attacked else None, results, N)
         return _RUNS[key]
 
     return run

@@ -402,3 +402,12 @@ def test_an_inconclusive_row_says_when_the_interval_excludes_the_papers_gap() ->
         "above the interval"
         not in claims.judge(wide, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))["verdict"]
     )
+
+
+def test_a_cell_whose_model_cannot_be_rebuilt_is_one_line_not_a_traceback() -> None:
+    doc = {
+        "config": {"data": {"dataset": "fmnist"}, "model": {"family": "nope", "feature_dim": 8}},
+        "clients": [{"train_label_counts": [1] * 10}],
+    }
+    with pytest.raises(ValueError, match="stored model config .* cannot be rebuilt"):
+        claims.param_counts(doc)
