@@ -59,7 +59,7 @@ NEUTRAL_KEYS = ("sim.progress", "sim.wandb", "sim.offload_clients")
 # Keys added after configs were first recorded, with the value that reproduces the results of the
 # configs recorded without them: at that value they are left out of the fingerprint, so stored
 # checkpoints and compare cells (docs/results) keep their hashes. The peer guard at its default
-# drops no honest upload (tests/test_peer_guard.py: bitwise the numbers of the guard off).
+# changes no number where it drops nothing (tests/test_peer_guard.py: bitwise the guard off).
 LATER_KEYS: dict[str, Any] = {"server.peer_factor": 10.0}
 
 

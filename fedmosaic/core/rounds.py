@@ -326,8 +326,9 @@ def run_rounds(
                 continue
             uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
         # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
-        # is dropped like an invalid one; nothing is dropped in an honest round, so the numbers
-        # are those without the guard.
+        # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
+        # drop nothing (so their numbers are those without the guard), but a late straggler can
+        # be dropped (docs/robustness.md); claims treat a cell that dropped a reply as unfair.
         far = robust.peer_screen(round_view, [(u.client_id, u.weight) for u in uploads])
         for u in uploads:
             if u.client_id in far:

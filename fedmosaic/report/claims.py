@@ -517,7 +517,22 @@ def pair_problems(c: Comparison, a: dict[str, Any], b: dict[str, Any]) -> list[s
             out.append(f"algorithm.{k} {va!r} vs {vb!r}")
     for label, doc in ((c.method, a), (c.baseline, b)):
         out += definition_problems(c.suite, label, doc)
+        out += guard_problems(label, doc)
     return out
+
+
+def guard_problems(label: str, doc: dict[str, Any]) -> list[str]:
+    """Where the peer guard (``server.peer_factor``) dropped replies in a cell: an honest run
+    that lost a client's update is not the paper's method (its numbers are those of the guard
+    off only when nothing was dropped). The cure is a re-run with ``server.peer_factor = 0``."""
+    rounds = [r.get("round") for r in doc.get("rounds", []) if r.get("rejected")]
+    if not rounds:
+        return []
+    shown = ", ".join(str(t) for t in rounds[:5]) + (", ..." if len(rounds) > 5 else "")
+    return [
+        f"{label}'s run dropped replies in round(s) {shown} (server.peer_factor): re-run it with "
+        "server.peer_factor = 0"
+    ]
 
 
 _SUITES: dict[str, Any] = {}

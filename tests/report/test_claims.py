@@ -309,6 +309,21 @@ def test_pair_problems_name_every_unfair_difference() -> None:
     ]
 
 
+def test_a_cell_whose_peer_guard_dropped_an_honest_reply_is_not_comparable() -> None:
+    """The guard dropped an honest straggler (seen on FedGH's full-data LG-FedAvg, round 57):
+    that cell is no longer the paper's method, so its pair is not judged."""
+    c = Comparison("x", "s", "m", "b")
+    base, other = _cfg_doc(0.9), _cfg_doc(0.8)
+    base["rounds"] = [{"round": 1, "rejected": []}, {"round": 2, "rejected": []}]
+    other["rounds"] = [{"round": t, "rejected": [0] if t in (3, 57) else []} for t in range(1, 60)]
+    assert claims.pair_problems(c, base, _cfg_doc(0.8)) == []
+    (msg,) = claims.pair_problems(c, base, other)
+    assert msg == (
+        "b's run dropped replies in round(s) 3, 57 (server.peer_factor): re-run it with "
+        "server.peer_factor = 0"
+    )
+
+
 def test_an_unfair_pair_is_not_judged() -> None:
     c = Comparison("x", "s", "m", "b")
     cells = {}
