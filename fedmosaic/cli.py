@@ -1,4 +1,4 @@
-"""Command line: ``fedmosaic run | compare | list | partition``."""
+"""Command line: ``fedmosaic run | compare | list | partition | flower``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from fedmosaic.checkpoint import FILENAME
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
+    DataConfig,
     ExperimentConfig,
     add_plugins,
     load,
@@ -32,6 +33,7 @@ from fedmosaic.config import (
 from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
 from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
+from fedmosaic.data.datasets import where_on_disk
 from fedmosaic.federation import check_runs
 from fedmosaic.flower.project import write_app
 from fedmosaic.models import build_client_model, count_params, flops_per_image
@@ -204,10 +206,37 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif what == "suites":
         print("\n".join(bundled_suites()))
     elif what == "datasets":
-        print("\n".join(DATASETS.names()))
+        print(format_datasets())
     elif what == "partitioners":
         print("\n".join(PARTITIONERS.names()))
     return 0
+
+
+def _dataset_status(name: str) -> tuple[str, str]:
+    """(on disk, where) for ``fedmosaic list datasets``: the loaders' own search (data.root
+    unset: $FEDMOSAIC_DATA, the system folders, the download cache), nothing read."""
+    if name == "digits":
+        return "yes", "bundled with scikit-learn"
+    if name == "synthetic":
+        return "yes", "generated (data.synthetic_*; no files)"
+    if name == "hf":
+        return "-", "reads data.root (a local Hugging Face / flwr-datasets dataset)"
+    found = where_on_disk(name, DataConfig())
+    if found is None:
+        return "-", "a plugin's dataset (its own loader decides)"
+    present = {k: v for k, v in found.items() if v is not None}
+    if not present:
+        return "no", "set data.root or $FEDMOSAIC_DATA to its folder, or data.download = true"
+    where = ", ".join(str(v) if k == name else f"{k}: {v}" for k, v in present.items())
+    missing = [k for k in found if k not in present]
+    return "yes", where + (f" (not found: {', '.join(missing)})" if missing else "")
+
+
+def format_datasets() -> str:
+    """Every registered dataset, whether its files are on this machine, and where."""
+    rows = [("dataset", "on disk", "where"), *((n, *_dataset_status(n)) for n in DATASETS.names())]
+    w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
+    return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows)
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -239,14 +268,21 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _logging_options() -> argparse.ArgumentParser:
+SET_HELP = (
+    "override one config key, e.g. train.rounds=50 or data.subsample=0.1 (repeatable; "
+    "every key: docs/reference/config.md)"
+)
+
+
+def _logging_options(quiet: bool) -> argparse.ArgumentParser:
+    """--log-level, --log-file and --plugin; ``quiet``: the command also has --quiet."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=None,
-        help="default: info (one line per round when stderr is not a terminal); "
-        "warning with --quiet",
+        help="default: info (one line per round when stderr is not a terminal)"
+        + ("; warning with --quiet" if quiet else ""),
     )
     common.add_argument("--log-file", metavar="PATH", help="also write the log to this file")
     _plugin_option(common)
@@ -265,16 +301,23 @@ def _plugin_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedmosaic", description=__doc__)
-    p.add_argument("--version", action="version", version=f"fedmosaic {fedmosaic.__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    common = _logging_options()
-
-    r = sub.add_parser(
-        "run", help="run an experiment on the in-process simulator", parents=[common]
+    p = argparse.ArgumentParser(
+        prog="fedmosaic",
+        description="Heterogeneous, personalized federated learning: run an experiment, compare "
+        "methods on a suite, list what is registered, inspect a split, deploy on Flower.",
+        epilog="fedmosaic COMMAND --help shows a command's options.",
     )
+    p.add_argument("--version", action="version", version=f"fedmosaic {fedmosaic.__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _logging_options(quiet=True)
+
+    def command(name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+        # the one-line help in the command list is also the command's own --help description
+        return sub.add_parser(name, help=help, description=help, **kwargs)
+
+    r = command("run", "run an experiment on the in-process simulator", parents=[common])
     r.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
-    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
     r.add_argument(
         "--baseline",
@@ -313,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser(
+    c = command(
         "compare",
-        help="run a suite: methods x settings x seeds, one table and an HTML report",
+        "run a suite: methods x settings x seeds, one table and an HTML report",
         parents=[common],
     )
     c.add_argument(
@@ -327,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="applied to every cell",
+        help=SET_HELP + "; applied to every cell",
     )
     c.add_argument("--quick", action="store_true", help="apply the suite's [quick] reduced budget")
     c.add_argument(
@@ -360,31 +403,53 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare)
 
-    ls = sub.add_parser("list", help="list registered algorithms, models, families, ...")
+    ls = command(
+        "list",
+        "list the registered algorithms (with hyperparameters), models, families, datasets "
+        "(and whether they are on disk), partitioners or bundled suites",
+    )
     ls.add_argument(
-        "what", choices=["algorithms", "models", "families", "datasets", "partitioners", "suites"]
+        "what",
+        choices=["algorithms", "models", "families", "datasets", "partitioners", "suites"],
+        help="what to list",
     )
     ls.add_argument("--input-shape", default="1x28x28", help="CxHxW for models (default 1x28x28)")
-    ls.add_argument("--num-classes", type=int, default=10)
-    ls.add_argument("--feature-dim", type=int, default=512)
+    ls.add_argument(
+        "--num-classes", type=int, default=10, help="classes for models' counts (default 10)"
+    )
+    ls.add_argument(
+        "--feature-dim", type=int, default=512, help="feature width for models (default 512)"
+    )
     _plugin_option(ls)
     ls.set_defaults(func=cmd_list)
 
-    pa = sub.add_parser(
-        "partition", help="print per-client label histograms of a config's split", parents=[common]
+    pa = command(
+        "partition",
+        "print per-client label histograms of a config's split",
+        parents=[_logging_options(quiet=False)],
     )
-    pa.add_argument("config", nargs="?")
-    pa.add_argument("--set", action="append", default=[])
-    pa.add_argument("--split", default="train", choices=["train", "val", "test"])
-    pa.add_argument("--png", help="also save a plot of the histograms")
+    pa.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
+    pa.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
+    )
+    pa.add_argument(
+        "--split",
+        default="train",
+        choices=["train", "val", "test"],
+        help="which part of each client's data (default train)",
+    )
+    pa.add_argument("--png", metavar="PATH", help="also save a plot of the histograms")
     pa.set_defaults(func=cmd_partition)
 
-    fl = sub.add_parser("flower", help="deploy on Flower (see docs/flower.md)")
-    fl_sub = fl.add_subparsers(dest="flower_command", required=True)
-    fa = fl_sub.add_parser("app", help="write a Flower app folder that `flwr run` accepts")
+    fl = command("flower", "deploy on Flower (see docs/flower.md)")
+    fl_sub = fl.add_subparsers(dest="flower_command", required=True, metavar="COMMAND")
+    app_help = "write a Flower app folder that flwr run accepts"
+    fa = fl_sub.add_parser("app", help=app_help, description=app_help)
     fa.add_argument("config", help="experiment TOML")
     fa.add_argument("--out", required=True, help="app folder to write")
-    fa.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    fa.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
+    )
     fa.add_argument("--superlink", default="127.0.0.1:9093", help="SuperLink address host:port")
     tls = fa.add_mutually_exclusive_group()
     tls.add_argument("--root-certificates", help="CA certificate of the SuperLink (TLS)")

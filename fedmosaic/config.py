@@ -20,18 +20,23 @@ from fedmosaic.core.typed import build_dataclass, type_ok
 
 @dataclass
 class DataConfig:
-    # fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits | synthetic
+    # the image dataset: fmnist | mnist | emnist | cifar10 | cifar100 | tinyimagenet | digits |
+    # synthetic | hf (`fedmosaic list datasets` says which are on disk)
     dataset: str = "fmnist"
     root: str = ""  # explicit data folder; else $FEDMOSAIC_DATA, then system locations
     download: bool = False  # opt-in download for users with internet (never in tests/CI)
-    emnist_split: str = "balanced"  # letters | balanced
-    partition: str = "dirichlet"  # iid | dirichlet | pathological | skewed
+    emnist_split: str = "balanced"  # which EMNIST: letters (26 classes) | balanced (47)
+    # how labels (or sizes) are dealt to clients: iid | dirichlet | pathological | skewed |
+    # quantity_dirichlet | quantity_power_law
+    partition: str = "dirichlet"
     alpha: float = 0.1  # dirichlet concentration (beta in some papers)
-    classes_per_client: int = 2  # pathological / skewed
-    num_clients: int = 20
+    classes_per_client: int = 2  # pathological / skewed: classes each client holds
+    num_clients: int = 20  # clients in the federation (held-out newcomers included)
     min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
     max_tries: int = 1000  # dirichlet: give up (error) after this many redraws
-    split: str = "pool_75_25"  # pool_75_25 (PFLlib/HtFLlib) | 8_1_1 (FedGH: train/val/test)
+    # each client's train/test split: pool_75_25 (75% / 25% of its pooled data, PFLlib/HtFLlib)
+    # | 8_1_1 (80% / 10% validation / 10% test, FedGH)
+    split: str = "pool_75_25"
     # pool_75_25: fraction of each client's train part held out for validation
     val_fraction: float = 0.0
     public_size: int = 0  # server-held public/alignment split carved out before partitioning
@@ -40,28 +45,34 @@ class DataConfig:
     # (server_acc in the round records) where the method has one (FedAvg, FedProx, FedOpt)
     server_eval_size: int = 0
     subsample: float = 1.0  # fraction of the pooled dataset to use (quick experiments)
-    normalize: str = "half"  # half (0.5/0.5 as PFLlib) | dataset (per-dataset mean/std)
+    # pixel normalization: half (mean 0.5, std 0.5 as PFLlib) | dataset (per-dataset mean/std)
+    normalize: str = "half"
     synthetic_size: int = 2000  # synthetic dataset: number of images
-    synthetic_classes: int = 10
-    synthetic_shape: list[int] = field(default_factory=lambda: [1, 28, 28])
+    synthetic_classes: int = 10  # synthetic dataset: number of classes
+    synthetic_shape: list[int] = field(default_factory=lambda: [1, 28, 28])  # synthetic: [C, H, W]
     # quantity skew (partition = quantity_dirichlet | quantity_power_law)
     quantity_alpha: float = 1.0  # quantity_dirichlet: client sizes ~ Dir(quantity_alpha)
     power_law_exponent: float = 1.0  # quantity_power_law: rank-k client's share ~ k^-exponent
     quantity_labels: str = "iid"  # labels within the sizes: iid | dirichlet (uses alpha)
     # feature shift: per-client (or per-domain) fixed transforms of the images; off by default
-    shift_rotation: float = 0.0  # angle ~ U[-r, r] degrees
-    shift_contrast: float = 1.0  # contrast factor log-uniform in [1/c, c] (1 = off)
-    shift_brightness: float = 0.0  # additive brightness ~ U[-b, b] in [0, 1] pixel units
-    shift_domains: int = 0  # 0 = a transform per client; k = k shared domains (client i -> i % k)
+    shift_rotation: float = 0.0  # feature shift: rotation angle ~ U[-r, r] degrees (0 = off)
+    shift_contrast: float = 1.0  # feature shift: contrast factor log-uniform in [1/c, c] (1 = off)
+    # feature shift: additive brightness ~ U[-b, b] in [0, 1] pixel units (0 = off)
+    shift_brightness: float = 0.0
+    # feature shift: 0 = a transform per client; k = k shared domains (client i -> i % k)
+    shift_domains: int = 0
     # dataset = "hf": a local Hugging Face / flwr-datasets style dataset in data.root
-    hf_image_column: str = ""  # "" = the first of image, img, pixel_values
-    hf_label_column: str = ""  # "" = the first of label, labels, fine_label, target
+    hf_image_column: str = ""  # hf: the image column; "" = the first of image, img, pixel_values
+    # hf: the label column; "" = the first of label, labels, fine_label, target
+    hf_label_column: str = ""
 
 
 @dataclass
 class ModelConfig:
-    family: str = "htfe8-gray"  # a named heterogeneous family or a single architecture
-    feature_dim: int = 512
+    # the clients' encoders: a named heterogeneous family (client i gets member i mod its size)
+    # or a single architecture for every client
+    family: str = "htfe8-gray"
+    feature_dim: int = 512  # width of the features every encoder ends in (the head's input)
     # linear (learnable) | pool (HtFLlib's parameter-free average pool) | none (the encoder's own
     # width: only for `local`, which compares no features, e.g. Local on FedHeNN's own networks)
     projection: str = "linear"
@@ -69,12 +80,12 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    rounds: int = 100
-    clients_per_round: int = 0  # 0 -> use participation
+    rounds: int = 100  # communication rounds
+    clients_per_round: int = 0  # clients sampled per round; 0 = use participation
     # fraction of clients sampled per round: floor(participation x num_clients), at least 1
     participation: float = 1.0
-    local_epochs: int = 1
-    batch_size: int = 10
+    local_epochs: int = 1  # epochs over its own data each sampled client trains per round
+    batch_size: int = 10  # local training batch size
     # drop each epoch's ragged last batch (PFLlib/HtFLlib, FedClassAvg's code); false = every
     # example every epoch (FedHeNN, FedGH's authors, FedBABU, layer expansion)
     drop_last: bool = False
@@ -84,13 +95,13 @@ class TrainConfig:
     # "auto": on for the built-in methods and classes declaring ``fused_sgd_safe = True``, off
     # for any other (a user's method works unchanged); true / false force it.
     fused_sgd: bool | str = "auto"
-    lr: float = 0.01
-    optimizer: str = "sgd"  # sgd | adam
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
-    eval_every: int = 1
-    eval_batch_size: int = 1000
+    lr: float = 0.01  # local learning rate
+    optimizer: str = "sgd"  # local optimizer, created afresh every round: sgd | adam
+    momentum: float = 0.0  # sgd momentum
+    weight_decay: float = 0.0  # L2 weight decay of the local optimizer
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam's (beta1, beta2)
+    eval_every: int = 1  # evaluate every client's test split every this many rounds (and the last)
+    eval_batch_size: int = 1000  # batch size of evaluation passes (memory, not numbers)
     # fine-tuning after the last round: -1 = the algorithm's default, 0 = none
     finetune_epochs: int = -1
     # Converged budgets: stop before ``rounds`` (then a cap) once the validation accuracy has
@@ -98,9 +109,9 @@ class TrainConfig:
     # ``plateau_window`` of the rounds run, checked from ``plateau_min_rounds`` on; 0 = off.
     # Needs a validation split (data.val_fraction > 0 or data.split = "8_1_1").
     plateau_delta: float = 0.0
-    plateau_window: float = 0.2
-    plateau_min_rounds: int = 20
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    plateau_window: float = 0.2  # plateau stop: the window, as a fraction of the rounds run
+    plateau_min_rounds: int = 20  # plateau stop: never before this many rounds
+    device: str = "cpu"  # where clients train and evaluate: cpu | cuda | cuda:N
     # Train the round's clients of one architecture together as one batched computation
     # (torch.func.vmap; core/batched.py) where the method declares it equivalent: "auto" = on
     # for CUDA devices, off on CPU (measured slower there); true | false force it
@@ -111,7 +122,7 @@ class TrainConfig:
 @dataclass
 class SimConfig:
     check_wire: bool = False  # round-trip every payload through the wire codec and compare
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal (a line per round without one)
     threads: int = 0  # torch intra-op threads in the main process; 0 = leave torch's default
     backend: str = "serial"  # serial (one process) | processes (worker processes, one thread each)
     workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
@@ -138,7 +149,7 @@ class EvalConfig:
 
 @dataclass
 class ExperimentConfig:
-    seed: int = 0
+    seed: int = 0  # one seed for the split, the models' initialization and every random stream
     # modules (``mypkg.methods``) or files (``my_method.py``) imported before anything is looked
     # up: their ALGORITHMS/ENCODERS/FAMILIES/DATASETS/PARTITIONERS registrations are then
     # known here, in every simulator worker and in Flower apps (which rebuild from this config)
@@ -151,6 +162,7 @@ class ExperimentConfig:
     # the server's aggregation: robust aggregators, update clipping, magnitude sanity, peer guard
     # (``core/robust.py``): aggregator, trim, f, clip_update_norm, max_norm_ratio, peer_factor
     server: RobustRule = field(default_factory=RobustRule)
+    # the method: name plus its hyperparameters (fedmosaic list algorithms)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,10 +47,10 @@ fi
 STAMP=.venv/.fedmosaic-installed
 WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "setup: installing torch==2.13.0 and fedmosaic[dev] into .venv"
+  echo "setup: installing torch==2.13.0 and fedmosaic[dev,flower,docs] into .venv"
   # torch first and pinned exactly: any looser spec would pull GBs of CUDA wheels.
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,flower]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,flower,docs]"
   echo "$WANT" > "$STAMP"
 fi
 

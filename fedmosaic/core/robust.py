@@ -63,7 +63,8 @@ log = logging.getLogger("fedmosaic")
 class RobustRule:
     """The server's aggregation rule: the ``[server]`` config table."""
 
-    aggregator: str = "mean"  # mean | median | trimmed_mean | krum | multi_krum
+    # how the server combines the uploads: mean | median | trimmed_mean | krum | multi_krum
+    aggregator: str = "mean"
     trim: float = 0.1  # trimmed_mean: fraction cut at each end of every coordinate, in [0, 0.5)
     f: int = 1  # krum / multi_krum: number of Byzantine clients tolerated
     clip_update_norm: float = 0.0  # > 0: every client update scaled to at most this L2 norm

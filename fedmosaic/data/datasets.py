@@ -146,6 +146,18 @@ def _idx_file(folder: Path, stem: str) -> Path | None:
     return None
 
 
+def _find(
+    name: str, cfg: DataConfig, resolve: Callable[[Path], list[Path] | None]
+) -> list[Path] | None:
+    """The dataset's files in the first searched folder that has all of them, or None."""
+    for d in search_dirs(name, cfg):
+        if d.is_dir():
+            found = resolve(d)
+            if found is not None:
+                return found
+    return None
+
+
 def _locate(
     name: str,
     cfg: DataConfig,
@@ -159,12 +171,10 @@ def _locate(
     ``resolve(folder)`` returns the dataset's file paths in that folder, or None if incomplete.
     ``download(dest)`` fetches the dataset into ``dest`` (used only when ``cfg.download``).
     """
+    found = _find(name, cfg, resolve)
+    if found is not None:
+        return found
     dirs = search_dirs(name, cfg)
-    for d in dirs:
-        if d.is_dir():
-            found = resolve(d)
-            if found is not None:
-                return found
     if cfg.download:
         dest = cache_dir() / name
         dest.mkdir(parents=True, exist_ok=True)
@@ -371,10 +381,15 @@ def _check_labels(name: str, labels: torch.Tensor, num_classes: int, where: obje
         )
 
 
+def _idx_files(d: Path, stems: Sequence[str]) -> list[Path] | None:
+    """Every ``stem`` (plain or .gz) in ``d``, or None when one is missing."""
+    found = [_idx_file(d, stem) for stem in stems]
+    return None if any(p is None for p in found) else [p for p in found if p is not None]
+
+
 def _mnist_like(name: str, cfg: DataConfig, apt_hint: str = "") -> ImageDataset:
     def resolve(d: Path) -> list[Path] | None:
-        found = [_idx_file(d, stem) for stem in MNIST_FILES]
-        return None if any(p is None for p in found) else [p for p in found if p is not None]
+        return _idx_files(d, MNIST_FILES)
 
     def download(dest: Path) -> None:
         _download.fetch_mnist_like(name, dest, MNIST_FILES)
@@ -402,21 +417,24 @@ def load_mnist(cfg: DataConfig, seed: int) -> ImageDataset:
 EMNIST_CLASSES = {"letters": 26, "balanced": 47}
 
 
+def _emnist_stems(split: str) -> list[str]:
+    return [
+        f"emnist-{split}-{part}-{kind}-ubyte"
+        for part in ("train", "test")
+        for kind in ("images-idx3", "labels-idx1")
+    ]
+
+
 @DATASETS.register("emnist")
 def load_emnist(cfg: DataConfig, seed: int) -> ImageDataset:
     """EMNIST ``letters`` (26 classes, labels 1..26 shifted to 0..25) or ``balanced`` (47)."""
     split = cfg.emnist_split
     if split not in EMNIST_CLASSES:
         raise DatasetError(f"data.emnist_split = {split!r}; choose one of letters, balanced")
-    stems = [
-        f"emnist-{split}-{part}-{kind}-ubyte"
-        for part in ("train", "test")
-        for kind in ("images-idx3", "labels-idx1")
-    ]
+    stems = _emnist_stems(split)
 
     def resolve(d: Path) -> list[Path] | None:
-        found = [_idx_file(d, s) for s in stems]
-        return None if any(p is None for p in found) else [p for p in found if p is not None]
+        return _idx_files(d, stems)
 
     def download(dest: Path) -> None:
         _download.fetch_emnist(dest, [f"{s}.gz" for s in stems])
@@ -652,19 +670,23 @@ def _load_cifar(
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y), num_train
 
 
-def _cifar(name: str, cfg: DataConfig) -> ImageDataset:
+def _cifar_stems(name: str) -> list[str]:
     if name == "cifar10":
-        stems, label_key, num_classes = (
-            [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"],
-            "labels",
-            10,
-        )
-    else:
-        stems, label_key, num_classes = ["train", "test"], "fine_labels", 100
+        return [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]
+    return ["train", "test"]
+
+
+def _cifar_resolve(d: Path, stems: Sequence[str]) -> list[Path] | None:
+    found = [d / s for s in stems]
+    return found if all(p.is_file() for p in found) else None
+
+
+def _cifar(name: str, cfg: DataConfig) -> ImageDataset:
+    stems = _cifar_stems(name)
+    label_key, num_classes = ("labels", 10) if name == "cifar10" else ("fine_labels", 100)
 
     def resolve(d: Path) -> list[Path] | None:
-        found = [d / s for s in stems]
-        return found if all(p.is_file() for p in found) else None
+        return _cifar_resolve(d, stems)
 
     def download(dest: Path) -> None:
         _download.fetch_cifar(name, dest)
@@ -776,17 +798,20 @@ def _load_tiny(
     return torch.from_numpy(x), torch.tensor(labels, dtype=torch.int64), num_train, len(wnids)
 
 
+def _tiny_resolve(d: Path) -> list[Path] | None:
+    need = [d / "wnids.txt", d / "val" / "val_annotations.txt"]
+    return need if all(p.is_file() for p in need) and (d / "train").is_dir() else None
+
+
 @DATASETS.register("tinyimagenet")
 def load_tinyimagenet(cfg: DataConfig, seed: int) -> ImageDataset:
     """Tiny-ImageNet-200: train (100000) then val (10000) RGB 64x64 images; the unlabelled test
     folder is ignored. Class index = position of the wnid in sorted order."""
 
-    def resolve(d: Path) -> list[Path] | None:
-        need = [d / "wnids.txt", d / "val" / "val_annotations.txt"]
-        return need if all(p.is_file() for p in need) and (d / "train").is_dir() else None
-
     def download(dest: Path) -> None:
         _download.fetch_tinyimagenet(dest)
+
+    resolve = _tiny_resolve
 
     expected = "wnids.txt, train/<wnid>/images/*.JPEG, val/val_annotations.txt, val/images/"
     paths = _locate("tinyimagenet", cfg, resolve, download, expected)
@@ -902,6 +927,32 @@ def load_synthetic(cfg: DataConfig, seed: int) -> ImageDataset:
 
 
 # ----------------------------------------------------------------------------- dispatch
+
+
+def where_on_disk(name: str, cfg: DataConfig) -> dict[str, Path | None] | None:
+    """Where the loaders would find built-in dataset ``name``'s files (the same search and file
+    checks, nothing read): the folder per variant (EMNIST's splits; else one, keyed by the
+    name), None where absent; None for a dataset that reads no files of its own (digits,
+    synthetic, hf, plugins)."""
+    checks: dict[str, tuple[str, Callable[[Path], list[Path] | None]]]
+    if name in ("fmnist", "mnist"):
+        checks = {name: (name, lambda d: _idx_files(d, MNIST_FILES))}
+    elif name == "emnist":
+        checks = {
+            f"emnist-{split}": ("emnist", lambda d, s=split: _idx_files(d, _emnist_stems(s)))
+            for split in EMNIST_CLASSES
+        }
+    elif name in ("cifar10", "cifar100"):
+        checks = {name: (name, lambda d: _cifar_resolve(d, _cifar_stems(name)))}
+    elif name == "tinyimagenet":
+        checks = {name: (name, _tiny_resolve)}
+    else:
+        return None
+    out: dict[str, Path | None] = {}
+    for variant, (folder_name, resolve) in checks.items():
+        found = _find(folder_name, cfg, resolve)
+        out[variant] = found[0].parent if found else None
+    return out
 
 
 def load_dataset(cfg: DataConfig, seed: int) -> ImageDataset:
