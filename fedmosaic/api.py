@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,8 @@ from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import Federation, build_federation, make_client
 from fedmosaic.runfolder import RunFolder, RunFolderError
 
+log = logging.getLogger("fedmosaic")
+
 Config = str | Path | dict[str, Any] | ExperimentConfig
 
 
@@ -101,6 +106,7 @@ class Result:
     models: list[ClientModel]
     extras: list[nn.Module]  # client i's extras (the algorithm's per-client state)
     rounds_done: int = 0
+    out: Path | None = None  # the run folder written (``run(..., out=...)``), else None
 
     @property
     def rounds(self) -> list[dict[str, Any]]:
@@ -147,20 +153,135 @@ def _as_evaluated(
     return models, extras
 
 
-def run(config: Config, overrides: Sequence[str] = (), progress: bool = False) -> Result:
-    """Run one experiment on the simulator (``sim.backend``: serial or processes) and return its
-    :class:`Result`: the results document, the final server state and every client's trained
-    model, whichever backend trained them."""
+@dataclass(frozen=True)
+class RoundRecord:
+    """One finished round, as ``run(..., on_round=...)`` receives it. Accuracies are fractions
+    (0..1) as in ``results.json``; ``None`` on a round that was not evaluated
+    (``train.eval_every``; the last round always is)."""
+
+    round: int
+    rounds: int  # the rounds planned (train.rounds)
+    evaluated: bool
+    acc: float | None  # test accuracy over all clients' test examples (acc_weighted)
+    acc_mean: float | None  # the mean of the clients' test accuracies
+    train_loss: float  # the mean of the participants' training losses (NaN: none)
+    seconds: float  # this round's wall time
+    elapsed: float  # seconds since ``run`` was called
+    # the round's entry of results.json["rounds"] (a copy): every accuracy mode and split
+    # (acc_head, val_acc_weighted, ...), bytes, participants, ...
+    metrics: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def of(cls, rec: dict[str, Any], rounds: int, elapsed: float) -> RoundRecord:
+        def acc(key: str) -> float | None:
+            return float(rec[key]) if key in rec else None
+
+        return cls(
+            round=int(rec["round"]),
+            rounds=rounds,
+            evaluated="acc_weighted" in rec,
+            acc=acc("acc_weighted"),
+            acc_mean=acc("acc_mean"),
+            train_loss=float(rec.get("train_loss", math.nan)),
+            seconds=float(rec.get("seconds", math.nan)),
+            elapsed=elapsed,
+            metrics=copy.deepcopy(rec),
+        )
+
+
+OnRound = Callable[[RoundRecord], None]
+
+
+def _round_hook(on_round: OnRound | None, rounds: int) -> Callable[[dict], None] | None:
+    """The round loop's per-round hook that hands ``on_round`` a :class:`RoundRecord`."""
+    if on_round is None:
+        return None
+    t0 = time.perf_counter()
+    return lambda rec: on_round(RoundRecord.of(rec, rounds, time.perf_counter() - t0))
+
+
+def run(
+    config: Config,
+    overrides: Sequence[str] = (),
+    progress: bool = False,
+    *,
+    out: str | Path | None = None,
+    on_round: OnRound | None = None,
+    save_models: bool = False,
+    overwrite: bool = False,
+    resume: bool = False,
+    extend: bool = False,
+    checkpoint_every: int = 0,
+) -> Result:
+    """Run one experiment on the simulator (``sim.backend``) and return its :class:`Result`: the
+    results document, the final server state and every client's trained model, whichever
+    backend trained them.
+
+    ``out``: also write the run folder ``fedmosaic run CONFIG --out OUT`` writes, through the
+    same code (``results.json``, ``rounds.csv``, the curve; ``final.safetensors`` with
+    ``save_models``; a checkpoint every ``checkpoint_every`` rounds), with its lifecycle: the
+    folder is locked while the run goes (a second run into it raises RunFolderError), a
+    finished run of this config there is returned as it is (nothing runs; its models only when
+    it kept them, else ``models == []``) unless ``overwrite``, another config's needs
+    ``overwrite``, an interrupted run's checkpoint needs ``resume``, and ``extend`` continues a
+    ``save_models`` run to more rounds (``train.rounds``), as the CLI's flags of those names do.
+
+    ``on_round(record)`` is called after every round with a :class:`RoundRecord`, on every
+    backend. An exception it raises stops the run after that round and propagates unchanged;
+    the folder is then left as it was before the call (nothing of this run in it), unless a
+    checkpoint of an earlier round (``checkpoint_every``, or the run resumed) is there: then it is
+    an interrupted run that ``resume=True`` continues. No ``results.json`` is written either way.
+    """
     cfg = experiment_config(config, overrides)
+    if checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every = {checkpoint_every} must be >= 0")
+    if out is None and (save_models or resume or extend or overwrite or checkpoint_every):
+        raise ConfigError(
+            "save_models, resume, extend, overwrite and checkpoint_every need a run folder: "
+            "pass out=..."
+        )
+    hook = _round_hook(on_round, cfg.train.rounds)
     trained: dict[str, Any] = {}
-    doc = run_experiment(cfg, progress=progress, trained=trained)
+    if out is None:
+        doc = run_experiment(cfg, progress=progress, on_round=hook, trained=trained)
+    else:
+        keep_final = save_models or extend  # an extended run keeps its final state, as the CLI's
+        with RunFolder(out, flag="out") as folder:
+            start = folder.check(cfg, overwrite=overwrite, resume=resume, extend=extend)
+            if start.done is not None:
+                log.info(
+                    "%s holds this configuration's finished run: kept (overwrite=True "
+                    "runs it again)",
+                    folder.path,
+                )
+                return _finished(start.done, cfg, folder.path)
+            doc = folder.execute(
+                cfg,
+                start,
+                progress=progress,
+                checkpoint_every=checkpoint_every,
+                resume=resume,
+                extend=extend,
+                keep_final=keep_final,
+                on_round=hook,
+                trained=trained,
+            )
     done = int(doc["rounds"][-1]["round"]) if doc["rounds"] else 0
     # After the method's fine-tuning (FedBABU, ...) the clients hold the fine-tuned models, which
     # were evaluated without receiving again; otherwise the evaluation received the broadcast.
     tuned = "after_finetune" in doc.get("summary", {})
     state = trained["state"]
     models, extras = _trained_clients(trained["fed"], trained["clients"], state, done, not tuned)
-    return Result(doc, cfg, state, models, extras, done)
+    return Result(doc, cfg, state, models, extras, done, None if out is None else Path(out))
+
+
+def _finished(doc: dict[str, Any], cfg: ExperimentConfig, folder: Path) -> Result:
+    """A finished run found in ``folder``: with its kept models when it has them."""
+    if (folder / FINAL_FILE).is_file():
+        kept = load_run(folder, plugins=cfg.plugins)  # the plugins this very config names
+        return replace(kept, document=doc, config=cfg, out=folder)
+    done = int(doc["rounds"][-1]["round"]) if doc.get("rounds") else 0
+    return Result(doc, cfg, None, [], [], done, folder)
 
 
 def load_run(
@@ -213,6 +334,7 @@ def run_flower_in_memory(
     overrides: Sequence[str] = (),
     *,
     overwrite: bool = False,
+    on_round: OnRound | None = None,
 ) -> dict[str, Any]:
     """The same experiment through Flower's real ServerApp and ClientApp code over an in-process
     grid (one node per client, messages serialized as a SuperLink would); needs the ``flower``
@@ -221,7 +343,9 @@ def run_flower_in_memory(
     ``results_dir`` goes through the run-folder lifecycle (``fedmosaic.runfolder``) as
     ``fedmosaic run --out`` does: locked for the run (a second run into it raises
     RunFolderError), checked before anything is written; a finished run of this config there is
-    returned as it is unless ``overwrite``, and another config's needs ``overwrite``."""
+    returned as it is unless ``overwrite``, and another config's needs ``overwrite``.
+    ``on_round`` is :func:`run`'s; an exception it raises stops the run and propagates, and
+    the Flower server leaves its ``FAILED`` file (the traceback) there, no ``results.json``."""
     from fedmosaic.flower.app import client_app, run_server  # the optional flower extra
     from fedmosaic.flower.local import LocalGrid
 
@@ -233,7 +357,8 @@ def run_flower_in_memory(
         n = cfg.data.num_clients
         rc = {"experiment": json.dumps(cfg.to_dict()), "results-dir": str(results_dir)}
         nodes = [{"partition-id": i, "num-partitions": n} for i in range(n)]
-        return run_server(LocalGrid(client_app, nodes, rc), rc)
+        hook = _round_hook(on_round, cfg.train.rounds)
+        return run_server(LocalGrid(client_app, nodes, rc), rc, on_round=hook)
 
 
 __all__ = [
@@ -257,6 +382,7 @@ __all__ = [
     "PayloadError",
     "Phase",
     "Result",
+    "RoundRecord",
     "RunFolderError",
     "SharedState",
     "SharedWeights",

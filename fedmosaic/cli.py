@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
                 f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
             )
-            doc = folder.run(
+            doc = folder.execute(
                 run_cfg,
                 start,
                 progress=not args.quiet,
@@ -114,7 +114,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 extend=args.extend,
                 keep_final=keep_final,
             )
-            folder.finish(doc, keep_final=keep_final)
             docs[name] = doc
             ran = True
         if len(docs) > 1 and ran:

@@ -13,7 +13,9 @@ each ``fedmosaic compare`` cell and ``fedmosaic.api`` go through it.
    ``resume``/``extend`` verify the checkpoint in full (digest, config, round) before anything
    changes.
 3. **Run** (:meth:`RunFolder.run`): the sinks (``rounds.csv``, TensorBoard, W&B) and the round
-   loop; a start that fails before its first round leaves the folder as it was.
+   loop; a start that fails before its first round leaves the folder as it was, and so does a
+   run stopped by its ``on_round`` callback raising, unless a checkpoint (an earlier round's,
+   or the one resumed from) is there to continue from: then the folder is an interrupted run's.
 4. **Finish** (:meth:`RunFolder.finish`): ``rounds.csv``, the curve and ``results.json`` written
    to temporaries of this writer and renamed, ``results.json`` last; the checkpoint is kept as
    ``final.safetensors`` or removed.
@@ -29,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -298,10 +301,14 @@ class RunFolder:
         resume: bool = False,
         extend: bool = False,
         keep_final: bool = False,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        trained: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Train ``cfg`` here (the sinks as it goes, a checkpoint every ``checkpoint_every``
         rounds) and return the results document, not yet written (:meth:`finish`). A start that
-        fails before its first round removes what it created."""
+        fails before its first round removes what it created; so does ``on_round`` raising when
+        no checkpoint is there to resume from (its exception propagates). ``on_round`` gets each
+        round's record after the sinks; ``trained`` is ``run_experiment``'s."""
         ckpt = self.path / CHECKPOINT_FILE
         before = {p.name for p in self.path.iterdir()}
         try:
@@ -314,30 +321,69 @@ class RunFolder:
         except OSError as exc:
             self._remove_new(before)
             raise fs_error(exc, self.path) from exc
-        started = False
+        started = stopped = False
 
-        def on_round(rec: dict[str, Any]) -> None:
-            nonlocal started
+        def each_round(rec: dict[str, Any]) -> None:
+            nonlocal started, stopped
             started = True
             sinks(rec)
+            if on_round is not None:
+                try:
+                    on_round(rec)
+                except BaseException:
+                    stopped = True
+                    raise
 
         try:
             doc = run_experiment(
                 cfg,
                 progress=progress,
-                on_round=on_round,
+                on_round=each_round,
                 checkpoint_dir=self.path,
                 checkpoint_every=checkpoint_every,
                 resume=resume or extend,
                 keep_final=keep_final,
                 extend=extend,
+                trained=trained,
             )
         except BaseException:
             sinks.close()
-            if not started and not start.keep:  # failed before any round: leave it as it was
+            # Failed before any round, or stopped by the caller with nothing saved to resume
+            # from: leave the folder as it was (rounds.csv alone would claim a run that is not
+            # there). Otherwise it is an interrupted run: its checkpoint and rows up to it.
+            if (not started or (stopped and not ckpt.exists())) and not start.keep:
                 self._remove_new(before)
             raise
         sinks.close()
+        return doc
+
+    def execute(
+        self,
+        cfg: ExperimentConfig,
+        start: Start,
+        *,
+        progress: bool = False,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+        extend: bool = False,
+        keep_final: bool = False,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        trained: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`run` then :meth:`finish`: a checked start (``start.done`` is None) trained and
+        written; ``fedmosaic run`` and ``fedmosaic.api.run(out=...)`` both come here."""
+        doc = self.run(
+            cfg,
+            start,
+            progress=progress,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            extend=extend,
+            keep_final=keep_final,
+            on_round=on_round,
+            trained=trained,
+        )
+        self.finish(doc, keep_final=keep_final)
         return doc
 
     def finish(self, doc: dict[str, Any], *, keep_final: bool = False) -> None:

@@ -155,7 +155,9 @@ def test_run_flower_in_memory_goes_through_the_run_folder_lifecycle(tmp_path: Pa
     from fedmosaic.runfolder import FolderLock
 
     ran: list[str] = []
-    monkeypatch.setattr(app, "run_server", lambda grid, rc: ran.append(rc["results-dir"]) or {})
+    monkeypatch.setattr(
+        app, "run_server", lambda grid, rc, **kw: ran.append(rc["results-dir"]) or {}
+    )
     raw = tiny_raw(train={"rounds": 1})
     cfg = fm.experiment_config(raw)
     out = tmp_path / "flower"

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -266,8 +267,11 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, context.run_config)
 
 
-def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
+def run_server(
+    grid: Any, run_config: Any, on_round: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Our round loop over ``grid``; writes and returns the ``results.json`` document.
+    ``on_round`` also gets each round's record (``fedmosaic.api.run_flower_in_memory``'s).
 
     A run that fails leaves ``FAILED`` (the traceback) next to ``server.log`` in the results
     folder, so whoever waits for ``results.json`` can stop waiting.
@@ -311,7 +315,7 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
         progress = out / "progress.jsonl"
         progress.unlink(missing_ok=True)
 
-        def on_round(rec: dict[str, Any]) -> None:
+        def each_round(rec: dict[str, Any]) -> None:
             line = {**rec, "flower": transport.rounds.get(rec["round"], {})}
             with open(progress, "a") as fh:
                 fh.write(json.dumps(line, default=str) + "\n")
@@ -323,8 +327,10 @@ def run_server(grid: Any, run_config: Any) -> dict[str, Any]:
                 rec["rejected"],
                 "" if rec.get("aggregated", True) else " (skipped)",
             )
+            if on_round is not None:
+                on_round(rec)
 
-        history, _ = run_rounds(fed.algo, fed.spec, transport, plan, on_round)
+        history, _ = run_rounds(fed.algo, fed.spec, transport, plan, each_round)
         nodes = len(set(transport.node_of.values())) or None  # workers: the SuperNodes
         doc = results_document(fed, history, time.perf_counter() - start, started, nodes)
         doc["runtime"] = "flower"

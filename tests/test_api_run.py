@@ -1,0 +1,137 @@
+"""``fedmosaic.api.run(config, out=..., on_round=...)``: the CLI's run folder from Python, and a
+typed per-round callback on every runtime the API offers."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TIMING, numbers, tiny_raw, write_toml
+
+import fedmosaic.api as fm
+from fedmosaic.cli import main
+from fedmosaic.report.results import TEMP_MARK
+from fedmosaic.runfolder import LOCK_FILE
+
+SMALL = {"synthetic_shape": [1, 16, 16]}
+
+
+def _raw(**sections: Any) -> dict[str, Any]:
+    raw = tiny_raw(data=SMALL, **sections)
+    raw["sim"].update(threads=1, check_wire=False)
+    return raw
+
+
+def _csv_numbers(folder: Path) -> list[dict[str, str]]:
+    with open(folder / "rounds.csv", newline="") as fh:
+        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(fh)]
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_out_writes_the_folder_the_cli_writes(tmp_path: Path):
+    """Same config and seed: the same files, the same results.json and rounds.csv (timings and
+    the provenance's clock aside), kept models that load_run reads back."""
+    cfg = write_toml(tmp_path / "c.toml", _raw(train={"rounds": 2}))
+    cli, api = tmp_path / "cli", tmp_path / "api"
+    assert main(["run", str(cfg), "--out", str(cli), "--quiet", "--save-models"]) == 0
+    result = fm.run(cfg, out=api, save_models=True)
+    assert result.out == api
+    assert _files(api) == _files(cli)
+    assert {"results.json", "rounds.csv", "curve.png", "final.safetensors"} <= _files(api)
+    a, c = (json.loads((f / "results.json").read_text()) for f in (api, cli))
+    assert numbers(a) == numbers(c) and a["config"] == c["config"]
+    clock = {"started", "finished"}
+    assert {k: v for k, v in a["provenance"].items() if k not in clock} == {
+        k: v for k, v in c["provenance"].items() if k not in clock
+    }
+    assert set(a) - {"wall_seconds"} == set(c) - {"wall_seconds"}
+    assert _csv_numbers(api) == _csv_numbers(cli)
+    assert json.loads(json.dumps(result.document)) == a  # (JSON keys are strings)
+    kept = fm.load_run(api)
+    assert kept.rounds_done == 2 and kept.document == a
+
+    # Its lifecycle is the CLI's: this config's finished run is kept (nothing runs again) ...
+    before = (api / "results.json").read_bytes()
+    again = fm.run(cfg, out=api, on_round=lambda r: pytest.fail("ran again"))
+    assert again.document == a and len(again.models) == 4 and again.out == api
+    assert (api / "results.json").read_bytes() == before
+    # ... another config's is refused with nothing written, unless overwrite.
+    with pytest.raises(fm.ConfigError, match="another configuration"):
+        fm.run(cfg, ["train.lr=0.2"], out=api)
+    assert (api / "results.json").read_bytes() == before
+    assert fm.run(cfg, ["train.lr=0.2"], out=api, overwrite=True)["config"]["train"]["lr"] == 0.2
+    # Folder options without a folder are one-line errors, not silently ignored.
+    with pytest.raises(fm.ConfigError, match="out="):
+        fm.run(cfg, save_models=True)
+
+
+@pytest.mark.parametrize("backend", ["serial", "processes", "flower"])
+def test_on_round_sees_every_round_as_the_history_has_it(backend: str, tmp_path: Path):
+    raw = _raw(train={"rounds": 3, "eval_every": 2})
+    seen: list[fm.RoundRecord] = []
+    if backend == "flower":
+        pytest.importorskip("flwr")
+        doc = fm.run_flower_in_memory(raw, tmp_path / "fl", on_round=seen.append)
+    else:
+        raw["sim"].update(backend=backend, workers=2)
+        doc = fm.run(raw, on_round=seen.append).document
+    assert [r.round for r in seen] == [1, 2, 3] and {r.rounds for r in seen} == {3}
+    assert [r.evaluated for r in seen] == [False, True, True]  # eval_every=2; the last always
+    assert [r.acc for r in seen] == [h.get("acc_weighted") for h in doc["rounds"]]
+    assert [r.acc_mean for r in seen] == [h.get("acc_mean") for h in doc["rounds"]]
+    assert [r.train_loss for r in seen] == [h["train_loss"] for h in doc["rounds"]]
+    assert [r.metrics for r in seen] == doc["rounds"]
+    assert all(r.seconds > 0 for r in seen)
+    assert all(a.elapsed < b.elapsed for a, b in zip(seen, seen[1:]))
+
+
+class Enough(Exception):
+    pass
+
+
+def _stop_at(n: int):
+    def on_round(rec: fm.RoundRecord) -> None:
+        if rec.round == n:
+            raise Enough(f"stop at round {n}")
+
+    return on_round
+
+
+def test_a_raising_callback_stops_the_run_and_leaves_no_half_written_folder(tmp_path: Path):
+    raw = _raw(train={"rounds": 3})
+    out = tmp_path / "new" / "out"
+    with pytest.raises(Enough):
+        fm.run(raw, out=out, on_round=_stop_at(2))
+    assert not (tmp_path / "new").exists()  # the folders the run made: gone with it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(Enough):
+        fm.run(raw, out=mine, on_round=_stop_at(1))
+    assert _files(mine) == {"notes.txt"}  # as it was: no rounds.csv claiming a run
+    fm.run(raw, out=mine)  # and nothing stands in the way of running there
+    assert "results.json" in _files(mine)
+
+
+def test_a_raising_callback_after_a_checkpoint_leaves_a_resumable_run(tmp_path: Path):
+    raw = _raw(train={"rounds": 3})
+    out = tmp_path / "out"
+    with pytest.raises(Enough):
+        fm.run(raw, out=out, on_round=_stop_at(3), checkpoint_every=1)
+    # An interrupted run: round 2's checkpoint, no results, no lock, no temporaries.
+    files = _files(out)
+    assert "checkpoint.safetensors" in files and "results.json" not in files
+    assert LOCK_FILE not in files and not any(TEMP_MARK in f for f in files)
+    with pytest.raises(fm.CheckpointError, match="interrupted run"):
+        fm.run(raw, out=out)
+    seen: list[int] = []
+    resumed = fm.run(raw, out=out, resume=True, on_round=lambda r: seen.append(r.round))
+    assert seen == [3]
+    assert numbers(resumed.document) == numbers(fm.run(raw).document)
+    assert [r["round"] for r in _csv_numbers(out)] == ["1", "2", "3"]
