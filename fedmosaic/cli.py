@@ -58,12 +58,17 @@ def baseline_config(config: str | None, overrides: list[str], name: str) -> Expe
     return load(config or default_config_path(), overrides, algorithm={"name": name})
 
 
-def models_line(folder: Path, kept: bool) -> str:
-    """Where a finished run's models went: kept (with the file's size, 1 MB = 10^6 bytes) or not."""
+def models_line(folder: Path, kept: bool, checkpoints: bool = False) -> str:
+    """Where a finished run's models went: kept (with the file's size, 1 MB = 10^6 bytes) or not
+    (``checkpoints``: and its resume checkpoint, there for a crash, was removed)."""
     final = folder / FINAL_FILE
     if kept and final.is_file():
         return f"   models kept: {final} ({final.stat().st_size / 1e6:.1f} MB)"
-    return "   models not kept (--save-models keeps them for fedmosaic.api.load_run and --extend)"
+    removed = ", its resume checkpoint removed as the run finished" if checkpoints else ""
+    return (
+        f"   models not kept{removed} (--save-models keeps them for fedmosaic.api.load_run "
+        "and --extend)"
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -123,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 keep_final=keep_final,
             )
             folder.finish(doc, keep_final=keep_final)
-            print(models_line(folder.path, keep_final))
+            print(models_line(folder.path, keep_final, args.checkpoint_every > 0))
             docs[name] = doc
             ran = True
         if len(docs) > 1 and ran:

@@ -99,6 +99,11 @@ def test_a_run_keeps_no_models_unless_asked_and_load_run_says_so(tmp_path: Path,
         f"models kept: {out / 'final.safetensors'} ({size / 1e6:.1f} MB)" in capsys.readouterr().out
     )
     assert fm.load_run(out).rounds_done == 1
+    # A checkpoint is for resuming after a crash: a finished run removes it and says so.
+    other = tmp_path / "ck"
+    assert main(["run", str(cfg), "--out", str(other), "--quiet", "--checkpoint-every", "1"]) == 0
+    assert "resume checkpoint removed as the run finished" in capsys.readouterr().out
+    assert not (other / "checkpoint.safetensors").exists()
 
 
 @pytest.fixture(scope="module")
