@@ -156,9 +156,10 @@ def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -
 
 
 def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
-    """Test accuracy (%) per round of each run, and a star at the last round for the accuracy
-    after the method's local fine-tuning where it fine-tunes (the table's headline for FedBABU
-    and layer expansion): ``path`` (PNG) with SVG and PDF beside it."""
+    """Test accuracy (%) per round of each run, dashed beside it every other accuracy it reports
+    (FedProto's heads), and a star at the last round for the accuracy after the method's local
+    fine-tuning where it fine-tunes (the table's headline for FedBABU and layer expansion):
+    ``path`` (PNG) with SVG and PDF beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +190,21 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
                 color=line.get_color(),
                 label=f"{label} after fine-tune",
             )
+        for mode in accuracy_modes(doc.get("summary", {}).get("final", {})):
+            # Every other accuracy the method reports (FedProto's heads), dashed beside it.
+            key = f"{mode}_weighted"
+            other = [(r["round"], 100 * r[key]) for r in doc["rounds"] if r.get(key) is not None]
+            if other:
+                ax.plot(
+                    *zip(*other, strict=True),
+                    ls="--",
+                    marker="x" if len(other) < 40 else None,
+                    ms=4,
+                    color=line.get_color(),
+                    label=f"{label} {mode}",
+                )
     ax.set_xlabel("round")
+    ax.set_xlim(left=0)  # one round alone got ticks at 0.96, 0.98, ...
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_ylabel("test accuracy (%, weighted over clients)")
     ax.grid(alpha=0.3)

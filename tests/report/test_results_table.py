@@ -74,3 +74,13 @@ def test_curve_is_in_percent_with_the_after_fine_tune_point(monkeypatch):
     assert list(curve.get_ydata()) == pytest.approx([7.0, 26.0]) and "%" in ax.get_ylabel()
     assert (list(star.get_xdata()), list(star.get_ydata())) == ([2], [90.0])
     assert star.get_label() == "fedbabu after fine-tune" and star.get_marker() == "*"
+    # FedProto: its heads' accuracy dashed beside the nearest-prototype curve
+    figs.clear()
+    proto = {
+        "config": {**config, "algorithm": {"name": "fedproto"}},
+        "rounds": [{"round": 1, "acc_weighted": 0.5, "acc_head_weighted": 0.6}],
+        "summary": {"final": {"acc_weighted": 0.5, "acc_head_weighted": 0.6}},
+    }
+    results.plot_curves({"fedproto": proto}, "unused.png")
+    curve, head = figs[0].axes[0].lines
+    assert head.get_label() == "fedproto acc_head" and list(head.get_ydata()) == [60.0]
