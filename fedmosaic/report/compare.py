@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedmosaic import provenance
-from fedmosaic.report.results import accuracy_modes, save_figure  # PNG: 150 dpi, + SVG, PDF
+from fedmosaic.report.results import STAR_SHIFT, accuracy_modes, save_figure
 from fedmosaic.report.suite import Cell, Suite
 
 if TYPE_CHECKING:
@@ -463,7 +463,7 @@ def plot_grid_curves(
                 lo = [min(curves[t]) for t in rs]
                 hi = [max(curves[t]) for t in rs]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-            _finetune_point(ax, runs, key, x, line.get_color(), method)
+            _finetune_point(ax, runs, key, x, line.get_color(), method, i)
         if target is not None:
             ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label="target")
         ax.set_title(setting, fontsize=10)
@@ -482,10 +482,11 @@ def plot_grid_curves(
 
 
 def _finetune_point(
-    ax: Any, runs: Sequence[dict[str, Any]], key: str, x: str, color: Any, label: str
+    ax: Any, runs: Sequence[dict[str, Any]], key: str, x: str, color: Any, label: str, i: int
 ) -> None:
     """The accuracy after the method's local fine-tuning (the table's headline for FedBABU and
-    layer expansion), mean over seeds, as a star at the last round's x (whiskers: min-max)."""
+    layer expansion), mean over seeds, as a star at the last round's x (whiskers: min-max),
+    the ``i``-th method's shifted right by ``STAR_SHIFT * i`` of it."""
     tuned = [
         (100 * doc["summary"]["after_finetune"][key], _xs(doc, x)[int(doc["rounds"][-1]["round"])])
         for doc in runs
@@ -498,7 +499,7 @@ def _finetune_point(
     mean = float(np.mean(ys))
     yerr = [[mean - min(ys)], [max(ys) - mean]] if len(ys) > 1 else None
     ax.errorbar(
-        [float(np.mean([w for _, w in tuned]))],
+        [float(np.mean([w for _, w in tuned])) * (1 + STAR_SHIFT * i)],
         [mean],
         yerr=yerr,
         marker="*",
