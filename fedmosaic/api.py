@@ -297,6 +297,12 @@ def load_run(
     with ``trust_plugins=True`` or a ``plugins`` list naming every one of them."""
     p = Path(path)
     file = p / FINAL_FILE if p.is_dir() else p
+    if p.is_dir() and not file.exists() and (p / "results.json").is_file():
+        # A finished run without --save-models: its results are there, its models never were.
+        raise CheckpointError(
+            f"{p}: this run kept no models ({FINAL_FILE} is absent): re-run it with "
+            f"`fedmosaic run ... --out {p} --save-models --overwrite`"
+        )
     # Digest first: a missing, truncated or forged file is a CheckpointError naming it, before
     # anything of its config is used.
     meta = check_meta(read_checkpoint(file).meta, file, full=True)

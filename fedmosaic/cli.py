@@ -19,7 +19,7 @@ import torch
 import fedmosaic
 import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import FILENAME
+from fedmosaic.checkpoint import FILENAME, FINAL_FILE
 from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
@@ -58,6 +58,19 @@ def baseline_config(config: str | None, overrides: list[str], name: str) -> Expe
     """``--baseline name``: the run's config with only the method-independent settings kept (the
     ``[algorithm]`` table is ``{name}`` alone, whatever the file or ``--set`` gave the method)."""
     return load(config or default_config_path(), overrides, algorithm={"name": name})
+
+
+def models_line(folder: Path, kept: bool, checkpoints: bool = False) -> str:
+    """Where a finished run's models went: kept (with the file's size, 1 MB = 10^6 bytes) or not
+    (``checkpoints``: and its resume checkpoint, there for a crash, was removed)."""
+    final = folder / FINAL_FILE
+    if kept and final.is_file():
+        return f"   models kept: {final} ({final.stat().st_size / 1e6:.1f} MB)"
+    removed = ", its resume checkpoint removed as the run finished" if checkpoints else ""
+    return (
+        f"   models not kept{removed} (--save-models keeps them for fedmosaic.api.load_run "
+        "and --extend)"
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -99,6 +112,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"== {name}: already done: {folder.path} holds this configuration's finished "
                     "run (kept; --overwrite runs it again)"
                 )
+                if args.save_models and not (folder.path / FINAL_FILE).is_file():
+                    print("   it kept no models: add --overwrite to train it again and keep them")
                 docs[name] = start.done
                 continue
             print(
@@ -114,6 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 extend=args.extend,
                 keep_final=keep_final,
             )
+            print(models_line(folder.path, keep_final, args.checkpoint_every > 0))
             docs[name] = doc
             ran = True
         if len(docs) > 1 and ran:
@@ -328,9 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--save-models",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep the trained server state and client models as OUT/final.safetensors "
-        "(fedmosaic.api.load_run(OUT) loads them; default on)",
+        default=False,
+        help="keep the trained server state and every client's model as OUT/final.safetensors "
+        "(its size is printed; fedmosaic.api.load_run(OUT) and --extend need it; default off: "
+        "the default job's 100 clients take 225 MB per method)",
     )
     r.add_argument(
         "--extend",

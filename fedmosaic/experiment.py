@@ -101,7 +101,7 @@ def _rounds(
         if bar is not None:
             bar.update(1)
             if "acc_weighted" in rec:
-                bar.set_postfix(acc=f"{rec['acc_weighted']:.4f}", s=f"{rec['seconds']:.1f}")
+                bar.set_postfix(acc=f"{100 * rec['acc_weighted']:.2f}%", s=f"{rec['seconds']:.1f}")
         elif show:
             log.info("%s", round_line(name, rec, cfg.train.rounds))
         if on_round is not None:

@@ -79,6 +79,33 @@ def test_load_run_restores_the_kept_models(tmp_path: Path):
         fm.load_run(out)
 
 
+def test_a_run_keeps_no_models_unless_asked_and_load_run_says_so(tmp_path: Path, capsys):
+    """No final.safetensors unasked (the default job wrote 225 MB per method); ``--save-models``
+    keeps it and prints its size; ``load_run`` of a run without models says what to do."""
+    raw = tiny_raw(data={"synthetic_shape": [1, 16, 16]}, train={"rounds": 1}, sim={"threads": 1})
+    cfg = write_toml(tmp_path / "c.toml", raw)
+    out = tmp_path / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    assert "models not kept (--save-models" in capsys.readouterr().out
+    assert (out / "results.json").is_file() and not (out / "final.safetensors").exists()
+    with pytest.raises(CheckpointError, match=r"kept no models.*--save-models --overwrite"):
+        fm.load_run(out)
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
+    assert "it kept no models: add --overwrite" in capsys.readouterr().out
+    args = ["run", str(cfg), "--out", str(out), "--quiet", "--save-models", "--overwrite"]
+    assert main(args) == 0
+    size = (out / "final.safetensors").stat().st_size
+    assert (
+        f"models kept: {out / 'final.safetensors'} ({size / 1e6:.1f} MB)" in capsys.readouterr().out
+    )
+    assert fm.load_run(out).rounds_done == 1
+    # A checkpoint is for resuming after a crash: a finished run removes it and says so.
+    other = tmp_path / "ck"
+    assert main(["run", str(cfg), "--out", str(other), "--quiet", "--checkpoint-every", "1"]) == 0
+    assert "resume checkpoint removed as the run finished" in capsys.readouterr().out
+    assert not (other / "checkpoint.safetensors").exists()
+
+
 @pytest.fixture(scope="module")
 def kept_run(tmp_path_factory) -> Path:
     """A finished ``--save-models`` run folder of a tiny federation (copied by each test)."""

@@ -45,6 +45,34 @@ def test_one_log_line_per_round_without_a_terminal(tmp_path: Path):
     assert "local round 3/3" in log.read_text()
 
 
+def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
+    """The bar showed ``acc=0.8409`` where the tables and logs say 84.09%."""
+    from fedmosaic import experiment
+    from fedmosaic.config import from_dict
+
+    postfixes: list[dict] = []
+
+    class Bar:
+        def __init__(self, **kwargs) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            pass
+
+        def set_postfix(self, **kwargs) -> None:
+            postfixes.append(kwargs)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(experiment, "tqdm", Bar)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    cfg = from_dict(tiny_raw(data=SMALL, train={"rounds": 1}, sim={"threads": 1}))
+    doc = experiment.run_experiment(cfg, progress=True)
+    acc = doc["rounds"][0]["acc_weighted"]
+    assert postfixes and postfixes[-1]["acc"] == f"{100 * acc:.2f}%"
+
+
 def test_stop_request_checkpoints_and_resume_finishes_identically(tmp_path: Path, monkeypatch):
     cfg = _toml(tmp_path / "c.toml", train={"rounds": 3}, algorithm={"name": "fedtgp"})
     ref = tmp_path / "ref"

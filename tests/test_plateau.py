@@ -80,7 +80,7 @@ def test_a_plateau_stopped_run_keeps_the_models_of_its_last_round(tmp_path):
     train = {"rounds": 40, "plateau_delta": 0.5, "plateau_min_rounds": 3}
     cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=data, train=train))
     out = tmp_path / "o"
-    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
     kept = fm.load_run(out)
     assert kept.rounds_done == 3 == kept.summary["stopped_on_plateau"]
     assert not (out / "checkpoint.safetensors").exists()

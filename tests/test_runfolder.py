@@ -129,7 +129,7 @@ def test_an_interrupted_run_asks_for_resume_and_changes_nothing(tmp_path: Path, 
 
 def test_a_refused_extend_leaves_nothing_behind(tmp_path: Path, capsys):
     cfg, out = _cfg(tmp_path), tmp_path / "out"
-    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0  # keeps final.safetensors
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
     before = _state(out)
     capsys.readouterr()
     bad = ["--extend", "--set", "train.rounds=2", "--set", "train.lr=0.2"]

@@ -322,7 +322,7 @@ def run_server(
             log.info(
                 "round %d: acc %s, participants %s, rejected %s%s",
                 rec["round"],
-                f"{rec['acc_weighted']:.4f}" if "acc_weighted" in rec else "-",
+                f"{100 * rec['acc_weighted']:.2f}%" if "acc_weighted" in rec else "-",
                 rec["participants"],
                 rec["rejected"],
                 "" if rec.get("aggregated", True) else " (skipped)",

@@ -1,16 +1,21 @@
 """The report of a comparison grid: one table (Markdown + CSV + HTML), curves, client spread.
 
-Accuracies are shown as mean ± the half-width of the 95% Student-t confidence interval of the mean
-over seeds ("n/a" from one seed); ``table.csv`` also has the sample std (ddof=1) and n. Each is
-a statistic of one run:
+Accuracies are shown in % as mean ± the half-width of the 95% Student-t confidence interval of the
+mean over seeds, from 3 seeds or more (``MIN_SEEDS_FOR_CI``); from two, "± n/a" and the seeds'
+range (a t-interval from two seeds is 12.7 standard errors wide: noise, not a statement); from
+one, "± n/a". ``table.csv`` holds fractions with the sample std (ddof=1), ci95 and n as computed.
+1 KB = 1000 bytes, 1 MB = 10^6 bytes. Each is a statistic of one run:
 
-Accuracy is the metric the suite's paper reports (``suite.paper_metric``): ``weighted`` =
+Accuracy is the metric named by ``suite.paper_metric`` (the paper's metric when the suite has a
+paper; the headers say "the paper's metric" only then): ``weighted`` =
 test-size-weighted over all clients (HtFLlib/PFLlib, FedTGP), ``unweighted`` = the plain mean of
 per-client accuracies (FedGH, FedClassAvg); the other metric's final accuracy stands beside it.
 
 - final: test accuracy at the last round;
 - final (other metric): the same in the metric the paper does not report;
 - after fine-tune: the same after the method's local fine-tuning (FedBABU, layer expansion);
+- final acc, <mode>: every other accuracy a method reports beside its headline (FedProto's
+  ``head`` classifier beside its nearest-prototype headline, FML's ``meme`` model, ...);
 - best on val: test accuracy at the round with the best validation accuracy (needs a validation
   split; ``-`` without one);
 - best on test: the maximum test accuracy over rounds, *as the papers report it* (optimistic:
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedmosaic import provenance
-from fedmosaic.report.results import save_figure  # PNG (150 dpi) + SVG + PDF
+from fedmosaic.report.results import STAR_SHIFT, accuracy_modes, save_figure
 from fedmosaic.report.suite import Cell, Suite
 
 if TYPE_CHECKING:
@@ -65,6 +70,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
 )
 
 METRIC_KEYS = {"weighted": "acc_weighted", "unweighted": "acc_mean"}
+METRIC_SUFFIX = {"weighted": "_weighted", "unweighted": "_mean"}
+MIN_SEEDS_FOR_CI = 3  # a 95% t-interval from 2 seeds is +-12.7 standard errors: shown as n/a
 METRIC_NAMES = {"weighted": "test-size-weighted", "unweighted": "unweighted mean over clients"}
 
 
@@ -95,8 +102,8 @@ def run_metrics(
         "best_on_val": _best(evaluated, f"val_{key}", key),
         "best_on_test": _best(evaluated, key, key),
         "client_std": s.get("final", {}).get("acc_std"),
-        "kb_up": _div(s.get("bytes_up_per_client_per_round"), 1024),
-        "kb_down": _div(s.get("bytes_down_per_client_per_round"), 1024),
+        "kb_up": _div(s.get("bytes_up_per_client_per_round"), 1000),
+        "kb_down": _div(s.get("bytes_down_per_client_per_round"), 1000),
         "seconds_per_round": s.get("seconds_per_round"),
         "paper_cost_g": _div(s.get("paper_cost_total"), 1e9),
         "train_tmacs": _div(s.get("train_macs_total"), 1e12),
@@ -104,6 +111,8 @@ def run_metrics(
         "mb_to_target": None,
         "rounds_run": None,
     }
+    for mode in accuracy_modes(s.get("final", {})):  # acc_head, acc_meme, ...: beside the headline
+        out[f"final_{mode}"] = s["final"].get(mode + METRIC_SUFFIX[metric])
     if (doc.get("config", {}).get("train", {}).get("plateau_delta") or 0) > 0:
         out["rounds_run"] = s.get("rounds_run")
     if target is not None:
@@ -113,7 +122,7 @@ def run_metrics(
             acc = r.get(key)
             if acc is not None and acc >= target:
                 out["rounds_to_target"] = float(r["round"])
-                out["mb_to_target"] = total / 2**20
+                out["mb_to_target"] = total / 1e6
                 break
     return out
 
@@ -136,7 +145,15 @@ def aggregate(values: Sequence[float | None]) -> dict[str, Any]:
 
         std = float(np.std(vals, ddof=1))
         ci = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)
-    return {"mean": float(np.mean(vals)), "std": std, "ci95": ci, "n": n, "of": len(values)}
+    return {
+        "mean": float(np.mean(vals)),
+        "std": std,
+        "ci95": ci,
+        "n": n,
+        "of": len(values),
+        "min": min(vals),
+        "max": max(vals),
+    }
 
 
 def summarize_grid(
@@ -163,19 +180,36 @@ def summarize_grid(
         }
         for key, _, _ in METRICS:
             row[key] = aggregate([m[key] for m in per_run])
+        for key in dict.fromkeys(k for m in per_run for k in m if k.startswith("final_acc_")):
+            row[key] = aggregate([m.get(key) for m in per_run])
         rows.append(row)
+    for key in _mode_keys(rows):  # a method without that mode: "-" in its column
+        for row in rows:
+            row.setdefault(key, aggregate([]))
     return rows
 
 
+def _mode_keys(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """``final_acc_<mode>`` of every mode some row reports, first seen first."""
+    return list(dict.fromkeys(k for r in rows for k in r if k.startswith("final_acc_")))
+
+
 def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
-    """``mean ± ci95`` for accuracies (``± n/a`` from one seed), the mean for costs."""
+    """``mean ± ci95`` for accuracies from ``MIN_SEEDS_FOR_CI`` seeds (``± n/a`` below, with the
+    seeds' range from two), the mean for costs."""
     if agg["mean"] is None:
         return "-"
-    m, ci = agg["mean"], agg.get("ci95")
+    m = agg["mean"]
+    ci = agg.get("ci95") if agg.get("n", 0) >= MIN_SEEDS_FOR_CI else None
+    spread = agg.get("n", 0) > 1 and ci is None and agg.get("min") != agg.get("max")
     if unit == "pct":
         text = f"{100 * m:.2f} ± " + ("n/a" if ci is None else f"{100 * ci:.2f}")
+        if spread:
+            text += f" (range {100 * agg['min']:.2f}-{100 * agg['max']:.2f})"
     elif unit == "int":
         text = f"{m:.1f} ± {ci:.1f}" if ci is not None else f"{m:.0f}"
+        if spread:
+            text += f" (range {agg['min']:.0f}-{agg['max']:.0f})"
     elif unit == "kb":
         text = f"{m:.1f}"
     elif unit == "mb":
@@ -209,10 +243,13 @@ def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, st
         if key in optional and all(r.get(key, {}).get("mean") is None for r in rows):
             continue
         if key == "final":
-            label = f"final acc ({METRIC_NAMES[suite.paper_metric]}, the paper's metric)"
+            paper = ", the paper's metric" if suite.paper else ""
+            label = f"final acc ({METRIC_NAMES[suite.paper_metric]}{paper})"
         elif key == "final_other":
             label = f"final acc ({METRIC_NAMES[other]})"
         cols.append((key, label, unit))
+        if key == "final":  # every other accuracy the methods report, beside the headline
+            cols += [(k, f"final acc, {k[len('final_acc_') :]}", "pct") for k in _mode_keys(rows)]
     return cols
 
 
@@ -302,10 +339,13 @@ def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]], cells: Sequence
             "`(k/n)`: k of n seeds reached it."
         )
     lines.append(
-        f"Accuracies in %, mean ± half-width of the 95% t-interval over seeds (n/a from one "
-        f"seed), {METRIC_NAMES[suite.paper_metric]} accuracy "
-        "(the metric the suite's paper reports) unless a column names the other; best-on-test "
-        "selects the round on the test set, as the papers report it."
+        f"Accuracies in %, mean ± half-width of the 95% t-interval over seeds (from "
+        f"{MIN_SEEDS_FOR_CI} seeds; n/a below, with the seeds' range from two), "
+        f"{METRIC_NAMES[suite.paper_metric]} accuracy "
+        + ("(the metric the suite's paper reports) " if suite.paper else "")
+        + "unless a column names the other; best-on-test "
+        "selects the round on the test set, as the papers report it. 1 KB = 1000 bytes, "
+        "1 MB = 10^6 bytes."
     )
     return "\n".join(lines) + "\n"
 
@@ -314,13 +354,14 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         header = ["setting", "method", "seeds"]
-        for key, _, _ in METRICS:
+        keys = [key for key, _, _ in METRICS] + _mode_keys(rows)
+        for key in keys:
             header += [f"{key}_mean", f"{key}_std", f"{key}_ci95", f"{key}_n"]
         header.append("paper")
         w.writerow(header)
         for r in rows:
             line: list[Any] = [r["setting"], r["method"], " ".join(map(str, r["seeds"]))]
-            for key, _, _ in METRICS:
+            for key in keys:
                 a = r[key]
                 line += [
                     "" if a["mean"] is None else a["mean"],
@@ -366,7 +407,7 @@ def _xs(doc: dict[str, Any], x: str) -> dict[int, float]:
         if x == "round":
             total = float(r["round"])
         elif x == "mb":
-            total += ((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)) / 2**20
+            total += ((r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)) / 1e6
         else:
             total += r.get("seconds") or 0.0
         out[int(r["round"])] = total
@@ -422,6 +463,7 @@ def plot_grid_curves(
                 lo = [min(curves[t]) for t in rs]
                 hi = [max(curves[t]) for t in rs]
                 ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            _finetune_point(ax, runs, key, x, line.get_color(), method, i)
         if target is not None:
             ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label="target")
         ax.set_title(setting, fontsize=10)
@@ -437,6 +479,36 @@ def plot_grid_curves(
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
+
+
+def _finetune_point(
+    ax: Any, runs: Sequence[dict[str, Any]], key: str, x: str, color: Any, label: str, i: int
+) -> None:
+    """The accuracy after the method's local fine-tuning (the table's headline for FedBABU and
+    layer expansion), mean over seeds, as a star at the last round's x (whiskers: min-max),
+    the ``i``-th method's shifted right by ``STAR_SHIFT * i`` of it."""
+    tuned = [
+        (100 * doc["summary"]["after_finetune"][key], _xs(doc, x)[int(doc["rounds"][-1]["round"])])
+        for doc in runs
+        if doc.get("rounds")
+        and doc.get("summary", {}).get("after_finetune", {}).get(key) is not None
+    ]
+    if not tuned:
+        return
+    ys = [y for y, _ in tuned]
+    mean = float(np.mean(ys))
+    yerr = [[mean - min(ys)], [max(ys) - mean]] if len(ys) > 1 else None
+    ax.errorbar(
+        [float(np.mean([w for _, w in tuned])) * (1 + STAR_SHIFT * i)],
+        [mean],
+        yerr=yerr,
+        marker="*",
+        ms=11,
+        color=color,
+        ls="none",
+        capsize=3,
+        label=f"{label} after fine-tune",
+    )
 
 
 def _stacked_label_bars(plt: Any, fig: Any, ax: Any, counts: np.ndarray) -> None:
@@ -603,8 +675,9 @@ def html_report(
         note_html = esc(("† " if differs else "") + note).replace("**", "")
         parts.append(f"<p class='budget'><strong>{note_html}</strong></p>")
     parts.append(
-        "<p>Accuracies in %, mean ± half-width of the 95% Student-t interval over seeds (n/a from "
-        "one seed). <em>best-on-test</em> picks the round on the "
+        "<p>Accuracies in %, mean ± half-width of the 95% Student-t interval over seeds (from "
+        f"{MIN_SEEDS_FOR_CI} seeds; n/a below, with the seeds' range from two); 1 KB = 1000 "
+        "bytes, 1 MB = 10^6 bytes. <em>best-on-test</em> picks the round on the "
         "test set, as the papers report it; <em>best-on-val</em> picks it on a validation split.</p>"
     )
     for title, rel in images:

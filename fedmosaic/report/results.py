@@ -42,6 +42,10 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+# After-fine-tune stars of the i-th method sit at x * (1 + STAR_SHIFT * i) (after the last round):
+# methods that fine-tune to the same level (FedBABU and layer expansion, 88-92%) would hide
+# each other's stars.
+STAR_SHIFT = 0.015
 FIGURE_DPI = 150  # every PNG the library writes (run, compare and prototype figures)
 
 
@@ -156,7 +160,10 @@ def write_results(out_dir: str | Path, doc: dict[str, Any], plot: bool = True) -
 
 
 def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
-    """Test accuracy per round of each run: ``path`` (PNG) with SVG and PDF beside it."""
+    """Test accuracy (%) per round of each run, dashed beside it every other accuracy it reports
+    (FedProto's heads), and a star at the last round for the accuracy after the method's local
+    fine-tuning where it fine-tunes (the table's headline for FedBABU and layer expansion):
+    ``path`` (PNG) with SVG and PDF beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,17 +171,46 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, doc in docs.items():
+    for i, (label, doc) in enumerate(docs.items()):
         pts = [
-            (r["round"], r["acc_weighted"])
+            (r["round"], 100 * r["acc_weighted"])
             for r in doc["rounds"]
             if r.get("acc_weighted") is not None
         ]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="." if len(pts) < 40 else None, label=label)
+        if not pts:
+            continue
+        (line,) = ax.plot(
+            *zip(*pts, strict=True), marker="." if len(pts) < 40 else None, label=label
+        )
+        tuned = doc.get("summary", {}).get("after_finetune", {}).get("acc_weighted")
+        if tuned is not None:
+            last = doc["rounds"][-1]["round"]
+            ax.plot(
+                [last * (1 + STAR_SHIFT * i)],  # methods tuned to one level: stars side by side
+                [100 * tuned],
+                marker="*",
+                ms=12,
+                ls="none",
+                color=line.get_color(),
+                label=f"{label} after fine-tune",
+            )
+        for mode in accuracy_modes(doc.get("summary", {}).get("final", {})):
+            # Every other accuracy the method reports (FedProto's heads), dashed beside it.
+            key = f"{mode}_weighted"
+            other = [(r["round"], 100 * r[key]) for r in doc["rounds"] if r.get(key) is not None]
+            if other:
+                ax.plot(
+                    *zip(*other, strict=True),
+                    ls="--",
+                    marker="x" if len(other) < 40 else None,
+                    ms=4,
+                    color=line.get_color(),
+                    label=f"{label} {mode}",
+                )
     ax.set_xlabel("round")
+    ax.set_xlim(left=0)  # one round alone got ticks at 0.96, 0.98, ...
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    ax.set_ylabel("test accuracy (weighted over clients)")
+    ax.set_ylabel("test accuracy (%, weighted over clients)")
     ax.grid(alpha=0.3)
     ax.legend()
     cfg = next(iter(docs.values()))["config"]
@@ -189,7 +225,9 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
 
 
 def format_table(docs: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of the summaries of several runs."""
+    """A plain-text table of the summaries of several runs: accuracies in %, 1 KB = 1000 bytes;
+    below a method's row, every other accuracy it reports (``acc_head``: FedProto's heads beside
+    its nearest-prototype headline, ...) and its accuracy after local fine-tuning."""
     header = (
         "algorithm",
         "final acc (w)",
@@ -214,12 +252,22 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
             f"{_pct(f.get('acc_mean'))} ± {_pct(f.get('acc_std'))}",
             f"{_pct(bt.get('acc_weighted'))} (r{bt.get('round', '-')})",
             f"{s.get('seconds_per_round', math.nan):.2f}",
-            f"{s.get('bytes_up_per_client_per_round', math.nan) / 1024:.1f}",
+            f"{s.get('bytes_up_per_client_per_round', math.nan) / 1000:.1f}",
         )
         if cost:
             c = s.get("paper_cost_total")
             row = (*row, "-" if c is None else f"{c / 1e9:.1f}")
         rows.append(row)
+        for mode in accuracy_modes(f):
+            other = (
+                f"  {mode}",
+                _pct(f.get(f"{mode}_weighted")),
+                f"{_pct(f.get(f'{mode}_mean'))} ± {_pct(f.get(f'{mode}_std'))}",
+                "",
+                "",
+                "",
+            )
+            rows.append((*other, "") if cost else other)
         if "after_finetune" in s:
             ft = s["after_finetune"]
             fine = (
@@ -234,6 +282,16 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True))  # noqa: E731
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+
+def accuracy_modes(final: dict[str, Any]) -> list[str]:
+    """The accuracies a run reports beside its headline ``acc`` (``acc_head``, ``acc_meme``,
+    ...), in the order of its summary."""
+    return [
+        k[: -len("_weighted")]
+        for k in final
+        if k.startswith("acc_") and k.endswith("_weighted") and k != "acc_weighted"
+    ]
 
 
 def _pct(v: Any) -> str:

@@ -79,3 +79,17 @@ def test_a_failed_run_leaves_failed_with_the_reason(tmp_path):
     failed = (tmp_path / "results" / "FAILED").read_text()
     assert "Traceback" in failed and "mnist" in failed.lower()
     assert not (tmp_path / "results" / "results.json").exists()
+
+
+def test_flower_round_log_gives_accuracy_in_percent(tmp_path, caplog):
+    """Flower's round line said ``acc 0.8409`` where every table and log says 84.09%."""
+    import logging
+
+    n = 2
+    raw = tiny_raw(data={"num_clients": n}, train={"rounds": 1}, algorithm={"name": "local"})
+    rc = {"experiment": json.dumps(raw), "results-dir": str(tmp_path / "results")}
+    grid = LocalGrid(client_app, [{"partition-id": i, "num-partitions": n} for i in range(n)], rc)
+    with caplog.at_level(logging.INFO):
+        doc = run_server(grid, rc)
+    acc = doc["rounds"][0]["acc_weighted"]
+    assert f"round 1: acc {100 * acc:.2f}%," in caplog.text

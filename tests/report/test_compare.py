@@ -7,6 +7,8 @@ import json
 import re
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -14,7 +16,14 @@ from fedmosaic import compare
 from fedmosaic.cli import main
 from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError
-from fedmosaic.report.compare import aggregate, fmt, run_metrics
+from fedmosaic.report.compare import (
+    aggregate,
+    fmt,
+    markdown_table,
+    run_metrics,
+    summarize_grid,
+    write_csv,
+)
 
 SUITES = Path(__file__).resolve().parents[2] / "benchmarks" / "suites"
 
@@ -110,15 +119,15 @@ def test_run_metrics_target_and_bytes():
         "summary": {
             "final": {"acc_weighted": 0.8, "acc_std": 0.1},
             "best_on_test": {"acc_weighted": 0.85},
-            "bytes_up_per_client_per_round": 2048,
-            "bytes_down_per_client_per_round": 1024,
+            "bytes_up_per_client_per_round": 2000,  # 1 KB = 1000 bytes, as the round log
+            "bytes_down_per_client_per_round": 1000,
             "seconds_per_round": 1.5,
         },
         "rounds": [
-            {"round": 1, "acc_weighted": 0.4, "bytes_up": 2**20, "bytes_down": 2**20},
-            {"round": 2, "bytes_up": 2**20, "bytes_down": 0},  # not evaluated
-            {"round": 3, "acc_weighted": 0.7, "bytes_up": 2**19, "bytes_down": 2**19},
-            {"round": 4, "acc_weighted": 0.9, "bytes_up": 2**20, "bytes_down": 2**20},
+            {"round": 1, "acc_weighted": 0.4, "bytes_up": 10**6, "bytes_down": 10**6},
+            {"round": 2, "bytes_up": 10**6, "bytes_down": 0},  # not evaluated
+            {"round": 3, "acc_weighted": 0.7, "bytes_up": 5 * 10**5, "bytes_down": 5 * 10**5},
+            {"round": 4, "acc_weighted": 0.9, "bytes_up": 10**6, "bytes_down": 10**6},
         ],
     }
     m = run_metrics(doc, 0.7)
@@ -134,6 +143,15 @@ def test_run_metrics_target_and_bytes():
     one = aggregate([0.5])
     assert one["std"] is None and one["ci95"] is None
     assert fmt(one, "pct") == "50.00 ± n/a" and fmt(three, "pct") == "60.00 ± 24.84"
+
+
+def test_no_interval_from_two_seeds_but_their_range():
+    """Two seeds gave ``54.02 ± 230.50`` (t(0.975, 1) = 12.7): an interval needs 3 seeds."""
+    two = aggregate([0.3, 0.78])
+    assert two["ci95"] is not None  # still computed (table.csv, claims): only not shown
+    assert fmt(two, "pct") == "54.00 ± n/a (range 30.00-78.00)"
+    assert fmt(aggregate([4.0, 6.0]), "int") == "5 (range 4-6)"
+    assert fmt(aggregate([0.5, 0.6, 0.7]), "pct") == "60.00 ± 24.84"
 
 
 class _Refs(HTMLParser):
@@ -155,7 +173,8 @@ def test_compare_end_to_end_cached_and_report(tmp_path: Path, monkeypatch, capsy
         assert (out / name).stat().st_size > 0, name
     md = (out / "table.md").read_text()
     assert "best-on-test acc (as the papers report it)" in md and "12.34 ± 0.56" in md
-    assert re.search(r"\| proto \| 2 \| \d+\.\d\d ± \d+\.\d\d \|", md)
+    # two seeds: no interval (it would be 12.7 standard errors wide), their range instead
+    assert re.search(r"\| proto \| 2 \| \d+\.\d\d ± n/a \(range \d+\.\d\d-\d+\.\d\d\) \|", md)
     rows = list(csv.DictReader(open(out / "table.csv")))
     assert [r["method"] for r in rows] == ["local", "proto"] and rows[0]["final_n"] == "2"
     assert rows[0]["best_on_val_mean"] != ""  # the suite has a validation split
@@ -307,25 +326,34 @@ def _final_acc(cell: Path) -> float:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt: chromium)")
 def test_html_report_renders_in_headless_chromium(tmp_path: Path):
-    """The report opens in a real browser: a real 95% interval over 2 seeds in the table, and each
-    figure decoded (not a broken or missing image) and drawn with a figure's worth of colours."""
+    """The report opens in a real browser: two seeds' mean and range in the table (no interval
+    from two seeds), and each figure decoded (not a broken or missing image) and drawn with a
+    figure's worth of colours."""
     import numpy as np
     from matplotlib.image import imread
 
     out = tmp_path / "out"
     assert main(["compare", str(_suite(tmp_path)), "--out", str(out), "--quiet"]) == 0
     dom, imgs = _rendered(tmp_path, out)
-    # Two seeds: mean ± t(0.975, df=1) s / sqrt(2) = 12.7062 |a - b| / 2, by hand from the runs.
+    # Two seeds: the mean and the seeds' range, by hand from the runs (a t-interval from two
+    # seeds, 12.7 standard errors wide, is not shown).
     widths = []
     for method in ("local", "proto"):
         a, b = (100 * _final_acc(out / f"cells/dir/{method}/seed{s}") for s in (0, 1))
-        row = re.search(rf"<td>{method}</td><td>2</td>\s*<td>(\d+\.\d\d) ± (\d+\.\d\d)</td>", dom)
-        assert row, f"no '± x.xx' interval in the rendered {method} row"
+        row = re.search(
+            rf"<td>{method}</td><td>2</td>\s*<td>(\d+\.\d\d) ± n/a(?: \(range (\d+\.\d\d)-"
+            rf"(\d+\.\d\d)\))?</td>",
+            dom,
+        )
+        assert row, f"no 'm ± n/a (range lo-hi)' in the rendered {method} row"
         assert float(row.group(1)) == pytest.approx((a + b) / 2, abs=0.006)
-        assert float(row.group(2)) == pytest.approx(12.7062 * abs(a - b) / 2, abs=0.006)
-        widths.append(float(row.group(2)))
-    assert max(widths) > 0, "the seeds gave identical accuracies: no interval was exercised"
-    assert "± n/a" not in dom
+        if row.group(2) is not None:
+            assert float(row.group(2)) == pytest.approx(min(a, b), abs=0.006)
+            assert float(row.group(3)) == pytest.approx(max(a, b), abs=0.006)
+            widths.append(float(row.group(3)) - float(row.group(2)))
+    assert widths and max(widths) > 0, "the seeds gave identical accuracies: no range exercised"
+    # no interval anywhere from two seeds: the paper's number is the only "a ± b" on the page
+    assert set(re.findall(r"\d+\.\d\d ± \d+\.\d\d", dom)) == {"12.34 ± 0.56"}
     # Each figure individually: decoded by the browser, laid out at a readable size ...
     for name in FIGURES:
         assert name in imgs, f"{name} is not on the page"
@@ -418,8 +446,36 @@ def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
             suite,
         )
     }
-    assert "unweighted mean over clients, the paper's metric" in labels["final"]
+    # A suite without a paper has no "paper's metric" (all_methods said it had one).
+    assert labels["final"] == "final acc (unweighted mean over clients)"
     assert "test-size-weighted" in labels["final_other"]
+    with_paper = load_suite(
+        _suite(
+            tmp_path,
+            '[suite]\nmethods = ["local"]\npaper_metric = "unweighted"\npaper = "X (2024)"\n',
+        )
+    )
+    cols = {
+        k: label
+        for k, label, _ in _columns(
+            [
+                row
+                | {
+                    k: aggregate([None])
+                    for k in (
+                        "after_finetune",
+                        "holdout_before",
+                        "holdout_after",
+                        "best_on_val",
+                        "paper_cost_g",
+                        "train_tmacs",
+                    )
+                }
+            ],
+            with_paper,
+        )
+    }
+    assert "unweighted mean over clients, the paper's metric" in cols["final"]
 
 
 def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
@@ -610,3 +666,65 @@ def test_compare_goes_through_the_run_folder_lifecycle(tmp_path: Path, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(cell / "results.json") in err[0], err
     assert sorted(p.name for p in cell.iterdir()) == ["results.json"]
+
+
+def _mode_doc(acc: float, head: float | None, tuned: float | None = None) -> dict[str, Any]:
+    final = {"acc_weighted": acc, "acc_mean": acc, "acc_std": 0.1}
+    if head is not None:
+        final |= {"acc_head_weighted": head, "acc_head_mean": head - 0.01}
+    summary: dict[str, Any] = {"final": final}
+    if tuned is not None:
+        summary["after_finetune"] = {"acc_weighted": tuned, "acc_mean": tuned}
+    rounds = [{"round": 1, "acc_weighted": acc / 2}, {"round": 2, "acc_weighted": acc}]
+    return {"summary": summary, "rounds": rounds}
+
+
+def test_every_accuracy_a_method_reports_has_a_column(tmp_path: Path):
+    """FedProto's table showed only its nearest-prototype accuracy (75.3%), not its heads'."""
+    from fedmosaic.report.compare import _columns
+
+    suite = load_suite(_suite(tmp_path, '[suite]\nmethods = ["local", "fedproto"]\n'))
+    cells = [
+        SimpleNamespace(
+            setting=SimpleNamespace(label="s"), method=SimpleNamespace(label=m), seed=0, key=m
+        )
+        for m in ("local", "fedproto")
+    ]
+    docs = {"local": _mode_doc(0.6, None), "fedproto": _mode_doc(0.753, 0.892)}
+    rows = summarize_grid(suite, cells, docs)  # type: ignore[arg-type]
+    cols = _columns(rows, suite)
+    assert ("final_acc_head", "final acc, head", "pct") in cols
+    md = markdown_table(suite, rows)
+    proto = next(line for line in md.splitlines() if line.startswith("| fedproto"))
+    local = next(line for line in md.splitlines() if line.startswith("| local"))
+    assert "75.30 ± n/a" in proto and "89.20 ± n/a" in proto
+    assert local.split(" | ")[3] == "-"  # local has no head: "-" in that column
+    write_csv(tmp_path / "t.csv", rows)
+    assert "final_acc_head_mean" in (tmp_path / "t.csv").read_text().splitlines()[0]
+
+
+def test_grid_curves_show_the_after_fine_tune_point(monkeypatch):
+    """FedBABU's headline (after fine-tuning) was missing from curves.png (7-26% curves only)."""
+    from fedmosaic.report import compare as rc
+
+    figs: list[Any] = []
+    monkeypatch.setattr(rc, "save_figure", lambda fig, path: figs.append(fig))
+    cells = [
+        SimpleNamespace(
+            setting=SimpleNamespace(label="s"),
+            method=SimpleNamespace(label="fedbabu"),
+            seed=s,
+            key=f"b{s}",
+        )
+        for s in (0, 1)
+    ]
+    docs = {"b0": _mode_doc(0.2, None, tuned=0.88), "b1": _mode_doc(0.26, None, tuned=0.92)}
+    rc.plot_grid_curves(cells, docs, Path("unused.png"), None)  # type: ignore[arg-type]
+    ax = figs[0].axes[0]
+    stars = [ln for ln in ax.lines if ln.get_marker() == "*"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert len(stars) == 1 and "fedbabu after fine-tune" in legend
+    assert list(stars[0].get_xdata()) == [2.0] and list(stars[0].get_ydata()) == pytest.approx(
+        [90.0]
+    )
+    assert "(%)" in ax.get_ylabel()

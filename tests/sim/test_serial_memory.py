@@ -167,7 +167,16 @@ def test_kept_models_of_an_offloaded_run_load_as_in_memory(tmp_path: Path):
     loaded = []
     for offload in ("off", "on"):
         out = tmp_path / offload
-        args = ["run", str(toml), "--out", str(out), "--quiet", "--set", "sim.threads=1"]
+        args = [
+            "run",
+            str(toml),
+            "--out",
+            str(out),
+            "--quiet",
+            "--save-models",
+            "--set",
+            "sim.threads=1",
+        ]
         assert main([*args, "--set", f"sim.offload_clients={offload}"]) == 0
         loaded.append(load_run(out))
     for a, b in zip(loaded[0].models + loaded[0].extras, loaded[1].models + loaded[1].extras):
