@@ -28,12 +28,24 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+def spare_cores() -> int:
+    """Cores this run may use without taking them from other work: this process's cores less the
+    system's one-minute load other than this process (a busy 2-core machine has none spare)."""
+    cores = default_workers()
+    try:
+        others = max(os.getloadavg()[0] - 1.0, 0.0)  # this process is one runnable task
+    except OSError:  # no load average on this platform
+        others = 0.0
+    return max(1, min(cores, int(cores - others + 0.5)))
+
+
 # Starting the worker processes (fresh interpreters importing torch, then each building the
-# federation's view of the shared images) costs ~1-5 s on a busy 2-core machine, once per process
-# (they are pooled afterwards); one thread trains these small models at roughly 2-5 GFLOP/s. A run
-# estimated below this much work (training: 3x forward FLOPs; evaluation: forward) finishes sooner
-# serially: a unit-test federation is ~1 GFLOP, a 10-client FMNIST 10% run ~100 GFLOP a round.
-MIN_PROCESS_FLOPS = 20e9
+# federation's view of the shared images) costs seconds once per process (they are pooled
+# afterwards): 10-20 s on a loaded 2-core machine, where one thread trains these small models at
+# 15-25 GFLOP/s. A run estimated below this much work (training: 3x forward FLOPs; evaluation:
+# forward) finishes sooner serially: a unit-test federation is ~1-6 GFLOP, a 10-client FMNIST 10%
+# round ~165 GFLOP, a round of 10 of 100 cnn1 clients on FMNIST 20% ~38 GFLOP.
+MIN_PROCESS_FLOPS = 200e9
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,9 @@ def run_flops(fed: Federation) -> float:
 def resolve_runtime(fed: Federation) -> Runtime:
     """The backend, workers and threads this run uses (``"auto"`` decided here)."""
     sim = fed.cfg.sim
-    backend, why = sim.backend, "sim.backend"
+    backend, why, cores = sim.backend, "sim.backend", default_workers()
     if backend == "auto":
-        backend, why = _auto_backend(fed)
+        backend, why, cores = _auto_backend(fed)
     if sim.threads == "auto" or (backend == "processes" and sim.threads == 0):
         # The workers own the cores. The server's own steps (FedTGP's prototype training,
         # FedGen's generator, KT-pFL's coefficients) are small ops: on one thread they give
@@ -78,24 +90,29 @@ def resolve_runtime(fed: Federation) -> Runtime:
         threads = int(sim.threads)
     if backend != "processes":
         return Runtime("serial", 1, threads, why)
-    n = sim.workers or len(sim.devices) or default_workers()
+    n = sim.workers or len(sim.devices) or cores
     return Runtime("processes", max(1, min(n, fed.plan.num_clients)), threads, why)
 
 
-def _auto_backend(fed: Federation) -> tuple[str, str]:
-    """``sim.backend = "auto"``: processes where they finish first, else serial."""
+def _auto_backend(fed: Federation) -> tuple[str, str, int]:
+    """``sim.backend = "auto"``: processes (on the spare cores) where they finish first, else
+    serial; returns the backend, why, and the cores to use."""
     cfg = fed.cfg
     if cfg.sim.devices:
-        return "processes", "auto: sim.devices places worker processes"
+        return "processes", "auto: sim.devices places worker processes", len(cfg.sim.devices)
     if cfg.train.device != "cpu":
-        return "serial", f"auto: train.device = {cfg.train.device!r} (one process drives it)"
-    cores = default_workers()
-    if cores < 2 or fed.plan.num_clients < 2:
-        return "serial", f"auto: {cores} usable core(s), {fed.plan.num_clients} client(s)"
+        return "serial", f"auto: train.device = {cfg.train.device!r} (one process drives it)", 1
+    if fed.plan.num_clients < 2:
+        return "serial", "auto: one client", 1
+    cores = spare_cores()
+    if cores < 2:
+        # Measured on a loaded 2-core machine: workers only compete with the other work there
+        # (serial on one thread ran 10 s a round, two workers 11-21 s).
+        return "serial", f"auto: {cores} spare core of {default_workers()}", 1
     work = run_flops(fed)
     if work < MIN_PROCESS_FLOPS:
-        return "serial", f"auto: ~{work / 1e9:.1f} GFLOP, too little to repay starting workers"
-    return "processes", f"auto: {cores} usable cores, ~{work / 1e9:.0f} GFLOP"
+        return "serial", f"auto: ~{work / 1e9:.1f} GFLOP, too little to repay starting workers", 1
+    return "processes", f"auto: {cores} spare cores, ~{work / 1e9:.0f} GFLOP", cores
 
 
 def workers(fed: Federation) -> int:

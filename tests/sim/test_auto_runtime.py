@@ -21,8 +21,13 @@ from fedmosaic.sim import backend
 SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
-def _runtime(monkeypatch, cores: int, min_flops: float, **sim) -> backend.Runtime:
+def _machine(monkeypatch, cores: int, spare: int | None = None) -> None:
     monkeypatch.setattr(backend, "default_workers", lambda: cores)
+    monkeypatch.setattr(backend, "spare_cores", lambda: cores if spare is None else spare)
+
+
+def _runtime(monkeypatch, cores: int, min_flops: float, spare: int | None = None, **sim):
+    _machine(monkeypatch, cores, spare)
     monkeypatch.setattr(backend, "MIN_PROCESS_FLOPS", min_flops)
     fed = build_federation(from_dict(tiny_raw(data=SMALL, sim=sim)), with_clients=False)
     return backend.resolve_runtime(fed)
@@ -34,6 +39,11 @@ def test_the_default_is_auto_and_resolves_to_one_thread_workers_on_spare_cores(m
     assert (rt.backend, rt.workers, rt.threads) == ("processes", 2, 1)
     rt = _runtime(monkeypatch, cores=1, min_flops=0.0)
     assert (rt.backend, rt.workers, rt.threads) == ("serial", 1, 1)
+    # a busy machine (other work on all but one core): workers would only compete with it
+    rt = _runtime(monkeypatch, cores=2, spare=1, min_flops=0.0)
+    assert (rt.backend, rt.threads) == ("serial", 1)
+    rt = _runtime(monkeypatch, cores=16, spare=3, min_flops=0.0)
+    assert (rt.backend, rt.workers, rt.threads) == ("processes", 3, 1)
     # too little work to repay starting interpreters (a unit-test federation): serial
     rt = _runtime(monkeypatch, cores=8, min_flops=1e15)
     assert (rt.backend, rt.threads) == ("serial", 1)
@@ -75,7 +85,7 @@ def test_auto_gives_the_numbers_of_serial_on_one_thread(monkeypatch):
     args = {"data": SMALL, "algorithm": {"name": "lg_fedavg"}, "train": {"participation": 0.5}}
     raw = tiny_raw(**args)
     serial = run_experiment(from_dict(tiny_raw(**args, sim={"backend": "serial", "threads": 1})))
-    monkeypatch.setattr(backend, "default_workers", lambda: 2)
+    _machine(monkeypatch, 2)
     seen = []
     for min_flops in (1e15, 0.0):  # auto -> serial, auto -> processes
         monkeypatch.setattr(backend, "MIN_PROCESS_FLOPS", min_flops)

@@ -51,4 +51,5 @@ def test_without_a_terminal_one_line_per_round_as_before(monkeypatch, caplog):
         doc = _run(monkeypatch, plain, {"backend": "serial", "threads": 1})
     lines = [r.getMessage() for r in caplog.records if " round " in r.getMessage()]
     assert lines == [round_line("fedavg", rec, 3) for rec in doc["rounds"]]
-    assert plain.getvalue() == ""
+    # no bar, no per-client frames (a CLI test's log handler may still write here)
+    assert "\r" not in plain.getvalue() and "clients" not in plain.getvalue()
