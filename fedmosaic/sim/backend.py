@@ -115,12 +115,6 @@ def _auto_backend(fed: Federation) -> tuple[str, str, int]:
     return "processes", f"auto: {cores} spare cores, ~{work / 1e9:.0f} GFLOP", cores
 
 
-def workers(fed: Federation) -> int:
-    """Processes that train clients: 1 serially, ``sim.workers`` otherwise (0 = one per entry of
-    ``sim.devices``, else one per core)."""
-    return resolve_runtime(fed).workers
-
-
 def make_transport(fed: Federation, runtime: Runtime | None = None) -> Transport:
     """``serial``: every client in this process, in memory (``fed.models``) or, with
     ``fed.offload``, in an on-disk state store and built on demand. ``processes``:
