@@ -280,6 +280,16 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         section, key = dotted.split(".")
         if key in cfg.get(section, {}) and cfg[section][key] == value:
             del cfg[section][key]
+    # "auto" (sim.backend, sim.threads) came later: fingerprinted as the recorded value with the
+    # same numbers. Every choice of "auto" runs each client's math on one thread
+    # (sim/backend.py), as "processes" with threads 0 (every committed cell) does; serial with
+    # "auto" threads is serial with one thread.
+    sim = cfg.get("sim", {})
+    if isinstance(sim, dict):
+        if sim.get("backend") == "auto":
+            sim["backend"] = "processes"
+        if sim.get("threads") == "auto":
+            sim["threads"] = 0 if sim.get("backend") == "processes" else 1
     return cfg
 
 

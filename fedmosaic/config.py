@@ -123,8 +123,13 @@ class TrainConfig:
 class SimConfig:
     check_wire: bool = False  # round-trip every payload through the wire codec and compare
     progress: bool = True  # a progress bar on a terminal (a line per round without one)
-    threads: int = 0  # torch intra-op threads in the main process; 0 = leave torch's default
-    backend: str = "serial"  # serial (one process) | processes (worker processes, one thread each)
+    # torch intra-op threads of this process (serial: all the training; processes: the server's
+    # own steps); "auto" = 1, the numbers of every backend on any machine; 0 = torch's default
+    threads: int | str = "auto"
+    # serial (one process) | processes (worker processes, one thread each) | auto: processes with
+    # more than one usable core and enough work to repay starting them, else serial (the same
+    # numbers either way; sim/backend.py's resolve_runtime, recorded in provenance.runtime)
+    backend: str = "auto"
     workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
     # processes backend: one worker per entry (cpu | cuda | cuda:N), each holding its clients'
     # state and the images on that device; [] = every worker on train.device
@@ -194,7 +199,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.projection": ("linear", "pool", "none"),
     "train.optimizer": ("sgd", "adam"),
     "train.precision": ("fp32", "bf16"),
-    "sim.backend": ("serial", "processes"),
+    "sim.backend": ("auto", "serial", "processes"),
     "sim.offload_clients": ("auto", "on", "off"),
 }
 
@@ -534,12 +539,15 @@ def validate_values(cfg: ExperimentConfig) -> None:
         "data.synthetic_size": (d.synthetic_size, 1),
         "data.synthetic_classes": (d.synthetic_classes, 2),
         "train.finetune_epochs": (t.finetune_epochs, -1),
-        "sim.threads": (sim.threads, 0),
         "sim.workers": (sim.workers, 0),
     }
     for k, (v, low) in at_least.items():
         if v < low:
             raise ConfigError(f"{k} = {v} must be >= {low}")
+    if sim.threads != "auto" and not (isinstance(sim.threads, int) and sim.threads >= 0):
+        raise ConfigError(
+            f'sim.threads = {sim.threads!r} must be "auto" or an int >= 0 (0 = torch\'s default)'
+        )
     if cfg.model.projection == "none" and cfg.algorithm.get("name") != "local":
         raise ConfigError(
             'model.projection = "none" (each encoder\'s own width) is only for algorithm "local": '
@@ -606,7 +614,7 @@ def validate_values(cfg: ExperimentConfig) -> None:
     for i, dev in enumerate(sim.devices):
         if not _device_ok(dev):
             raise ConfigError(f"sim.devices[{i}] = {dev!r}; use cpu, cuda or cuda:N")
-    if sim.devices and sim.backend != "processes":
+    if sim.devices and sim.backend == "serial":
         raise ConfigError(
             f'sim.devices = {sim.devices!r} places worker processes: set sim.backend = "processes"'
         )

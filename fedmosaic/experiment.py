@@ -24,7 +24,7 @@ from fedmosaic.config import ExperimentConfig
 from fedmosaic.core.rounds import Transport, run_rounds
 from fedmosaic.federation import Federation, build_federation
 from fedmosaic.report.summary import results_document, round_line
-from fedmosaic.sim.backend import make_transport, workers
+from fedmosaic.sim.backend import Runtime, make_transport, resolve_runtime
 
 log = logging.getLogger("fedmosaic")
 
@@ -58,17 +58,20 @@ def run_experiment(
     started = provenance.now()
     kernels.load()  # decided (and logged) here once: workers load the same extension
     threads = torch.get_num_threads()
-    if cfg.sim.threads > 0:
-        torch.set_num_threads(cfg.sim.threads)
+    asked = cfg.sim.threads
+    if asked == "auto" or (isinstance(asked, int) and asked > 0):  # before data and models
+        torch.set_num_threads(asked if isinstance(asked, int) else 1)
     try:
         fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial", offload=None)
-        if cfg.sim.backend == "processes" and cfg.sim.threads == 0:
-            # The workers own the cores. The server's own steps (FedTGP's prototype training,
-            # FedGen's generator, KT-pFL's coefficients) are small ops: on one thread they give
-            # exactly the numbers of the serial backend run with sim.threads = 1, at about the
-            # same speed (FedTGP's 100 server epochs: 2.15 s vs 1.89 s on two threads).
-            torch.set_num_threads(1)
-        transport = make_transport(fed)
+        runtime = resolve_runtime(fed)
+        if runtime.threads > 0:
+            torch.set_num_threads(runtime.threads)
+        if runtime.backend == "serial" and cfg.sim.backend != "serial":
+            # "auto" chose serial: build the clients now, on the data already loaded.
+            fed = build_federation(cfg, fed=fed.fed, offload=None)
+        if cfg.sim.backend == "auto":
+            log.info("sim.backend = auto: %s (%s)", _runtime_words(runtime), runtime.why)
+        transport = make_transport(fed, runtime)
         ckpt = None
         if checkpoint_every > 0 or resume or checkpoint_dir is not None:
             # With a folder but no interval the hook only writes when the run is interrupted.
@@ -76,9 +79,19 @@ def run_experiment(
                 fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
             )
         history = _rounds(fed, transport, ckpt, progress, on_round, trained)
-        return results_document(fed, history, time.perf_counter() - start, started, workers(fed))
+        doc = results_document(fed, history, time.perf_counter() - start, started, runtime.workers)
+        # The config keeps what was asked ("auto"): the resolution does not change the numbers,
+        # so it is not part of the run's identity; it is recorded beside the worker count.
+        doc["provenance"]["runtime"] = runtime.to_dict()
+        return doc
     finally:
         torch.set_num_threads(threads)
+
+
+def _runtime_words(rt: Runtime) -> str:
+    if rt.backend == "serial":
+        return f"serial, {rt.threads or 'torch default'} thread(s)"
+    return f"processes, {rt.workers} worker(s) of one thread each"
 
 
 def _rounds(
@@ -93,23 +106,25 @@ def _rounds(
     cfg = fed.cfg
     name = cfg.algorithm["name"]
     show = cfg.sim.progress if progress is None else progress
+    stream = sys.stderr
     bar = None
-    if show and sys.stderr.isatty():  # a bar's carriage returns would fill a log file
-        bar = tqdm(total=cfg.train.rounds, desc=name, unit="round")
+    if show and stream.isatty():  # a bar's carriage returns would fill a log file
+        done = 0
+        if ckpt is not None and ckpt.resume and ckpt.path.exists():
+            done = int(peek(ckpt.path)["round"])
+        bar = RoundBar(name, cfg.train.rounds, stream, done)
+        if hasattr(transport, "on_client"):  # both simulator backends report each client
+            transport.on_client = bar.clients  # type: ignore[attr-defined]
 
     def tick(rec: dict[str, Any]) -> None:
         if bar is not None:
-            bar.update(1)
-            if "acc_weighted" in rec:
-                bar.set_postfix(acc=f"{100 * rec['acc_weighted']:.2f}%", s=f"{rec['seconds']:.1f}")
+            bar.round_done(rec)
         elif show:
             log.info("%s", round_line(name, rec, cfg.train.rounds))
         if on_round is not None:
             on_round(rec)
 
     try:
-        if ckpt is not None and bar is not None and ckpt.resume and ckpt.path.exists():
-            bar.update(int(peek(ckpt.path)["round"]))
         history, state = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
         if trained is not None:  # before the workers (which hold the clients) are closed
             trained.update(state=state, clients=_client_states(fed, transport), fed=fed)
@@ -120,6 +135,55 @@ def _rounds(
         if close is not None:
             close()
     return history
+
+
+class RoundBar:
+    """The terminal's progress bar: rounds done, and inside a round the clients trained so far
+    with an ETA for the round and for the run (a round with 100-s clients shows life)."""
+
+    def __init__(self, name: str, rounds: int, stream: Any, done: int = 0) -> None:
+        self.bar = tqdm(
+            total=rounds,
+            initial=done,
+            desc=name,
+            unit="round",
+            file=stream,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} rounds [{elapsed}{postfix}]",
+        )
+        self.started = time.perf_counter()
+        self.rounds: list[dict[str, Any]] = []  # this run's finished rounds (their timings)
+
+    def clients(self, done: int, total: int) -> None:
+        """``done`` of the round's ``total`` clients have trained (0: the round's fit starts)."""
+        now = time.perf_counter()
+        if done == 0:
+            self.started = now
+        n, total_rounds = self.bar.n, self.bar.total
+        where = f"round {n + 1}" if n < total_rounds else "after the last round"
+        text = f"{where}: clients {done}/{total}"
+        if done > 0:
+            per_client = (now - self.started) / done
+            # after training: aggregation and evaluation, as long as in the rounds so far
+            rest = _mean([r["seconds"] - r.get("seconds_train", r["seconds"]) for r in self.rounds])
+            round_eta = per_client * (total - done) + rest
+            per_round = _mean([r["seconds"] for r in self.rounds]) or per_client * total
+            run_eta = round_eta + max(total_rounds - n - 1, 0) * per_round
+            fmt = tqdm.format_interval
+            text += f", round ETA {fmt(round_eta)}, run ETA {fmt(run_eta)}"
+        self.bar.set_postfix_str(text)
+
+    def round_done(self, rec: dict[str, Any]) -> None:
+        self.rounds.append(rec)
+        post = {"acc": f"{100 * rec['acc_weighted']:.2f}%"} if "acc_weighted" in rec else {}
+        self.bar.set_postfix(**post, s=f"{rec['seconds']:.1f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, dict]]:

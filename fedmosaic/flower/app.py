@@ -72,7 +72,7 @@ def _federation(run_config: Any) -> _Federation:
         from fedmosaic.flower.settings import experiment_config
 
         cfg = experiment_config(run_config)
-        if cfg.sim.threads > 0:
+        if isinstance(cfg.sim.threads, int) and cfg.sim.threads > 0:  # auto: torch default
             torch.set_num_threads(cfg.sim.threads)
         fed = build_federated_data(cfg.data, cfg.seed)
         clients = client_data(fed, cfg.train.device)
@@ -298,7 +298,7 @@ def run_server(
         from fedmosaic.report.results import write_results
         from fedmosaic.report.summary import results_document
 
-        if cfg.sim.threads > 0:  # the server's own steps, as the simulator runs them
+        if isinstance(cfg.sim.threads, int) and cfg.sim.threads > 0:  # the server's own steps
             import torch
 
             torch.set_num_threads(cfg.sim.threads)

@@ -1,8 +1,17 @@
-"""The simulator backend chosen by ``[sim] backend``, built from an assembled federation."""
+"""The simulator backend chosen by ``[sim] backend``, built from an assembled federation.
+
+``sim.backend = "auto"`` (the default) and ``sim.threads = "auto"`` are resolved here, per run
+(:func:`resolve_runtime`), into a backend, a worker count and this process's torch threads. Every
+choice ``auto`` can make runs each client's math on one thread, so the numbers are those of
+``serial`` with ``sim.threads = 1`` bit for bit, on any machine (the process backend's promise);
+only the speed depends on the machine.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from fedmosaic.core.rounds import Transport
 from fedmosaic.federation import Federation, make_client
@@ -19,15 +28,94 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def workers(fed: Federation) -> int:
-    """Processes that train clients: 1 serially, ``sim.workers`` otherwise (0 = one per entry of
-    ``sim.devices``, else one per core)."""
-    if fed.cfg.sim.backend != "processes":
-        return 1
-    return fed.cfg.sim.workers or len(fed.cfg.sim.devices) or default_workers()
+def spare_cores() -> int:
+    """Cores this run may use without taking them from other work: this process's cores less the
+    system's one-minute load other than this process (a busy 2-core machine has none spare)."""
+    cores = default_workers()
+    try:
+        others = max(os.getloadavg()[0] - 1.0, 0.0)  # this process is one runnable task
+    except OSError:  # no load average on this platform
+        others = 0.0
+    return max(1, min(cores, int(cores - others + 0.5)))
 
 
-def make_transport(fed: Federation) -> Transport:
+# Starting the worker processes (fresh interpreters importing torch, then each building the
+# federation's view of the shared images) costs seconds once per process (they are pooled
+# afterwards): 10-20 s on a loaded 2-core machine, where one thread trains these small models at
+# 15-25 GFLOP/s. A run estimated below this much work (training: 3x forward FLOPs; evaluation:
+# forward) finishes sooner serially: a unit-test federation is ~1-6 GFLOP, a 10-client FMNIST 10%
+# round ~165 GFLOP, a round of 10 of 100 cnn1 clients on FMNIST 20% ~38 GFLOP.
+MIN_PROCESS_FLOPS = 200e9
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What one run's ``sim.backend`` / ``sim.workers`` / ``sim.threads`` resolved to."""
+
+    backend: str  # serial | processes
+    workers: int  # processes that train clients (1 serially)
+    threads: int  # torch threads of this process; 0 = torch's default, left alone
+    why: str  # how it was chosen (a short phrase, for provenance and the log)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_flops(fed: Federation) -> float:
+    """Estimated FLOPs of the whole run: each round, the sampled share of every client's local
+    epochs (forward + backward ~ 3x forward) and, every ``eval_every`` rounds, a forward pass over
+    every client's evaluation splits."""
+    cfg, plan = fed.cfg, fed.plan
+    flops = member_flops(fed.spec.members, fed.spec.build_model, fed.spec.input_shape)
+    train = sum(f * c.num_train for f, c in zip(flops, fed.clients))
+    evals = sum(f * sum(c.num(s) for s in fed.eval_splits) for f, c in zip(flops, fed.clients))
+    share = plan.clients_per_round / max(plan.num_clients, 1)
+    per_round = 3 * cfg.train.local_epochs * share * train + evals / max(plan.eval_every, 1)
+    return plan.rounds * per_round
+
+
+def resolve_runtime(fed: Federation) -> Runtime:
+    """The backend, workers and threads this run uses (``"auto"`` decided here)."""
+    sim = fed.cfg.sim
+    backend, why, cores = sim.backend, "sim.backend", default_workers()
+    if backend == "auto":
+        backend, why, cores = _auto_backend(fed)
+    if sim.threads == "auto" or (backend == "processes" and sim.threads == 0):
+        # The workers own the cores. The server's own steps (FedTGP's prototype training,
+        # FedGen's generator, KT-pFL's coefficients) are small ops: on one thread they give
+        # exactly the numbers of the serial backend run with sim.threads = 1, at about the
+        # same speed (FedTGP's 100 server epochs: 2.15 s vs 1.89 s on two threads).
+        threads = 1
+    else:
+        threads = int(sim.threads)
+    if backend != "processes":
+        return Runtime("serial", 1, threads, why)
+    n = sim.workers or len(sim.devices) or cores
+    return Runtime("processes", max(1, min(n, fed.plan.num_clients)), threads, why)
+
+
+def _auto_backend(fed: Federation) -> tuple[str, str, int]:
+    """``sim.backend = "auto"``: processes (on the spare cores) where they finish first, else
+    serial; returns the backend, why, and the cores to use."""
+    cfg = fed.cfg
+    if cfg.sim.devices:
+        return "processes", "auto: sim.devices places worker processes", len(cfg.sim.devices)
+    if cfg.train.device != "cpu":
+        return "serial", f"auto: train.device = {cfg.train.device!r} (one process drives it)", 1
+    if fed.plan.num_clients < 2:
+        return "serial", "auto: one client", 1
+    cores = spare_cores()
+    if cores < 2:
+        # Measured on a loaded 2-core machine: workers only compete with the other work there
+        # (serial on one thread ran 10 s a round, two workers 11-21 s).
+        return "serial", f"auto: {cores} spare core of {default_workers()}", 1
+    work = run_flops(fed)
+    if work < MIN_PROCESS_FLOPS:
+        return "serial", f"auto: ~{work / 1e9:.1f} GFLOP, too little to repay starting workers", 1
+    return "processes", f"auto: {cores} spare cores, ~{work / 1e9:.0f} GFLOP", cores
+
+
+def make_transport(fed: Federation, runtime: Runtime | None = None) -> Transport:
     """``serial``: every client in this process, in memory (``fed.models``) or, with
     ``fed.offload``, in an on-disk state store and built on demand. ``processes``:
     ``sim.workers`` worker processes, clients balanced by estimated cost (forward FLOPs per image
@@ -35,7 +123,8 @@ def make_transport(fed: Federation) -> Transport:
     training this round wait in an on-disk state store. Offloaded, memory scales with the round's
     clients, not the population."""
     cfg = fed.cfg
-    if cfg.sim.backend == "processes":
+    runtime = runtime or resolve_runtime(fed)
+    if runtime.backend == "processes":
         partial = fed.plan.clients_per_round < fed.plan.num_clients
         offload = {"on": True, "off": False}.get(cfg.sim.offload_clients, partial)
         flops = member_flops(fed.spec.members, fed.spec.build_model, fed.spec.input_shape)
@@ -45,7 +134,7 @@ def make_transport(fed: Federation) -> Transport:
             cfg,
             fed.fed,
             [f * max(c.num_train, 1) for f, c in zip(flops, clients)],
-            workers(fed),
+            runtime.workers,
             eval_costs=[f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, clients)],
             eval_splits=fed.eval_splits,
             offload=offload,

@@ -254,6 +254,8 @@ class ProcessTransport:
         self.measured: dict[int, float] = {}  # client -> seconds of its last fit (cost model)
         self.version = [0] * self.num_clients  # bumped whenever a client's state changes
         self.cache = EvalCache()
+        # called with (clients trained, clients in the fit): 0 at its start, then as each arrives
+        self.on_client: Callable[[int, int], None] | None = None
         self.store = StateStore(state_dir)
         self.procs: list[_Worker] = []
         self.conns: list[Connection] = []
@@ -422,6 +424,8 @@ class ProcessTransport:
             self.version[cid] += 1
             if isinstance(blob, str):  # the client's upload could not be encoded
                 results[cid] = FitResult(cid, None, n, 0, table.sizes[cid], loss, error=blob)
+                if self.on_client is not None:
+                    self.on_client(len(results), len(messages))
                 return
             res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
             try:
@@ -429,7 +433,11 @@ class ProcessTransport:
             except PayloadError as exc:
                 res.error = str(exc)  # the round loop drops and logs it
             results[cid] = res
+            if self.on_client is not None:
+                self.on_client(len(results), len(messages))
 
+        if self.on_client is not None:
+            self.on_client(0, len(messages))
         for flushed in self._call(calls, arrived).values():
             for cid in flushed:
                 self.holder.pop(cid, None)

@@ -96,6 +96,8 @@ class SimTransport:
         # bumped whenever a client's model is trained
         self.version = [0] * (len(self.data) if build is not None else len(self.models))
         self.cache = EvalCache()
+        # called with (clients trained, clients in the fit): 0 at its start, then after each
+        self.on_client: Callable[[int, int], None] | None = None
         self.host: ClientHost | None = None
         if build is not None:
             if self.models or self.extras:
@@ -134,7 +136,11 @@ class SimTransport:
         for cid, msg in messages.items():
             received[cid], downs[cid] = wire(msg, self.check_wire)
         results: dict[int, FitResult] = {}
+        if self.on_client is not None:
+            self.on_client(0, len(messages))
         for cid, res in self._fit_all(round_num, received):
+            if self.on_client is not None:
+                self.on_client(len(results) + 1, len(messages))
             down = downs[cid]
             self.version[cid] += 1
             try:
