@@ -51,19 +51,12 @@ def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
     from fedmosaic.config import from_dict
 
     postfixes: list[dict] = []
+    real = experiment.tqdm
 
-    class Bar:
-        def __init__(self, **kwargs) -> None:
-            pass
-
-        def update(self, n: int) -> None:
-            pass
-
-        def set_postfix(self, **kwargs) -> None:
+    class Bar(real):  # the real bar, its postfixes recorded
+        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs) -> None:
             postfixes.append(kwargs)
-
-        def close(self) -> None:
-            pass
+            super().set_postfix(ordered_dict, refresh, **kwargs)
 
     monkeypatch.setattr(experiment, "tqdm", Bar)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
