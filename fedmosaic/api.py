@@ -222,8 +222,15 @@ def run_flower_in_memory(
     ``fedmosaic run --out`` does: locked for the run (a second run into it raises
     RunFolderError), checked before anything is written; a finished run of this config there is
     returned as it is unless ``overwrite``, and another config's needs ``overwrite``."""
-    from fedmosaic.flower.app import client_app, run_server  # the optional flower extra
-    from fedmosaic.flower.local import LocalGrid
+    try:  # the optional flower extra
+        from fedmosaic.flower.app import client_app, run_server
+        from fedmosaic.flower.local import LocalGrid
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ModuleNotFoundError(
+            "run_flower_in_memory needs Flower: pip install 'fedmosaic[flower]'", name="flwr"
+        ) from None
 
     cfg = experiment_config(config, overrides)
     with RunFolder(results_dir, flag="results_dir") as folder:
