@@ -153,25 +153,19 @@ def _build_wheel(tmp: Path) -> Path:
     shutil.copytree(PACKAGE, src / "fedmosaic", ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    cmd = [
-        *pip,
-        "wheel",
-        "--no-deps",
-        "--no-build-isolation",
-        "--no-index",
-        "-w",
-        str(tmp),
-        str(src),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(tmp))
+    build = ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp), str(src)]
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", *build], capture_output=True, text=True, env=_env(tmp)
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp.glob("fedmosaic-*.whl")
     return wheel
 
 
 def _env(tmp: Path) -> dict[str, str]:
     """No index, no user config (offline, and nothing of this machine's pip set-up leaks in)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    drop = ("PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PIP_")}
     env |= {
         "PIP_CONFIG_FILE": os.devnull,
         "PIP_NO_INDEX": "1",
@@ -247,3 +241,25 @@ def test_wheel_installs_beside_an_existing_torch_and_runs(tmp_path: Path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert (work / "out" / "results.json").is_file()
+
+
+def test_a_built_kernel_is_up_to_date_in_the_next_process(monkeypatch, tmp_path: Path):
+    """build() stamps the tag a fresh process computes. torch's load() appends its link flags to
+    the lists it is given; the stamp then never matched, and every process of an installed wheel
+    rebuilt (seen from the wheel: `built()` None right after `python -m fedmosaic.kernels build`)."""
+    from torch.utils import cpp_extension
+
+    from fedmosaic import kernels
+
+    def load(name: str, sources: list[str], **kw) -> None:
+        kw["extra_ldflags"].append("-ltorch")  # as the real one does
+        Path(kw["build_directory"], f"{name}.so").write_bytes(b"")
+
+    fresh = list(kernels.LDFLAGS)
+    monkeypatch.setattr(kernels, "LDFLAGS", list(fresh))  # a mutation stays in this test
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    monkeypatch.setattr(kernels, "build_dirs", lambda: [tmp_path])
+    so = kernels.build()
+    monkeypatch.setattr(kernels, "LDFLAGS", fresh)  # the next process: the module's own flags
+    assert kernels.built() == so
