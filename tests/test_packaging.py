@@ -263,3 +263,14 @@ def test_a_built_kernel_is_up_to_date_in_the_next_process(monkeypatch, tmp_path:
     so = kernels.build()
     monkeypatch.setattr(kernels, "LDFLAGS", fresh)  # the next process: the module's own flags
     assert kernels.built() == so
+
+
+def test_flower_without_its_extra_names_the_extra(monkeypatch, tmp_path: Path):
+    """The Flower runtime is an extra: without flwr the API says which one to install."""
+    from fedmosaic import api
+
+    monkeypatch.setitem(sys.modules, "flwr", None)  # as if not installed
+    for mod in ("fedmosaic.flower.app", "fedmosaic.flower.local"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'fedmosaic\[flower\]'"):
+        api.run_flower_in_memory(tiny_raw(), tmp_path / "out")
