@@ -247,8 +247,9 @@ def test_wheel_installs_beside_an_existing_torch_and_runs(tmp_path: Path):
 
 def test_a_built_kernel_is_up_to_date_in_the_next_process(monkeypatch, tmp_path: Path):
     """build() stamps the tag a fresh process computes. torch's load() appends its link flags to
-    the lists it is given; the stamp then never matched, and every process of an installed wheel
-    rebuilt (seen from the wheel: `built()` None right after `python -m fedmosaic.kernels build`)."""
+    the lists it is given, so the stamp it wrote did not match: the next process found the fresh
+    build stale and went through build() again (seen from the wheel: `built()` None right after
+    `python -m fedmosaic.kernels build`)."""
     from torch.utils import cpp_extension
 
     from fedmosaic import kernels

@@ -111,7 +111,7 @@ def build(verbose: bool = False) -> Path:
             d.mkdir(parents=True, exist_ok=True)
             (d / "stamp").unlink(missing_ok=True)
             # copies: load() appends torch's -L/-l flags to the lists it is given, which would
-            # change _tag() and leave a stamp that no later process finds up to date
+            # change _tag() and leave a stamp that the next process finds stale
             cpp_extension.load(
                 NAME,
                 [str(SOURCE)],
