@@ -352,8 +352,15 @@ def run_flower_in_memory(
     returned as it is unless ``overwrite``, and another config's needs ``overwrite``.
     ``on_round`` is :func:`run`'s; an exception it raises stops the run and propagates, and
     the Flower server leaves its ``FAILED`` file (the traceback) there, no ``results.json``."""
-    from fedmosaic.flower.app import client_app, run_server  # the optional flower extra
-    from fedmosaic.flower.local import LocalGrid
+    try:  # the optional flower extra
+        from fedmosaic.flower.app import client_app, run_server
+        from fedmosaic.flower.local import LocalGrid
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "flwr":
+            raise
+        raise ModuleNotFoundError(
+            "run_flower_in_memory needs Flower: pip install 'fedmosaic[flower]'", name="flwr"
+        ) from None
 
     cfg = experiment_config(config, overrides)
     with RunFolder(results_dir, flag="results_dir") as folder:

@@ -7,7 +7,7 @@ before any data is loaded or any model is trained.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,11 @@ from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.robust import RobustRule, largest_f, trim_limit
 from fedmosaic.core.rounds import clients_per_round
 from fedmosaic.core.typed import build_dataclass, type_ok
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a dependency there)
+    import tomli as tomllib
 
 
 @dataclass

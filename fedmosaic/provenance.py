@@ -165,7 +165,7 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
 
 def now() -> str:
     """The current UTC time, ISO 8601 to the second."""
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def command() -> list[str]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian machine: Fashion-MNIST (Debian package, when root with apt),
-# a virtual environment in .venv, PyTorch 2.13.0 (CPU wheel) and fedmosaic with its dev tools.
+# a virtual environment in .venv, PyTorch 2.13.0 (CPU wheel, pinned in constraints.txt) and
+# fedmosaic with its dev tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,14 +44,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 
-# Re-install only when the project's dependencies change (a stamp of pyproject.toml).
+# Re-install only when the project's dependencies or pins change (a stamp of pyproject.toml and
+# constraints.txt).
 STAMP=.venv/.fedmosaic-installed
-WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+WANT=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "setup: installing torch==2.13.0 and fedmosaic[dev,flower,docs] into .venv"
-  # torch first and pinned exactly: any looser spec would pull GBs of CUDA wheels.
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,flower,docs]"
+  echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,docs] into .venv"
+  # torch first and pinned exactly (constraints.txt): any looser spec would pull GBs of CUDA
+  # wheels; the package metadata only asks for a range.
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,docs]"
   echo "$WANT" > "$STAMP"
 fi
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import typing
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load as st_load
@@ -21,6 +21,7 @@ from torch import Tensor
 
 Scalar = int | float | bool | str
 SEP = "/"  # field/key separator for dict fields; state-dict keys use "." so never collide
+P = TypeVar("P", bound="Payload")  # unflatten returns the subclass it is called on
 
 
 class PayloadError(ValueError):
@@ -68,7 +69,7 @@ class Payload:
         return arrays, scalars
 
     @classmethod
-    def unflatten(cls, arrays: dict[str, Tensor], scalars: dict[str, Scalar]) -> Self:
+    def unflatten(cls: type[P], arrays: dict[str, Tensor], scalars: dict[str, Scalar]) -> P:
         """Rebuild from the neutral form, rejecting unknown/missing names and non-finite values."""
         kinds = cls.field_kinds()
         hints = typing.get_type_hints(cls)

@@ -116,7 +116,16 @@ def fetch_emnist(dest: Path, files: Sequence[str]) -> None:
 def fetch_cifar(name: str, dest: Path) -> None:
     archive = fetch(CIFAR_URLS[name], dest / Path(CIFAR_URLS[name]).name)
     with tarfile.open(archive, "r:gz") as tf:
-        tf.extractall(dest, filter="data")  # "data" filter refuses links and absolute paths
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(dest, filter="data")  # "data" filter refuses links and absolute paths
+        else:  # Python 3.10 before 3.10.12 has no filters: refuse the same members by hand
+            root = dest.resolve()
+            for m in tf.getmembers():
+                if not (m.isfile() or m.isdir()) or not (root / m.name).resolve().is_relative_to(
+                    root
+                ):
+                    raise DatasetError(f"{archive}: unsafe member {m.name!r}")
+            tf.extractall(dest)
 
 
 def fetch_tinyimagenet(dest: Path) -> None:

@@ -58,7 +58,7 @@ def _pyarrow(path: Path) -> Any:
         import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise DatasetError(
-            f"{path}: reading Arrow/Parquet files needs pyarrow (pip install pyarrow); or "
+            f"{path}: reading Arrow/Parquet files needs pyarrow (pip install 'fedmosaic[hf]'); or "
             "export the data as an image folder (<split>/<class>/<image>.png)"
         ) from None
     return pyarrow

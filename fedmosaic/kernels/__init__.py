@@ -105,20 +105,23 @@ def build(verbose: bool = False) -> Path:
     if why:
         raise RuntimeError(f"cannot build {NAME}: {why}")
     err: Exception | None = None
+    tag = _tag()
     for d in build_dirs():
         try:
             d.mkdir(parents=True, exist_ok=True)
             (d / "stamp").unlink(missing_ok=True)
+            # copies: load() appends torch's -L/-l flags to the lists it is given, which would
+            # change _tag() and leave a stamp that the next process finds stale
             cpp_extension.load(
                 NAME,
                 [str(SOURCE)],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(d),
                 verbose=verbose,
                 is_python_module=True,
             )
-            (d / "stamp").write_text(_tag() + "\n")
+            (d / "stamp").write_text(tag + "\n")
             return d / f"{NAME}.so"
         except OSError as e:  # read-only folder: try the next
             err = e

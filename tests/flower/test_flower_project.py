@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
 import zipfile
 from io import BytesIO
 
@@ -10,7 +9,7 @@ import pytest
 from conftest import tiny_raw
 
 from fedmosaic.cli import main
-from fedmosaic.config import ConfigError, from_dict
+from fedmosaic.config import ConfigError, from_dict, tomllib  # tomli on Python 3.10
 from fedmosaic.flower.settings import FlowerOptions, experiment_config
 
 CONFIG = """seed = 3

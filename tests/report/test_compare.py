@@ -504,9 +504,8 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
 
 
 def test_suites_ship_with_the_package_and_load_by_name():
-    import tomllib
-
     from fedmosaic.compare import BUNDLED, bundled_suites
+    from fedmosaic.config import tomllib  # tomli on Python 3.10
 
     assert BUNDLED.parent.name == "fedmosaic"  # inside the package: installed with it
     assert {"fedtgp_table10", "fedgh_table3", "layer_expansion"} <= set(bundled_suites())
