@@ -272,8 +272,11 @@ def test_flower_without_its_extra_names_the_extra(monkeypatch, tmp_path: Path):
     """The Flower runtime is an extra: without flwr the API says which one to install."""
     from fedmosaic import api
 
-    monkeypatch.setitem(sys.modules, "flwr", None)  # as if not installed
-    for mod in ("fedmosaic.flower.app", "fedmosaic.flower.local"):
-        monkeypatch.delitem(sys.modules, mod, raising=False)
+    # As if not installed: every flwr module (an earlier test may have imported flwr.app, which
+    # the import system would then find without its parent) and fedmosaic's Flower modules.
+    for mod in [m for m in sys.modules if m == "flwr" or m.startswith("flwr.")] or ["flwr"]:
+        monkeypatch.setitem(sys.modules, mod, None)
+    for mod in [m for m in sys.modules if m.startswith("fedmosaic.flower.")]:
+        monkeypatch.delitem(sys.modules, mod)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'fedmosaic\[flower\]'"):
         api.run_flower_in_memory(tiny_raw(), tmp_path / "out")

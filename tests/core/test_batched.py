@@ -286,7 +286,7 @@ def test_settings_switch():
         ({"batched_clients": "yes"}, {}, "train.batched_clients = 'yes'"),
         ({"precision": "fp16"}, {}, "train.precision = 'fp16'"),
         ({}, {"devices": ["gpu0"]}, "sim.devices[0] = 'gpu0'"),
-        ({}, {"devices": ["cpu"]}, 'set sim.backend = "processes"'),
+        ({}, {"devices": ["cpu"], "backend": "serial"}, 'set sim.backend = "processes"'),
     ],
 )
 def test_bad_settings_name_the_key(train, sim, message):
