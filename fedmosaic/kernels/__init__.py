@@ -25,6 +25,8 @@ bitwise equal to each other.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -109,23 +111,41 @@ def build(verbose: bool = False) -> Path:
     for d in build_dirs():
         try:
             d.mkdir(parents=True, exist_ok=True)
-            (d / "stamp").unlink(missing_ok=True)
-            # copies: load() appends torch's -L/-l flags to the lists it is given, which would
-            # change _tag() and leave a stamp that the next process finds stale
-            cpp_extension.load(
-                NAME,
-                [str(SOURCE)],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(d),
-                verbose=verbose,
-                is_python_module=True,
-            )
-            (d / "stamp").write_text(tag + "\n")
-            return d / f"{NAME}.so"
+            with _build_lock(d):
+                so, stamp = d / f"{NAME}.so", d / "stamp"
+                if so.is_file() and stamp.is_file() and stamp.read_text().strip() == tag:
+                    return so  # another process built it while this one waited
+                stamp.unlink(missing_ok=True)
+                # Holding our lock, torch's own ``lock`` file is stale: a build killed (SIGKILL)
+                # mid-compile leaves it, and torch would then wait on it forever.
+                (d / "lock").unlink(missing_ok=True)
+                # copies: load() appends torch's -L/-l flags to the lists it is given, which
+                # would change _tag() and leave a stamp that the next process finds stale
+                cpp_extension.load(
+                    NAME,
+                    [str(SOURCE)],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
+                    build_directory=str(d),
+                    verbose=verbose,
+                    is_python_module=True,
+                )
+                stamp.write_text(tag + "\n")
+                return so
         except OSError as e:  # read-only folder: try the next
             err = e
     raise RuntimeError(f"cannot build {NAME}: {err}")
+
+
+@contextlib.contextmanager
+def _build_lock(d: Path):  # noqa: ANN202 - a context manager
+    """One builder per folder at a time (an OS lock: released when its process dies, however)."""
+    with open(d / "build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def load() -> ModuleType | None:

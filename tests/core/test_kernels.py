@@ -7,6 +7,8 @@ run and thread count), and the fallback. Skipped where the extension cannot be b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -426,3 +428,32 @@ def test_block_avx512_code_gives_the_avx2_bits(o, k, h):
         kernels.set_isa("avx512")
     for a, c in zip(*outs):
         assert torch.equal(a, c)
+
+
+def test_a_build_killed_mid_compile_does_not_hang_the_next(monkeypatch, tmp_path):
+    """torch's build leaves a ``lock`` file when its process is SIGKILLed mid-compile, and every
+    later build waited on it forever. Under fedmosaic's own (OS) lock that file is stale and is
+    removed; the OS lock itself is held while torch compiles."""
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    (tmp_path / "lock").write_text("")  # the dead build's leftover
+    monkeypatch.setattr(kernels, "build_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    seen: list[str] = []
+
+    def fake_load(name, sources, build_directory, **kw):  # torch's FileBaton, in short
+        d = Path(build_directory)
+        if (d / "lock").exists():
+            raise TimeoutError("waited on a stale lock (torch would wait forever)")
+        with open(d / "build.flock", "a") as fh, pytest.raises(BlockingIOError):
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours, held by build()
+        (d / f"{name}.so").write_bytes(b"")
+        seen.append(name)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    so = kernels.build()
+    assert so == tmp_path / f"{kernels.NAME}.so" and seen == [kernels.NAME]
+    assert (tmp_path / "stamp").read_text().strip() == kernels._tag()
+    assert kernels.build() == so and seen == [kernels.NAME]  # up to date: not built again
