@@ -281,13 +281,15 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         if key in cfg.get(section, {}) and cfg[section][key] == value:
             del cfg[section][key]
     # "auto" (sim.backend, sim.threads) came later: fingerprinted as the recorded value with the
-    # same numbers. Every choice of "auto" runs each client's math on one thread
-    # (sim/backend.py), as "processes" with threads 0 (every committed cell) does; serial with
-    # "auto" threads is serial with one thread.
+    # same numbers. Every choice of "auto" with threads "auto", 0 or 1 runs each client's math on
+    # one thread (sim/backend.py), as "processes" with threads 0 (every committed cell) does;
+    # with threads N > 1 it is serial on N threads; serial with "auto" threads is serial with 1.
     sim = cfg.get("sim", {})
     if isinstance(sim, dict):
         if sim.get("backend") == "auto":
-            sim["backend"] = "processes"
+            t = sim.get("threads")
+            many = isinstance(t, int) and not isinstance(t, bool) and t > 1
+            sim["backend"] = "serial" if many else "processes"
         if sim.get("threads") == "auto":
             sim["threads"] = 0 if sim.get("backend") == "processes" else 1
     return cfg

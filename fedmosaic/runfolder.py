@@ -26,6 +26,7 @@ one line naming the path.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -41,7 +42,13 @@ from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
 from fedmosaic.checkpoint import FINAL_FILE, Checkpointer, CheckpointError, config_hash
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.experiment import run_experiment
-from fedmosaic.report.results import TEMP_MARK, replace_all, write_results, write_temp
+from fedmosaic.report.results import (
+    TEMP_MARK,
+    replace_all,
+    write_atomic,
+    write_results,
+    write_temp,
+)
 from fedmosaic.report.sinks import PROGRESS_FILE, Sinks
 
 log = logging.getLogger("fedmosaic")
@@ -311,6 +318,10 @@ class RunFolder:
         round's record after the sinks; ``trained`` is ``run_experiment``'s."""
         ckpt = self.path / CHECKPOINT_FILE
         before = {p.name for p in self.path.iterdir()}
+        # The sinks rewrite rounds.csv at once: an earlier run's (an overwrite) is put back when
+        # this one is rolled back, so its results.json and rows still agree.
+        rows = self.path / PROGRESS_FILE
+        prior_rows = rows.read_bytes() if rows.is_file() else None
         try:
             if start.source is not None:
                 # Continue from a copy: the finished run's final state stays as it was until the
@@ -353,6 +364,9 @@ class RunFolder:
             # there). Otherwise it is an interrupted run: its checkpoint and rows up to it.
             if (not started or (stopped and not ckpt.exists())) and not start.keep:
                 self._remove_new(before)
+                if prior_rows is not None:
+                    with contextlib.suppress(OSError):  # the original error matters more
+                        write_atomic(rows, prior_rows)
             raise
         sinks.close()
         return doc

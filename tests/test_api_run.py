@@ -117,6 +117,12 @@ def test_a_raising_callback_stops_the_run_and_leaves_no_half_written_folder(tmp_
     assert _files(mine) == {"notes.txt"}  # as it was: no rounds.csv claiming a run
     fm.run(raw, out=mine)  # and nothing stands in the way of running there
     assert "results.json" in _files(mine)
+    # Over a finished run (overwrite): stopped, the old run's files are left as they were,
+    # rounds.csv included (the sinks had rewritten it with the stopped run's rows).
+    before = {f: (mine / f).read_bytes() for f in _files(mine)}
+    with pytest.raises(Enough):
+        fm.run(_raw(train={"rounds": 4}), out=mine, overwrite=True, on_round=_stop_at(2))
+    assert {f: (mine / f).read_bytes() for f in _files(mine)} == before
 
 
 def test_a_raising_callback_after_a_checkpoint_leaves_a_resumable_run(tmp_path: Path):

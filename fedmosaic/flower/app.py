@@ -72,8 +72,10 @@ def _federation(run_config: Any) -> _Federation:
         from fedmosaic.flower.settings import experiment_config
 
         cfg = experiment_config(run_config)
-        if isinstance(cfg.sim.threads, int) and cfg.sim.threads > 0:  # auto: torch default
-            torch.set_num_threads(cfg.sim.threads)
+        # "auto" = 1, as the simulator resolves it: the simulator's numbers on any machine
+        threads = 1 if cfg.sim.threads == "auto" else int(cfg.sim.threads)
+        if threads > 0:  # 0: torch's default, left alone
+            torch.set_num_threads(threads)
         fed = build_federated_data(cfg.data, cfg.seed)
         clients = client_data(fed, cfg.train.device)
         spec = make_spec(cfg, fed, clients)
@@ -298,10 +300,11 @@ def run_server(
         from fedmosaic.report.results import write_results
         from fedmosaic.report.summary import results_document
 
-        if isinstance(cfg.sim.threads, int) and cfg.sim.threads > 0:  # the server's own steps
+        threads = 1 if cfg.sim.threads == "auto" else int(cfg.sim.threads)  # as the simulator
+        if threads > 0:  # the server's own steps
             import torch
 
-            torch.set_num_threads(cfg.sim.threads)
+            torch.set_num_threads(threads)
         fed = build_federation(cfg, with_clients=False)
         plan = replace(fed.plan, min_replies=options.min_replies)
         transport = GridTransport(grid, fed.algo, fed.clients, eval_splits(fed.clients), options)

@@ -525,6 +525,9 @@ def guard_problems(label: str, doc: dict[str, Any]) -> list[str]:
     """Where the peer guard (``server.peer_factor``) dropped replies in a cell: an honest run
     that lost a client's update is not the paper's method (its numbers are those of the guard
     off only when nothing was dropped). The cure is a re-run with ``server.peer_factor = 0``."""
+    server = doc.get("config", {}).get("server", {})
+    if not server.get("peer_factor", 10.0):  # the guard was off: rejections were invalid replies
+        return []
     rounds = [r.get("round") for r in doc.get("rounds", []) if r.get("rejected")]
     if not rounds:
         return []

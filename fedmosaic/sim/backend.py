@@ -80,7 +80,9 @@ def resolve_runtime(fed: Federation) -> Runtime:
     backend, why, cores = sim.backend, "sim.backend", default_workers()
     if backend == "auto":
         backend, why, cores = _auto_backend(fed)
-    if sim.threads == "auto" or (backend == "processes" and sim.threads == 0):
+    if sim.threads == "auto" or (
+        sim.threads == 0 and (backend == "processes" or sim.backend == "auto")
+    ):
         # The workers own the cores. The server's own steps (FedTGP's prototype training,
         # FedGen's generator, KT-pFL's coefficients) are small ops: on one thread they give
         # exactly the numbers of the serial backend run with sim.threads = 1, at about the
@@ -100,6 +102,9 @@ def _auto_backend(fed: Federation) -> tuple[str, str, int]:
     cfg = fed.cfg
     if cfg.sim.devices:
         return "processes", "auto: sim.devices places worker processes", len(cfg.sim.devices)
+    n = cfg.sim.threads
+    if isinstance(n, int) and n > 1:  # the clients' math on n threads: one process (and hash)
+        return "serial", f"auto: sim.threads = {n} asks for {n} threads in one process", 1
     if cfg.train.device != "cpu":
         return "serial", f"auto: train.device = {cfg.train.device!r} (one process drives it)", 1
     if fed.plan.num_clients < 2:

@@ -322,6 +322,8 @@ def test_a_cell_whose_peer_guard_dropped_an_honest_reply_is_not_comparable() -> 
         "b's run dropped replies in round(s) 3, 57 (server.peer_factor): re-run it with "
         "server.peer_factor = 0"
     )
+    other["config"]["server"] = {"peer_factor": 0.0}  # guard off: an invalid reply, not the guard
+    assert claims.pair_problems(c, base, other) == []
 
 
 def test_an_unfair_pair_is_not_judged() -> None:

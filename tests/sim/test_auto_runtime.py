@@ -58,7 +58,8 @@ def test_the_default_is_auto_and_resolves_to_one_thread_workers_on_spare_cores(m
         ({"backend": "serial"}, ("serial", 1, 1)),
         ({"backend": "processes", "workers": 3}, ("processes", 3, 1)),
         ({"backend": "processes", "threads": 2}, ("processes", 2, 2)),
-        ({"threads": 2}, ("processes", 2, 2)),  # auto backend, explicit threads
+        ({"threads": 2}, ("serial", 1, 2)),  # auto backend, 2 threads asked: one process
+        ({"threads": 0}, ("processes", 2, 1)),  # auto backend: every client on one thread
     ],
 )
 def test_explicit_settings_are_honoured(monkeypatch, sim, want):
@@ -109,3 +110,9 @@ def test_auto_keeps_the_identity_of_the_runs_recorded_before_it():
     assert config_hash(auto) == config_hash(one)
     torch_default = from_dict(tiny_raw(sim={"backend": "serial", "threads": 0})).to_dict()
     assert config_hash(torch_default) != config_hash(one)
+    zero = from_dict(tiny_raw(sim={"threads": 0})).to_dict()  # auto backend: one thread a client
+    assert config_hash(zero) == config_hash(recorded)
+    two = from_dict(tiny_raw(sim={"threads": 2})).to_dict()  # auto backend: serial on 2 threads
+    assert config_hash(two) == config_hash(
+        from_dict(tiny_raw(sim={"backend": "serial", "threads": 2})).to_dict()
+    )
