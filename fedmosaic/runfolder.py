@@ -372,31 +372,12 @@ class RunFolder:
         return doc
 
     def execute(
-        self,
-        cfg: ExperimentConfig,
-        start: Start,
-        *,
-        progress: bool = False,
-        checkpoint_every: int = 0,
-        resume: bool = False,
-        extend: bool = False,
-        keep_final: bool = False,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
-        trained: dict[str, Any] | None = None,
+        self, cfg: ExperimentConfig, start: Start, *, keep_final: bool = False, **options: Any
     ) -> dict[str, Any]:
-        """:meth:`run` then :meth:`finish`: a checked start (``start.done`` is None) trained and
-        written; ``fedmosaic run`` and ``fedmosaic.api.run(out=...)`` both come here."""
-        doc = self.run(
-            cfg,
-            start,
-            progress=progress,
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            extend=extend,
-            keep_final=keep_final,
-            on_round=on_round,
-            trained=trained,
-        )
+        """:meth:`run` (``options``: its keywords) then :meth:`finish`: a checked start
+        (``start.done`` is None) trained and written; ``fedmosaic run`` and
+        ``fedmosaic.api.run(out=...)`` both come here."""
+        doc = self.run(cfg, start, keep_final=keep_final, **options)
         self.finish(doc, keep_final=keep_final)
         return doc
 

@@ -225,22 +225,25 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
     return text
 
 
+# Columns shown only where some method reports them.
+OPTIONAL_METRICS = (
+    "after_finetune",
+    "holdout_before",
+    "holdout_after",
+    "best_on_val",
+    "paper_cost_g",
+    "train_tmacs",
+    "rounds_run",
+)
+
+
 def _columns(rows: Sequence[dict[str, Any]], suite: Suite) -> list[tuple[str, str, str]]:
     cols = []
     other = "unweighted" if suite.paper_metric == "weighted" else "weighted"
     for key, label, unit in METRICS:
         if key in ("rounds_to_target", "mb_to_target") and suite.target_accuracy is None:
             continue
-        optional = (
-            "after_finetune",
-            "holdout_before",
-            "holdout_after",
-            "best_on_val",
-            "paper_cost_g",
-            "train_tmacs",
-            "rounds_run",
-        )
-        if key in optional and all(r.get(key, {}).get("mean") is None for r in rows):
+        if key in OPTIONAL_METRICS and all(r.get(key, {}).get("mean") is None for r in rows):
             continue
         if key == "final":
             paper = ", the paper's metric" if suite.paper else ""

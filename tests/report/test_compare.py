@@ -17,6 +17,7 @@ from fedmosaic.cli import main
 from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError
 from fedmosaic.report.compare import (
+    OPTIONAL_METRICS,
     aggregate,
     fmt,
     markdown_table,
@@ -458,20 +459,7 @@ def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
     cols = {
         k: label
         for k, label, _ in _columns(
-            [
-                row
-                | {
-                    k: aggregate([None])
-                    for k in (
-                        "after_finetune",
-                        "holdout_before",
-                        "holdout_after",
-                        "best_on_val",
-                        "paper_cost_g",
-                        "train_tmacs",
-                    )
-                }
-            ],
+            [row | {k: aggregate([None]) for k in OPTIONAL_METRICS if k != "rounds_run"}],
             with_paper,
         )
     }
