@@ -1,6 +1,7 @@
 """FedTGP's server step by hand: ~1,000 steps a round on 10-row tensors, where autograd's graph
 and the optimizer's overhead dominate. The plain step (autograd + SGD on the ACL loss) is in
-``algorithms/fedtgp.py``; this one reaches it through ``core.training.Accelerator.step``.
+``algorithms/fedtgp.py``, which takes this one through ``core.training.Accelerator.step``
+(``"fedtgp.server"``) when ``fedmosaic.accel`` is installed.
 """
 
 from __future__ import annotations
@@ -11,19 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fedmosaic.accel._engaged import engaged
 from fedmosaic.accel.fused import sgd_linear_backward, sgd_linear_forward
 
 
 def acl_loss_and_grad(
     points: Tensor, labels: Tensor, protos: Tensor, delta: float, eps: float = 1e-12
 ) -> tuple[Tensor, Tensor]:
-    """FedTGP's ``acl_loss`` (``algorithms/fedtgp.py``, Eq. 10) and its gradient with respect to ``protos [C, d]``, by hand (no autograd).
+    """FedTGP's ``acl_loss`` (``algorithms/fedtgp.py``, Eq. 10) and its gradient with respect
+    to ``protos [C, d]``, by hand (no autograd).
 
     With ``l = -(dist + delta * onehot)`` and ``L = mean_n CE(l_n, y_n)``:
     ``dL/dl = (softmax(l) - onehot) / N``, ``dL/ddist = -dL/dl`` and
     ``ddist[n, c]/dp_c = (p_c - x_n) / dist[n, c]`` (0 where the squared distance sits at the
-    ``eps`` floor (``fedtgp.EPS``), as the clamp's gradient is), so ``dL/dp_c = sum_n w[n, c] (p_c - x_n)`` with
-    ``w = -dL/dl / dist``.
+    ``eps`` floor, ``fedtgp.EPS``, as the clamp's gradient is), so
+    ``dL/dp_c = sum_n w[n, c] (p_c - x_n)`` with ``w = -dL/dl / dist``.
     """
     n = points.shape[0]
     rows = torch.arange(n)
@@ -53,6 +56,7 @@ def fedtgp_server_step(
     ``params`` (float32, autograd off): forward, ACL gradient and update written out, each MLP
     weight's SGD step inside its backward (the input gradient with the old weight); returns the
     minibatch's loss. The same step as autograd + SGD to float rounding."""
+    engaged["fedtgp.server"] += 1
     emb = params["embedding.weight"]  # [C, d]
     if "mlp.0.weight" not in params:
         loss, grad = acl_loss_and_grad(points, labels, emb, delta, eps)

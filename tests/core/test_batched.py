@@ -1,4 +1,4 @@
-"""Batched clients (core/batched.py) give the numbers of one client at a time."""
+"""Batched clients (accel/batched.py) give the numbers of one client at a time."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import round_numbers, tiny_raw
 
+from fedmosaic.accel import batched
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import ConfigError, from_dict
-from fedmosaic.core import batched
 from fedmosaic.core import client as client_ops
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import FAMILIES
 from fedmosaic.experiment import build_federation, run_experiment
 
@@ -151,7 +152,7 @@ class _Noisy(ALGORITHMS.get("local")):  # type: ignore[misc]  # not registered: 
     """Declares batching but draws random numbers in its loss: vmap refuses, and the group is
     redone one client at a time."""
 
-    batchable: ClassVar[bool] = True
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True)
 
     def loss(self, model, extras, x, y, msg):
         return super().loss(model, extras, x + 0.01 * torch.randn_like(x), y, msg)
@@ -185,7 +186,7 @@ def test_eligibility_and_groups():
 
     @dataclass(frozen=True)
     class MyLGDeclared(MyLG):
-        batchable: ClassVar[bool] = True
+        acceleration: ClassVar[Acceleration] = Acceleration(batched=True)
 
     assert not batched.eligible(MyLG(), fed.models[0], fed.extras[0])
     assert batched.eligible(MyLGDeclared(), fed.models[0], fed.extras[0])
@@ -227,7 +228,7 @@ def test_two_round_federation_history(family, algo):
     assert off[-1]["acc_weighted"] > 0.3  # it learned something (4 classes)
 
 
-BATCHABLE = [n for n in ALGORITHMS.names() if getattr(ALGORITHMS.get(n), "batchable", False)]
+BATCHABLE = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).acceleration.batched]
 
 
 def test_the_declared_methods():
@@ -238,7 +239,7 @@ def test_the_declared_methods():
 
 @pytest.mark.parametrize("algo", BATCHABLE)
 def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
-    """Registry-wide: a method that declares ``batchable`` gets this test without writing one.
+    """Registry-wide: a method that declares ``Acceleration(batched=True)`` gets this test without writing one.
     Partial participation, a check_wire round trip and a momentum optimizer on top."""
     calls = []
     real = batched.fit_group
