@@ -213,6 +213,7 @@ def use_accelerator(acc: Accelerator | None) -> Accelerator | None:
 
 
 def accelerator() -> Accelerator | None:
+    """The installed accelerator; None: core's plain paths."""
     return _accelerator
 
 
