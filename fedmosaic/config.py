@@ -118,7 +118,7 @@ class TrainConfig:
     plateau_min_rounds: int = 20  # plateau stop: never before this many rounds
     device: str = "cpu"  # where clients train and evaluate: cpu | cuda | cuda:N
     # Train the round's clients of one architecture together as one batched computation
-    # (torch.func.vmap; core/batched.py) where the method declares it equivalent: "auto" = on
+    # (torch.func.vmap; accel/batched.py) where the method declares it equivalent: "auto" = on
     # for CUDA devices, off on CPU (measured slower there); true | false force it
     batched_clients: bool | str = "auto"
     precision: str = "fp32"  # fp32 | bf16 (autocast of the local training forward; off by default)
