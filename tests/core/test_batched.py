@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import round_numbers, tiny_raw
 
-from fedmosaic.accel import batched
+from fedmosaic.accel import batched, engaged
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import client as client_ops
@@ -159,9 +159,11 @@ class _Noisy(ALGORITHMS.get("local")):  # type: ignore[misc]  # not registered: 
 
 
 def test_unbatchable_step_falls_back_to_one_at_a_time(caplog):
+    engaged.clear()
     with caplog.at_level(logging.WARNING, logger="fedmosaic"):
         one, many, seq, grp = _fit_both("cnn1", "local", method=_Noisy())
     assert "fell back to one at a time" in caplog.text
+    assert engaged["batched_groups"] == engaged["batched_steps"] == 0  # no vmapped step held
     assert _max_diff(one, many) == 0.0  # exactly the one-client path
     assert [r.stats.loss_sum for r in grp] == [r.stats.loss_sum for r in seq]
 
@@ -212,11 +214,13 @@ def test_two_round_federation_history(family, algo):
     real = batched.fit_group
     batched_fit = lambda *a, **k: calls.append(len(a[1])) or real(*a, **k)  # noqa: E731
     off = run(False)
+    engaged.clear()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(batched, "fit_group", batched_fit)
         on = run(True)
     groups = {MIXED: [3, 3, 3, 3], "cnn1": [6, 6]}[family]  # group sizes, two rounds
     assert calls == groups
+    assert engaged["batched_groups"] == len(groups)  # each trained vmapped, none fell back
     assert len(on) == len(off) == 2
     for a, b in zip(off, on):
         assert a.keys() == b.keys()
@@ -262,8 +266,10 @@ def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
 
     off = run(False)
     assert not calls
+    engaged.clear()
     on = run(True)
     assert len(calls) == 2  # one group (three clients) per round
+    assert engaged["batched_groups"] == 2 and engaged["batched_steps"] > 0  # vmapped, no fallback
     for a, b in zip(off, on, strict=True):
         for k, v in a.items():
             if isinstance(v, float):
