@@ -36,7 +36,7 @@ shape of the workloads' families (the kernel's AVX2 and, where the CPU has it, A
 of the gray CNNs' first block (conv -> pool -> ReLU) at batch 10 on one thread, torch path vs
 kernel, in GFLOP/s (``--workloads "" --layers``: the table only).
 
-``--device cpu|cuda`` times the batched path (``train.batched_clients``, ``core/batched.py``):
+``--device cpu|cuda`` times the batched path (``train.batched_clients``, ``accel/batched.py``):
 each workload on the serial backend on that device (one thread on CPU), clients one at a time
 vs the round's clients of one layout as one ``torch.func`` computation, and the ratio. With
 ``cuda`` "ours" and the reference loop also run on the GPU (serial backend, batched clients on),
@@ -131,7 +131,7 @@ def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> dict[str
     ``mkl`` (``torch.mm``, MKL's sgemm) and ``onednn`` (oneDNN's matmul, where this torch has
     it). On AMD CPUs with AVX-512 oneDNN runs about twice as fast as MKL (whose code there is
     AVX2), so the better of the two is the machine's peak."""
-    from fedmosaic.core import training
+    from fedmosaic.accel import inference
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -139,8 +139,8 @@ def matmul_gflops(threads: int, n: int = 2048, seconds: float = 1.5) -> dict[str
         a, b = torch.randn(n, n), torch.randn(n, n)
         c = torch.empty(n, n)
         ops = {"mkl": lambda: torch.mm(a, b, out=c)}
-        if training._ONEDNN:
-            ops["onednn"] = lambda: training._onednn_linear(a, b, None)
+        if inference._ONEDNN:
+            ops["onednn"] = lambda: inference._onednn_linear(a, b, None)
         out = {}
         for lib, op in ops.items():
             for _ in range(3):
@@ -463,7 +463,7 @@ def linear_shapes(family: str) -> list[tuple[int, int]]:
 
 def fused_step_seconds(batch: int, i: int, o: int, native: bool, reps: int = 15) -> float:
     """Best time of one fused plain-SGD Linear step (forward, backward, in-place update)."""
-    from fedmosaic.core.training import _SGDLinear
+    from fedmosaic.accel.fused import _SGDLinear
 
     before = kernels.MAX_BATCH
     kernels.MAX_BATCH = before if native else 0

@@ -64,7 +64,7 @@ from fedmosaic.config import (
     resolve_plugin,
 )
 from fedmosaic.core import schema  # declared upload schemas: schema.check(upload, cid, ...)
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Empty, Payload, PayloadError
@@ -380,6 +380,7 @@ __all__ = [
     "ENCODERS",
     "FAMILIES",
     "PARTITIONERS",
+    "Acceleration",
     "Algorithm",
     "CheckpointError",
     "ClientData",

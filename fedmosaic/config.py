@@ -97,8 +97,8 @@ class TrainConfig:
     # plain SGD: update Linear weights inside their backward (faster, same maths; ``.grad`` of
     # those weights is then never filled, so losses that differentiate twice (gradient
     # penalties, torch.autograd.grad(..., create_graph=True), gradient hooks) need it off).
-    # "auto": on for the built-in methods and classes declaring ``fused_sgd_safe = True``, off
-    # for any other (a user's method works unchanged); true / false force it.
+    # "auto": on for methods declaring ``acceleration = Acceleration(fused_sgd=True)`` (every
+    # built-in), off for any other (a user's method works unchanged); true / false force it.
     fused_sgd: bool | str = "auto"
     lr: float = 0.01  # local learning rate
     optimizer: str = "sgd"  # local optimizer, created afresh every round: sgd | adam
@@ -118,7 +118,7 @@ class TrainConfig:
     plateau_min_rounds: int = 20  # plateau stop: never before this many rounds
     device: str = "cpu"  # where clients train and evaluate: cpu | cuda | cuda:N
     # Train the round's clients of one architecture together as one batched computation
-    # (torch.func.vmap; core/batched.py) where the method declares it equivalent: "auto" = on
+    # (torch.func.vmap; accel/batched.py) where the method declares it equivalent: "auto" = on
     # for CUDA devices, off on CPU (measured slower there); true | false force it
     batched_clients: bool | str = "auto"
     precision: str = "fp32"  # fp32 | bf16 (autocast of the local training forward; off by default)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedmosaic import accel
 from fedmosaic.algorithms import build_algorithm
 from fedmosaic.config import ExperimentConfig
 from fedmosaic.core import seeding
@@ -26,6 +27,10 @@ from fedmosaic.core.rounds import RoundPlan, clients_per_round, holdout_clients
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.data import FederatedData, build_federated_data
 from fedmosaic.models import build_client_model, family_members
+
+# Speed is opt-in (``fedmosaic.accel``: fused SGD, fast inference, FedTGP's server step by hand);
+# every runtime assembles its federation here, so every runtime takes it. Core stays plain.
+accel.install()
 
 
 @dataclass

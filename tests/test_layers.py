@@ -168,8 +168,13 @@ def test_typing_imports_close_no_cycle_across_packages():
 @pytest.mark.parametrize(
     ("layer", "may_import"),
     [
-        # metrics.py: a leaf of pure functions (accuracy aggregates); kernels: the native fast path
-        ("fedmosaic.core", ("fedmosaic.core", "fedmosaic.kernels", "fedmosaic.metrics")),
+        # metrics.py: a leaf of pure functions (accuracy aggregates); core is the plain loop: its
+        # fast paths (accel) and their native kernels sit above and beside it
+        ("fedmosaic.core", ("fedmosaic.core", "fedmosaic.metrics")),
+        # the native kernels: the C++ and its builder, standing alone
+        ("fedmosaic.kernels", ("fedmosaic.kernels",)),
+        # speed as an opt-in layer above core: fills core.training's seam with the kernels
+        ("fedmosaic.accel", ("fedmosaic.core", "fedmosaic.kernels", "fedmosaic.accel")),
         ("fedmosaic.algorithms", ("fedmosaic.core", "fedmosaic.algorithms", "fedmosaic.models")),
         # models: the plain CNN block's inference runs the kernels' native op (kernels sit below core)
         ("fedmosaic.models", ("fedmosaic.core", "fedmosaic.kernels", "fedmosaic.models")),
@@ -186,6 +191,23 @@ def test_lower_layers_import_only_downward(layer: str, may_import: tuple[str, ..
             assert any(owner == m or owner.startswith(m + ".") for m in may_import), (
                 f"{MODULES[name]}:{line}: {layer} imports {owner}"
             )
+
+
+# Who may wire the fast paths in: the assembly layer and the runtimes, never core or a method.
+WIRES_ACCEL = ("fedmosaic.accel", "fedmosaic.federation", "fedmosaic.sim", "fedmosaic.flower")
+
+
+def test_accel_is_wired_in_only_by_the_assembly_layer_and_runtimes():
+    importers = set()
+    for name in MODULES:
+        for target, _, line in _imports(name):
+            owner = _owner(target) or ""
+            if owner == "fedmosaic.accel" or owner.startswith("fedmosaic.accel."):
+                importers.add(name)
+                assert any(name == m or name.startswith(m + ".") for m in WIRES_ACCEL), (
+                    f"{MODULES[name]}:{line}: {name} imports fedmosaic.accel"
+                )
+    assert "fedmosaic.federation" in importers  # the wiring itself
 
 
 def test_function_level_imports_only_keep_optional_dependencies_optional():

@@ -16,6 +16,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
@@ -30,7 +31,7 @@ class FedAvg(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
     )

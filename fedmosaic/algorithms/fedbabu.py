@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import FederationSpec, Phase
+from fedmosaic.core.algorithm import Acceleration, FederationSpec, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -102,6 +102,8 @@ def check_finetune(part: str, epochs: int) -> None:
 @dataclass(frozen=True)
 class FedBABU(SharedWeights):
     """Train and average the body; keep the shared random head fixed; fine-tune at the end."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     Upload: ClassVar[type[Payload]] = BodyUpload
     supports_heterogeneous: ClassVar[bool] = False

@@ -38,7 +38,7 @@ from torch.func import functional_call
 from fedmosaic.algorithms._augment import augment
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
-from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
@@ -132,6 +132,8 @@ class LocalHead(nn.Module):
 @dataclass(frozen=True)
 class FedClassAvg(SharedWeights):
     """Average the classifier head; train local encoders with SupCon + CE + head proximal term."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     rho: float = 0.1  # proximal strength on the head's distance to the global head (paper: 0.1)
     prox: str = "l2"  # l2 (Eq. 5, unsquared) | squared (rho/2 ||.||^2) | mse (reference code)

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from fedmosaic.algorithms._distill import kl_rows
 from fedmosaic.algorithms._shared import class_means
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -153,6 +153,8 @@ def distill_loss(
 @dataclass(frozen=True)
 class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     """Share per-class mean logits; pull each example's logits towards its class's global mean."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     lam: float = 1.0  # weight of the distillation term (HtFLlib default)
     distill: str = "mse"  # mse (paper, PFLlib) | kl (soft targets softmax(G[y]/T), HtFLlib)

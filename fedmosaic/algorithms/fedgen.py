@@ -65,7 +65,7 @@ from torch.func import functional_call
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
 from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -248,6 +248,8 @@ def generated_ce(
 @dataclass(frozen=True)
 class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     """Shared heads plus a server-trained feature generator that regularizes the heads."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     gen_lam: float = 1.0  # weight of CE(head(G(z, y')), y') in the client loss (HtFLlib: 1)
     noise_dim: int = 32  # generator noise size (HtFLlib run script -nd 32; official MNIST 32)

@@ -48,7 +48,7 @@ from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
 from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -157,6 +157,8 @@ def train_global_head(
 @dataclass(frozen=True)
 class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     """A server-trained global head on clients' class-mean representations."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)
     server_epochs: int = 1  # passes over the round's (class mean, label) pairs (reference: 1)

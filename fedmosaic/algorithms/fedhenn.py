@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -245,6 +245,8 @@ def need_public(spec: FederationSpec, name: str) -> Tensor:
 @dataclass(frozen=True)
 class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     """Heterogeneous FedHeNN: CKA alignment of each client's RAD kernel to the clients' mean."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
     schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear

@@ -44,7 +44,7 @@ from fedmosaic.algorithms.fedhenn import (
     representation_kernel,
 )
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -79,6 +79,8 @@ ServerState = HomoState
 @dataclass(frozen=True)
 class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     """FedAvg plus a CKA proximal term to the global model's representation kernel on the RAD."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
     schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear

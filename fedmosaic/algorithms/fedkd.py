@@ -77,7 +77,7 @@ from fedmosaic.algorithms._distill import (
 )
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.core import schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
@@ -259,6 +259,8 @@ class MenteeExtras(nn.Module):
 @dataclass(frozen=True)
 class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     """Mentor/mentee mutual distillation; only the SVD-compressed mentee is communicated."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     T_start: float = 0.95  # SVD energy threshold in round 1 (PFLlib/HtFLlib default)
     T_end: float = 0.98  # SVD energy threshold in the last round (PFLlib/HtFLlib default)

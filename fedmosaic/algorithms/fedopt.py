@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights, weighted_average
-from fedmosaic.core.algorithm import FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, FederationSpec, Weighted
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
@@ -60,7 +60,7 @@ class FedOpt(SharedWeights):
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
     rule: ClassVar[str] = "adam"  # momentum | adagrad | adam | yogi
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
 
     server_lr: float = 0.1  # eta: the server step size (tune it; see the module docstring)
     beta1: float = 0.9  # momentum of the mean update (FedAvgM: beta)

@@ -22,6 +22,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
@@ -36,7 +37,7 @@ class FedPer(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv:1912.00818, 2019"
     )

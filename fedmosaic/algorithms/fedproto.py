@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -156,7 +156,7 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
     Upload: ClassVar[type[Payload]] = ProtoUpload
     supports_heterogeneous: ClassVar[bool] = True
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
     )

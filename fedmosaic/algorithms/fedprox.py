@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
@@ -44,6 +45,8 @@ def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
 @dataclass(frozen=True)
 class FedProx(SharedWeights):
     """FedAvg with a proximal term ``mu/2 ||w - w_global||^2`` in the client loss."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     # mu: proximal strength; the FedProx paper sweeps {0.001, 0.01, 0.1, 1}; 0 = FedAvg
     mu: float = 0.01

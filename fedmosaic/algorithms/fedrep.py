@@ -27,7 +27,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
-from fedmosaic.core.algorithm import Phase
+from fedmosaic.core.algorithm import Acceleration, Phase
 from fedmosaic.core.registry import ALGORITHMS
 
 Broadcast = SharedState
@@ -44,7 +44,7 @@ class FedRep(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021"
     )

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
-from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
@@ -76,6 +76,8 @@ class PersonalHead(nn.Module):
 @dataclass(frozen=True)
 class FedRoD(SharedWeights):
     """Generic model with balanced softmax (shared) + personal head on detached features (local)."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"

@@ -57,7 +57,7 @@ from fedmosaic.algorithms.fedbabu import (
     start_from_server_init,
 )
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -189,6 +189,8 @@ def freeze_inactive(model: ClientModel, num_active: int, order: str) -> None:
 @dataclass(frozen=True)
 class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, ExpansionUpload]):
     """FedBABU whose body blocks unfreeze one after another (``order`` set by the subclass)."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     Broadcast: ClassVar[type[Payload]] = ExpansionBroadcast
     Upload: ClassVar[type[Payload]] = ExpansionUpload

@@ -28,9 +28,10 @@ Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``cl
   maximum over all pairs). With fewer than two classes uploaded in a round the margin is undefined:
   we use 0 where the reference ends up at ``tau``.
 - server batch size: the reference uses the clients' batch size (10 in its script): our default.
-- server step speed: each server step is written out by hand (the ACL gradient, then the MLP's
-  backward with its SGD update in the same pass over each weight; ``server_fused_sgd``), the same
-  step as autograd + ``torch.optim.SGD`` (``server_fused_sgd=False``) to float rounding.
+- server step speed: each server step is plain autograd + ``torch.optim.SGD``; with
+  ``server_fused_sgd`` (default) and ``fedmosaic.accel`` installed it runs written out by hand
+  (``accel/prototypes.py``: the ACL gradient, then the MLP's backward with its SGD update in the
+  same pass over each weight), the same step to float rounding.
 - inference before any global prototype exists: the reference reports accuracy 0; we fall back to
   the client's head (``acc`` = ``acc_head`` until the first aggregation).
 """
@@ -49,13 +50,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
-from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core import robust, schema, seeding, training
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings, sgd_linear_backward, sgd_linear_forward
+from fedmosaic.core.training import TrainSettings
 
 MARGINS = ("adaptive", "fixed", "none")
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
@@ -175,33 +176,6 @@ def acl_loss(points: Tensor, labels: Tensor, protos: Tensor, delta: float) -> Te
     return F.cross_entropy(-(dist + delta * onehot), labels)
 
 
-def acl_loss_and_grad(
-    points: Tensor, labels: Tensor, protos: Tensor, delta: float
-) -> tuple[Tensor, Tensor]:
-    """:func:`acl_loss` and its gradient with respect to ``protos [C, d]``, by hand (no autograd).
-
-    With ``l = -(dist + delta * onehot)`` and ``L = mean_n CE(l_n, y_n)``:
-    ``dL/dl = (softmax(l) - onehot) / N``, ``dL/ddist = -dL/dl`` and
-    ``ddist[n, c]/dp_c = (p_c - x_n) / dist[n, c]`` (0 where the squared distance sits at the
-    ``EPS`` floor, as the clamp's gradient is), so ``dL/dp_c = sum_n w[n, c] (p_c - x_n)`` with
-    ``w = -dL/dl / dist``.
-    """
-    n = points.shape[0]
-    rows = torch.arange(n)
-    dist = torch.linalg.vector_norm(points.unsqueeze(1) - protos.unsqueeze(0), dim=-1)  # [N, C]
-    floor = dist < math.sqrt(EPS)  # where acl_loss's clamp of the squared distance acts
-    dist = dist.clamp_min(math.sqrt(EPS))
-    logits = dist.neg()
-    logits[rows, labels] -= delta
-    logp = F.log_softmax(logits, 1)  # [N, C]
-    loss = logp[rows, labels].mean().neg()
-    g = logp.exp()  # dL/dl * N
-    g[rows, labels] -= 1.0
-    w = (g / (dist * -n)).masked_fill_(floor, 0.0)  # [N, C]
-    # sum_n w[n, c] (p_c - x_n), as two small products instead of a [N, C, d] reduction
-    return loss, protos * w.sum(0).unsqueeze(1) - w.t() @ points
-
-
 def train_prototypes(
     params: dict[str, Tensor],
     points: Tensor,
@@ -219,24 +193,27 @@ def train_prototypes(
     Every step recomputes all ``C`` global prototypes (all of them enter the denominator of Eq. 10,
     as in the paper). Returns the loss of the last step (NaN when there was nothing to train).
 
-    ``fused`` (the default): each step is written out by hand, with no autograd graph (the step
-    is ~1,000 times a round on 10-row tensors, where graph and optimizer overhead dominate): the
-    ACL gradient of :func:`acl_loss_and_grad`, then the MLP's two Linear layers backward with
-    their SGD update applied in the same pass over each weight (``training.sgd_linear_backward``:
-    the native kernel for up to 24 classes), then the embedding's update. The same SGD step as
-    autograd + ``torch.optim.SGD`` on every parameter (``fused=False``) to float rounding.
+    Each step is ordinary torch: the global prototypes forward, the ACL loss, its backward and
+    the SGD update. With ``fused`` (the default) and an accelerator installed
+    (``fedmosaic.accel``, wired in by the assembly layer), the same step runs as its hand-written
+    form instead (``"fedtgp.server"``: no autograd graph, each MLP weight's update inside its
+    backward), equal to this one to float rounding.
     """
-    by_hand = fused and all(p.dtype == torch.float32 for p in params.values())
-    leaves = [] if by_hand else [p.requires_grad_(True) for p in params.values()]
-    opt = torch.optim.SGD(leaves, lr=lr) if leaves else None
+    acc = training.accelerator()
+    fast = acc.step("fedtgp.server") if fused and acc is not None else None
+    if any(p.dtype != torch.float32 for p in params.values()):
+        fast = None  # the hand-written step is float32 only
+    leaves = [] if fast is not None else [p.requires_grad_(True) for p in params.values()]
+    opt = torch.optim.SGD(leaves, lr=lr) if fast is None else None
     last = math.nan
     n = points.shape[0]
-    with torch.set_grad_enabled(not by_hand):
+    with torch.set_grad_enabled(fast is None):
         for _ in range(epochs):
             for pos in torch.randperm(n, generator=gen).split(batch_size):
-                if opt is None:
-                    last = _step_by_hand(params, points[pos], labels[pos], delta, lr)
+                if fast is not None:
+                    last = fast(params, points[pos], labels[pos], delta, lr, EPS)
                     continue
+                assert opt is not None
                 loss = acl_loss(points[pos], labels[pos], global_prototypes(params), delta)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -246,27 +223,6 @@ def train_prototypes(
         p.requires_grad_(False)
         p.grad = None
     return last
-
-
-def _step_by_hand(
-    params: dict[str, Tensor], points: Tensor, labels: Tensor, delta: float, lr: float
-) -> float:
-    """One SGD step of :func:`train_prototypes` on a minibatch, forward, gradient and update
-    written out (no autograd); returns the minibatch's loss."""
-    emb = params["embedding.weight"]  # [C, d]
-    if "mlp.0.weight" not in params:
-        loss, grad = acl_loss_and_grad(points, labels, emb, delta)
-        emb.sub_(grad, alpha=lr)
-        return float(loss)
-    w1, b1, w2, b2 = (params[f"mlp.{i}.{k}"] for i in (0, 2) for k in ("weight", "bias"))
-    pre = sgd_linear_forward(emb, w1, b1)  # [C, d]
-    hidden = pre.relu()
-    loss, grad = acl_loss_and_grad(points, labels, sgd_linear_forward(hidden, w2, b2), delta)
-    # each weight's SGD step inside its backward (the input gradient with the old weight)
-    grad = sgd_linear_backward(grad, hidden, w2, b2, lr, True)
-    grad = sgd_linear_backward(grad.mul_(pre > 0), emb, w1, b1, lr, True)
-    emb.sub_(grad, alpha=lr)
-    return float(loss)
 
 
 def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) -> Tensor:
@@ -296,7 +252,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     Broadcast: ClassVar[type[Payload]] = Prototypes
     Upload: ClassVar[type[Payload]] = ClientPrototypes
     supports_heterogeneous: ClassVar[bool] = True
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced "
         "Contrastive Learning for Data and Model Heterogeneity in Federated Learning, AAAI 2024"

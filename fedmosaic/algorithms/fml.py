@@ -46,7 +46,7 @@ from fedmosaic.algorithms._distill import (
 )
 from fedmosaic.algorithms._shared import SharedState, weighted_average
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -85,6 +85,8 @@ def mutual_losses(
 @dataclass(frozen=True)
 class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     """Federated mutual learning: a shared meme model distils to and from each personal model."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     alpha: float = 0.5  # personal model: weight of CE vs (1 - alpha) of KL to the meme
     beta: float = 0.5  # meme model: weight of CE vs (1 - beta) of KL to the personal model

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -234,6 +234,8 @@ def distill(
 @dataclass(frozen=True)
 class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     """Personalized soft targets from a learned knowledge-coefficient matrix over public data."""
+
+    acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     T: float = 10.0  # softmax temperature of uploads and distillation (reference Temp = 10)
     rho: float = 0.7  # weight of ||c - 1/N||^2 (reference penalty_ratio 0.7)

@@ -13,7 +13,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
-from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models.build import split_member
@@ -39,7 +39,7 @@ class LGFedAvg(SharedWeights):
     """Average only the classifier head; keep the encoder local."""
 
     shared: ClassVar[str] = "head"
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
         "Liang et al., Think Locally, Act Globally: Federated Learning with Local and Global Representations, 2020"
     )

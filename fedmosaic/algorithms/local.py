@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from torch import nn
 
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Empty, Payload
@@ -32,7 +32,7 @@ class Local(Algorithm[None, Empty, Empty]):
     Upload: ClassVar[type[Payload]] = Empty
     paper: ClassVar[str] = "baseline: local training only"
     communicates: ClassVar[bool] = False
-    batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
 
     def init_server(self, spec: FederationSpec) -> None:
         return None

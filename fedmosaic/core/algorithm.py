@@ -101,6 +101,47 @@ def payload_to(msg: B, device: torch.device | str) -> B:
     return dataclasses.replace(msg, **changes)
 
 
+@dataclass(frozen=True)
+class Acceleration:
+    """What a method declares about its client training so the fast paths of ``fedmosaic.accel``
+    may compute it with the same maths (``Algorithm.acceleration``).
+
+    ``batched``: clients of one architecture may train as one batched computation
+    (``accel.batched``, ``train.batched_clients``) with the numbers of one-at-a-time. It holds when
+    the client's training is ``loss`` over ``phases`` and nothing else per step: ``loss`` is a pure
+    function of the model's (and extras') parameters and buffers, the batch and the message (no
+    randomness, no Python state carried between steps, no ``.grad`` or hooks), and every
+    trainable parameter takes part in it. ``receive``, ``before_fit`` and ``upload`` still run
+    per client.
+
+    ``fused_sgd``: with plain SGD the Linear layers' update may run inside their backward
+    (``accel.fused``, ``train.fused_sgd = "auto"``), which fills no ``.grad``: ``loss``
+    differentiates once (no ``torch.autograd.grad(..., create_graph=True)``, gradient penalties
+    or gradient hooks).
+    """
+
+    batched: bool = False
+    fused_sgd: bool = False
+
+
+def declared_acceleration(algo: object) -> Acceleration:
+    """``algo``'s ``acceleration`` as declared for the code that trains: a subclass that overrides
+    ``loss``, ``phases`` or ``before_fit`` below the class declaring it (a user's variant of a
+    built-in method) gets none unless it declares ``acceleration`` itself."""
+    mro = type(algo).__mro__
+    where = next((c for c in mro if "acceleration" in c.__dict__), None)
+    if where is None:
+        return Acceleration()
+    for name in ("loss", "phases", "before_fit"):
+        owner = next((c for c in mro if name in c.__dict__), None)
+        if owner is not None and owner is not where and issubclass(owner, where):
+            return Acceleration()  # overridden below the declaration
+    declared = where.__dict__["acceleration"]
+    if not isinstance(declared, Acceleration):
+        raise TypeError(f"{where.__name__}.acceleration must be an Acceleration(...)")
+    return declared
+
+
 class Algorithm(ABC, Generic[S, B, U]):
     """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters."""
 
@@ -115,15 +156,20 @@ class Algorithm(ABC, Generic[S, B, U]):
     # ``model.projection``; "none" keeps each encoder's natural width (FedHeNN: CKA compares
     # L x L kernels, so each client aligns its own penultimate representation, no added layer)
     model_projection: ClassVar[str | None] = None
-    # True declares that clients of one architecture may train as one batched computation
-    # (``core/batched.py``, ``train.batched_clients``) with the numbers of one-at-a-time: the
-    # client's training is ``loss`` over ``phases`` and nothing else per step: ``loss`` is a pure
-    # function of the model's (and extras') parameters and buffers, the batch and the message
-    # (no randomness, no Python state carried between steps, no ``.grad`` or hooks), and every
-    # trainable parameter takes part in it. ``receive``, ``before_fit`` and ``upload`` still run
-    # per client. Off by default: a method opts in where that holds; a subclass that overrides
-    # ``loss``, ``phases`` or ``before_fit`` must declare it again (``batched.declared_batchable``).
-    batchable: ClassVar[bool] = False
+    # Which fast paths (``fedmosaic.accel``) may compute this method's client training with the
+    # same maths; none by default. Read through ``declared_acceleration`` (a subclass that
+    # overrides ``loss``, ``phases`` or ``before_fit`` must declare it again).
+    acceleration: ClassVar[Acceleration] = Acceleration()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the flags ``acceleration`` replaced: refused, not silently ignored
+        for old in ("batchable", "fused_sgd_safe"):
+            if old in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__}.{old} is replaced by "
+                    f"acceleration = Acceleration(batched=..., fused_sgd=...)"
+                )
 
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook

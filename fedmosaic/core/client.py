@@ -13,7 +13,12 @@ from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
-from fedmosaic.core.training import TrainSettings, TrainStats, fast_inference, run_phases
+from fedmosaic.core.training import (
+    TrainSettings,
+    TrainStats,
+    accelerated_inference,
+    run_phases,
+)
 
 
 class ImageSource(Protocol):
@@ -97,7 +102,7 @@ def fit(
     )
     model.eval()
     extras.eval()
-    with torch.no_grad(), fast_inference(model, extras):
+    with torch.no_grad(), accelerated_inference(model, extras):
         upload = algo.upload(model, extras, data, msg)
     return FitOutput(payload_to(upload, "cpu"), data.num_train, stats)
 
@@ -123,7 +128,7 @@ def evaluate(
     model.eval()
     extras.eval()
     out: dict[str, dict[str, int]] = {}
-    with torch.inference_mode(), fast_inference(model, extras):
+    with torch.inference_mode(), accelerated_inference(model, extras):
         for split in splits:
             counts: dict[str, int] = {"n": data.num(split)}
             for x, y in data.iter_batches(split, batch_size):

@@ -5,7 +5,7 @@ GFLOP/s (``K = C * kh * kw = 25`` is too short for its blocking) and its NCHW ou
 copied to channels-last for pooling. Here the forward is one im2col GEMM,
 ``y[B*L, O] = cols[B*L, K] W[O, K]^T + b``, whose output is already channels-last, and the
 backward applies ``W -= lr * dy^T cols`` and ``b -= lr * sum(dy)`` in place (no ``W.grad``), as
-the fused Linear layers do (``fedmosaic.core.training.FusedSGDLinears``). Same convolution; the
+the fused Linear layers do (``fedmosaic.accel.fused.FusedSGDLinears``). Same convolution; the
 sums run in another order, so results agree with mkldnn's to float tolerance.
 
 Where such a convolution opens the gray CNNs' usual block, ``Conv2d -> ToChannelsLast ->

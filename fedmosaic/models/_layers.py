@@ -77,7 +77,7 @@ class ConvPoolReLU(nn.Sequential):
     Without autograd (evaluation, prototype passes), a single-input-channel block runs as one
     native op where ``fedmosaic.kernels`` is built (``kernels.conv.SGDConvPoolReLU``'s forward;
     HtCNN8's first block at batch 100, one thread: 0.44 ms with AVX-512 instead of 6-10 ms
-    through torch's layers); same function, sums in another order. Training takes it through ``core.training.FusedSGDLinears``. With a hook on a
+    through torch's layers); same function, sums in another order. Training takes it through ``accel.fused.FusedSGDLinears``. With a hook on a
     child (FLOP counting, user probes) the children run one by one, as they would anyway.
     """
 

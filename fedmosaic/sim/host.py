@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from fedmosaic.core import batched
+from fedmosaic.accel import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
@@ -116,7 +116,7 @@ class ClientHost:
         self, round_num: int, todo: Sequence[tuple[int, Payload]]
     ) -> Iterator[tuple[int, bytes | str, int, float, float]]:
         """``(cid, upload, examples, loss, seconds)`` per client, as each is ready: clients of
-        one model layout train together (``core.batched``) when ``train.batched_clients`` is on
+        one model layout train together (``accel.batched``) when ``train.batched_clients`` is on
         and the method allows it (a group's seconds are split evenly over its clients)."""
         fits = batched.fit_clients(
             self.algo,

@@ -21,7 +21,7 @@
 - **Devices**: ``sim.devices`` places one worker per entry (``cuda:N`` or ``cpu``, round-robin
   when there are more workers); a worker's clients, their steps and its copy of the images live
   on its device. With ``train.batched_clients`` on, a worker trains its clients of one model
-  layout together (``ClientHost.fit_many``, ``core/batched.py``).
+  layout together (``ClientHost.fit_many``, ``accel/batched.py``).
 - **Messages** travel as wire bytes (``encode``), so bytes up/down are the real encoding and every
   upload is decoded and validated on arrival. A message shared by many clients (FedAvg's global
   model) is encoded and sent once per worker.

@@ -19,8 +19,8 @@ because a file write and read per client per round is pure overhead while the po
 and because tests and notebooks reach into ``models`` of small federations.
 
 With ``train.batched_clients`` on, the round's clients of one model layout train together as one
-``torch.func`` computation (``core/batched.py``) where the method declares that equivalent
-(``Algorithm.batchable``): the same numbers to float tolerance, not bitwise.
+``torch.func`` computation (``accel/batched.py``) where the method declares that equivalent
+(``Acceleration.batched``): the same numbers to float tolerance, not bitwise.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
 
-from fedmosaic.core import batched
+from fedmosaic.accel import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData, FitOutput
@@ -159,7 +159,7 @@ class SimTransport:
     ) -> Iterator[tuple[int, FitOutput]]:
         """Every client's fit, each yielded before its modules are released: grouped by model
         layout and trained together where the method allows it and ``train.batched_clients`` is
-        on (``core.batched``), else one at a time. The order does not matter: each client's fit
+        on (``accel.batched``), else one at a time. The order does not matter: each client's fit
         depends only on its own state and streams."""
         for group, outs in batched.fit_clients(
             self.algo,

@@ -104,10 +104,10 @@ def test_one_acl_step_matches_hand_computation():
 
 @pytest.mark.parametrize("num_classes", [10, 30])  # native kernel (<= 24 rows), torch fallback
 @pytest.mark.parametrize("mlp", [True, False])
-def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes, mlp):
+def test_fused_server_step_equals_autograd_sgd(num_classes, mlp):
     """The server step by hand (default) is autograd + SGD to float rounding, and the fused
     Linear backwards are the ones that ran (two per step with the MLP)."""
-    from fedmosaic.algorithms import fedtgp
+    from fedmosaic.accel import engaged
     from fedmosaic.algorithms.fedtgp import TrainablePrototypes
 
     torch.manual_seed(0)
@@ -116,9 +116,7 @@ def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes, mlp):
     base = {k: v.detach() for k, v in module.named_parameters()}
     points, labels = torch.randn(45, d), torch.arange(45) % num_classes
     points[3] = global_prototypes(base)[labels[3]]  # a point on its prototype: zero distance
-    calls = []
-    real = fedtgp.sgd_linear_backward
-    monkeypatch.setattr(fedtgp, "sgd_linear_backward", lambda *a: calls.append(1) or real(*a))
+    engaged.clear()
     out = {}
     for fused in (True, False):
         params = {k: v.clone() for k, v in base.items()}
@@ -126,7 +124,8 @@ def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes, mlp):
         loss = train_prototypes(params, points, labels, 0.5, 3, 10, 0.05, gen, fused=fused)
         out[fused] = (loss, params)
         assert not any(p.requires_grad or p.grad is not None for p in params.values())
-    assert len(calls) == (2 * 3 * 5 if mlp else 0)  # 2 layers x 3 epochs x 5 minibatches
+    assert engaged["fedtgp.server"] == 3 * 5  # the fused run's steps: 3 epochs x 5 minibatches
+    assert engaged["sgd_linear_backward"] == (2 * 3 * 5 if mlp else 0)  # 2 layers a step
     assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
     for k, v in out[False][1].items():
         assert not torch.equal(v, base[k]), k  # every parameter trained
@@ -134,7 +133,7 @@ def test_fused_server_step_equals_autograd_sgd(monkeypatch, num_classes, mlp):
 
 
 def test_acl_gradient_by_hand_equals_autograd():
-    from fedmosaic.algorithms.fedtgp import acl_loss_and_grad
+    from fedmosaic.accel.prototypes import acl_loss_and_grad
 
     torch.manual_seed(0)
     protos = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)

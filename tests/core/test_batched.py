@@ -1,4 +1,4 @@
-"""Batched clients (core/batched.py) give the numbers of one client at a time."""
+"""Batched clients (accel/batched.py) give the numbers of one client at a time."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import round_numbers, tiny_raw
 
+from fedmosaic.accel import batched, engaged
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import ConfigError, from_dict
-from fedmosaic.core import batched
 from fedmosaic.core import client as client_ops
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import FAMILIES
 from fedmosaic.experiment import build_federation, run_experiment
 
@@ -151,16 +152,18 @@ class _Noisy(ALGORITHMS.get("local")):  # type: ignore[misc]  # not registered: 
     """Declares batching but draws random numbers in its loss: vmap refuses, and the group is
     redone one client at a time."""
 
-    batchable: ClassVar[bool] = True
+    acceleration: ClassVar[Acceleration] = Acceleration(batched=True)
 
     def loss(self, model, extras, x, y, msg):
         return super().loss(model, extras, x + 0.01 * torch.randn_like(x), y, msg)
 
 
 def test_unbatchable_step_falls_back_to_one_at_a_time(caplog):
+    engaged.clear()
     with caplog.at_level(logging.WARNING, logger="fedmosaic"):
         one, many, seq, grp = _fit_both("cnn1", "local", method=_Noisy())
     assert "fell back to one at a time" in caplog.text
+    assert engaged["batched_groups"] == engaged["batched_steps"] == 0  # no vmapped step held
     assert _max_diff(one, many) == 0.0  # exactly the one-client path
     assert [r.stats.loss_sum for r in grp] == [r.stats.loss_sum for r in seq]
 
@@ -185,7 +188,7 @@ def test_eligibility_and_groups():
 
     @dataclass(frozen=True)
     class MyLGDeclared(MyLG):
-        batchable: ClassVar[bool] = True
+        acceleration: ClassVar[Acceleration] = Acceleration(batched=True)
 
     assert not batched.eligible(MyLG(), fed.models[0], fed.extras[0])
     assert batched.eligible(MyLGDeclared(), fed.models[0], fed.extras[0])
@@ -211,11 +214,13 @@ def test_two_round_federation_history(family, algo):
     real = batched.fit_group
     batched_fit = lambda *a, **k: calls.append(len(a[1])) or real(*a, **k)  # noqa: E731
     off = run(False)
+    engaged.clear()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(batched, "fit_group", batched_fit)
         on = run(True)
     groups = {MIXED: [3, 3, 3, 3], "cnn1": [6, 6]}[family]  # group sizes, two rounds
     assert calls == groups
+    assert engaged["batched_groups"] == len(groups)  # each trained vmapped, none fell back
     assert len(on) == len(off) == 2
     for a, b in zip(off, on):
         assert a.keys() == b.keys()
@@ -227,7 +232,7 @@ def test_two_round_federation_history(family, algo):
     assert off[-1]["acc_weighted"] > 0.3  # it learned something (4 classes)
 
 
-BATCHABLE = [n for n in ALGORITHMS.names() if getattr(ALGORITHMS.get(n), "batchable", False)]
+BATCHABLE = [n for n in ALGORITHMS.names() if ALGORITHMS.get(n).acceleration.batched]
 
 
 def test_the_declared_methods():
@@ -238,7 +243,7 @@ def test_the_declared_methods():
 
 @pytest.mark.parametrize("algo", BATCHABLE)
 def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
-    """Registry-wide: a method that declares ``batchable`` gets this test without writing one.
+    """Registry-wide: a method that declares ``Acceleration(batched=True)`` gets this test without writing one.
     Partial participation, a check_wire round trip and a momentum optimizer on top."""
     calls = []
     real = batched.fit_group
@@ -261,8 +266,10 @@ def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
 
     off = run(False)
     assert not calls
+    engaged.clear()
     on = run(True)
     assert len(calls) == 2  # one group (three clients) per round
+    assert engaged["batched_groups"] == 2 and engaged["batched_steps"] > 0  # vmapped, no fallback
     for a, b in zip(off, on, strict=True):
         for k, v in a.items():
             if isinstance(v, float):

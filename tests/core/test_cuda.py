@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import round_numbers, tiny_raw
 
+from fedmosaic.accel import batched
 from fedmosaic.config import from_dict
-from fedmosaic.core import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.experiment import build_federation, run_experiment
 

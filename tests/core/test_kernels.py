@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedmosaic import kernels
+from fedmosaic.accel.fused import FusedSGDLinears
 from fedmosaic.core.registry import FAMILIES
-from fedmosaic.core.training import FusedSGDLinears, TrainSettings, train_epochs
+from fedmosaic.core.training import TrainSettings, train_epochs
 from fedmosaic.kernels import conv as fast_conv
 from fedmosaic.models import build_client_model, family_members
 

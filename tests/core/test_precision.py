@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_raw
 
+from fedmosaic.accel import batched
 from fedmosaic.config import from_dict
-from fedmosaic.core import batched
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.training import run_phases
 from fedmosaic.experiment import build_federation, run_experiment

@@ -8,6 +8,8 @@ from conftest import tiny_raw
 from torch import nn
 
 from fedmosaic.config import ConfigError, from_dict
+from fedmosaic.core import training
+from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.rounds import clients_per_round
 from fedmosaic.core.training import TrainSettings, batch_order
 from fedmosaic.experiment import build_federation
@@ -74,6 +76,8 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
     from fedmosaic.core.model import ClientModel
     from fedmosaic.core.training import TrainSettings
 
+    assert training.accelerator() is not None  # fedmosaic.experiment installed accel
+
     class GradientPenalty(FedAvg):
         def loss(self, model, extras, x, y, msg):
             x = x.requires_grad_(True)
@@ -105,7 +109,7 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
     assert not torch.equal(model.head.weight, before)
 
     class Declared(GradientPenalty):
-        fused_sgd_safe = True  # the class vouches for its loss: fused under "auto"
+        acceleration = Acceleration(fused_sgd=True)  # the class vouches for its loss: fused
 
     assert TrainSettings.from_config(auto, Declared()).fused_sgd
     # Forced on, the penalty cannot differentiate through the fused layers.
@@ -118,27 +122,56 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
 
 def test_fast_inference_routes_linear_layers_and_restores_them(monkeypatch):
     from fedmosaic import kernels
-    from fedmosaic.core import training
+    from fedmosaic.accel import engaged, inference
 
     model = nn.Sequential(nn.Linear(300, 40), nn.ReLU(), nn.Linear(40, 7))
     other = nn.Linear(300, 5)
     other.forward = lambda x: x  # already patched (as training's fused layers are): left alone
     calls: list[int] = []
-    real = training._onednn_linear
-    monkeypatch.setattr(training, "_onednn_linear", lambda *a: calls.append(1) or real(*a))
+    real = inference._onednn_linear
+    monkeypatch.setattr(inference, "_onednn_linear", lambda *a: calls.append(1) or real(*a))
     skinny: list[int] = []
     real_k = kernels.linear_forward
     monkeypatch.setattr(kernels, "linear_forward", lambda *a: skinny.append(1) or real_k(*a))
     x_big, x_small = torch.randn(100, 300), torch.randn(10, 300)
+    engaged.clear()
     with torch.no_grad():
         want_big, want_small = model(x_big), model(x_small)
-        with training.fast_inference(model, other):
+        with inference.fast_inference(model, other):
             got_big, got_small = model(x_big), model(x_small)
             assert other(x_small) is x_small
-        with training.fast_inference(model), torch.enable_grad():
+        with inference.fast_inference(model), torch.enable_grad():
             assert model(x_big).requires_grad  # autograd on: plain layers
     torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_small, want_small, rtol=1e-5, atol=1e-5)
-    assert len(calls) == (2 if training._ONEDNN else 0)  # batch 100: oneDNN
+    assert len(calls) == (2 if inference._ONEDNN else 0)  # batch 100: oneDNN
     assert len(skinny) == (2 if kernels.load() is not None else 0)  # batch 10: the kernel
     assert all("forward" not in m.__dict__ for m in model.modules())  # restored
+    assert engaged["inference_linear"] == 4  # two layers, two batches; none with autograd on
+
+
+def test_client_evaluation_and_upload_take_the_installed_fast_inference():
+    """core.client asks the seam; with the accelerator removed it evaluates plain."""
+    from fedmosaic.accel import ACCEL, engaged
+    from fedmosaic.algorithms.fedavg import FedAvg
+    from fedmosaic.core import client as client_ops
+    from fedmosaic.core.client import ClientData
+    from fedmosaic.core.model import ClientModel
+
+    class Source:
+        def batch(self, idx, device="cpu"):
+            return torch.randn(len(idx), 1, 1, 4, generator=torch.Generator().manual_seed(0))
+
+    data = ClientData(0, Source(), torch.tensor([0, 1, 2, 0]), {"test": torch.arange(4)}, 3)
+    model = ClientModel(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), nn.Linear(3, 3), 3, 3)
+    msg = FedAvg().broadcast(dict(model.state_dict()), 0, 1)
+    engaged.clear()
+    fast = client_ops.evaluate(FedAvg(), model, nn.Module(), msg, data, ("test",), 4)
+    assert engaged["inference_linear"] == 2  # encoder's and head's Linear, one batch
+    assert training.use_accelerator(None) is ACCEL
+    try:
+        plain = client_ops.evaluate(FedAvg(), model, nn.Module(), msg, data, ("test",), 4)
+    finally:
+        training.use_accelerator(ACCEL)
+    assert engaged["inference_linear"] == 2  # nothing more without the accelerator
+    assert fast == plain

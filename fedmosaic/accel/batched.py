@@ -20,7 +20,7 @@ step is one ``vmap`` over ``grad_and_value(functional_call(...))`` of the algori
 
 The numbers equal the one-client path to float tolerance, not bitwise (batched kernels round
 differently, and the one-client path fuses plain SGD into the Linear backward). Only methods
-that declare ``Algorithm.batchable`` take this path; a group whose step cannot be vmapped (a
+that declare ``Acceleration(batched=True)`` take this path; a group whose step cannot be vmapped (a
 random op, data-dependent Python control flow on a per-client message) falls back to one client
 at a time with a log line.
 """
@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedmosaic.accel._engaged import engaged
 from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
+from fedmosaic.core.algorithm import Algorithm, Phase, declared_acceleration, payload_to
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.client import fit as fit_one
 from fedmosaic.core.model import ClientModel
@@ -65,25 +66,9 @@ def layout_key(model: nn.Module, extras: nn.Module) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def declared_batchable(algo: Algorithm) -> bool:
-    """``Algorithm.batchable`` as declared for the code that trains: a subclass that overrides
-    ``loss``, ``phases`` or ``before_fit`` below the class declaring it (a user's variant of a
-    built-in method) is not batched unless it declares ``batchable`` itself."""
-    cls = type(algo)
-    mro = cls.__mro__
-    where = next((c for c in mro if "batchable" in c.__dict__), None)
-    if where is None or not where.__dict__["batchable"]:
-        return False
-    for name in ("loss", "phases", "before_fit"):
-        owner = next(c for c in mro if name in c.__dict__)
-        if owner is not where and issubclass(owner, where):  # overridden below the declaration
-            return False
-    return True
-
-
 def eligible(algo: Algorithm, model: nn.Module, extras: nn.Module) -> bool:
     """The method declares batching equivalent and the model has no random layers."""
-    if not declared_batchable(algo):
+    if not declared_acceleration(algo).batched:
         return False
     for module in (model, extras):
         for m in module.modules():
@@ -117,7 +102,9 @@ def plan_groups(
     """The round's clients as groups that train together (eligible, one model layout, two or
     more) and the rest, in their given order, to train one at a time. ``take(cid)`` gives a
     client's model and extras (built or loaded on demand by the backend)."""
-    if not declared_batchable(algo):  # nothing to group: load no client ahead of its turn
+    if not declared_acceleration(
+        algo
+    ).batched:  # nothing to group: load no client ahead of its turn
         return [], list(cids)
     keys = {}
     for c in cids:
@@ -312,6 +299,7 @@ def fit_group(
         clients.append(_Client(model, ext, data, msg, gen, torch.get_rng_state()))
     try:
         stats = _train(algo, clients, algo.phases(round_num, epochs), settings)
+        engaged["batched_groups"] += 1
     except _Unbatchable as exc:
         log.warning(
             "batched training of %s clients fell back to one at a time: %s",
@@ -409,6 +397,7 @@ def _train(
                     except Exception as exc:  # the caller redoes the group one at a time
                         raise _Unbatchable(f"{type(exc).__name__}: {exc}") from exc
                     opt.step(tr, grads, opt_state, t)
+                    engaged["batched_steps"] += 1
                     if idx is not None:
                         with torch.no_grad():
                             for n in stacked:

@@ -1,0 +1,65 @@
+"""Speed as an opt-in layer: faster ways to compute core's training and inference, same maths.
+
+``core.training`` is the plain loop; it asks an ``Accelerator`` (its seam) how to run a phase's
+steps or an evaluation faster. This package answers, using the native kernels
+(``fedmosaic.kernels``) where they are built:
+
+- ``fused``: plain SGD applied inside the Linear (and 1-channel conv) layers' backward;
+- ``inference``: Linear layers through the native kernel or oneDNN while autograd is off;
+- ``prototypes``: FedTGP's server step written out by hand;
+- ``batched``: many clients of one layout trained as one ``vmap`` computation (called by the
+  runtimes, ``sim/``, not through the seam).
+
+Importing the package installs it (``install``): the assembly layer (``federation.py``) does, so
+every runtime trains accelerated; core and the algorithms never import it. ``engaged`` counts
+what ran, for tests that claim a fast path engaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from fedmosaic.accel._engaged import engaged
+from fedmosaic.accel.fused import fused_steps
+from fedmosaic.accel.inference import fast_inference
+from fedmosaic.accel.prototypes import fedtgp_server_step
+from fedmosaic.core import training
+from fedmosaic.core.training import FastSteps, TrainSettings
+
+__all__ = ["ACCEL", "Accel", "engaged", "install"]
+
+# methods' own fast steps by name (``Accelerator.step``)
+STEPS: dict[str, Callable[..., float]] = {"fedtgp.server": fedtgp_server_step}
+
+
+class Accel:
+    """``core.training.Accelerator``: fused SGD steps, fast inference, named fast steps."""
+
+    def steps(
+        self,
+        modules: Sequence[nn.Module],
+        params: Sequence[nn.Parameter],
+        s: TrainSettings,
+        lr: float,
+    ) -> FastSteps | None:
+        return fused_steps(modules, params, s, lr)
+
+    def inference(self, *modules: nn.Module) -> contextlib.AbstractContextManager[object]:
+        return fast_inference(*modules)
+
+    def step(self, name: str) -> Callable[..., float] | None:
+        return STEPS.get(name)
+
+
+ACCEL = Accel()
+
+
+def install() -> None:
+    """Make core's training and inference use this package (idempotent)."""
+    training.use_accelerator(ACCEL)
+
+
+install()
