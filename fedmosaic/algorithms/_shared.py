@@ -131,8 +131,6 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     - ``local``: whole BatchNorm layers stay local, affine weights too (FedBN, Li et al., ICLR 2021).
     """
 
-    Broadcast: ClassVar[type[Payload]] = SharedState
-    Upload: ClassVar[type[Payload]] = SharedState
     shared: ClassVar[str] = "all"
 
     bn: str = "average"  # average | local_stats (PFLlib) | local (FedBN); see the class docstring

@@ -26,19 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import FederationSpec, Phase
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
 FINETUNE_PARTS = ("all", "head")
 BODY = ("encoder",)  # what trains during the federated rounds: the body only
@@ -52,11 +50,6 @@ class BodyUpload(Payload):
     train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
     # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
     paper_cost: Annotated[int, "int >= 0"]
-
-
-Broadcast = SharedState
-Upload = BodyUpload
-ServerState = dict[str, Tensor]
 
 
 class RoundCounter(nn.Module):
@@ -100,10 +93,9 @@ def check_finetune(part: str, epochs: int) -> None:
 
 @ALGORITHMS.register("fedbabu")
 @dataclass(frozen=True)
-class FedBABU(SharedWeights):
+class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUpload]):
     """Train and average the body; keep the shared random head fixed; fine-tune at the end."""
 
-    Upload: ClassVar[type[Payload]] = BodyUpload
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
     paper: ClassVar[str] = (
@@ -121,7 +113,7 @@ class FedBABU(SharedWeights):
     def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:
         return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
-    def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
+    def validate_upload(self, state: dict[str, Tensor], upload: BodyUpload, client_id: int) -> None:
         schema.check(upload, client_id, body=state)
         robust.check_update(upload.state, state, client_id, "body state")
 
@@ -130,16 +122,8 @@ class FedBABU(SharedWeights):
         start_from_server_init(model, spec)
         return RoundCounter(spec.input_shape)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: SharedState,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        extras.examples = 0
+    def before_fit(self, ctx: FitContext[SharedState]) -> None:
+        ctx.extras.examples = 0
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         return (Phase(BODY, epochs, name="body"),)  # the head never trains during the rounds

@@ -43,10 +43,6 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
-
 PROX_FORMS = ("l2", "squared", "mse")
 
 

@@ -80,11 +80,6 @@ class FDState:
     client_known: Tensor  # [N, C] bool: False for every class of a client that did not upload
 
 
-Broadcast = ClassLogits
-Upload = ClassLogits
-ServerState = FDState
-
-
 class _LogitsAsFeatures(nn.Module):
     """A view of a model whose "features" are its logits, so ``class_means`` averages logits."""
 
@@ -159,8 +154,6 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     T: float = 1.0  # softmax temperature of the kl variant (unused by mse)
     average: str = "others"  # mean a client gets: others (paper, leave-one-out) | all (HtFLlib)
 
-    Broadcast: ClassVar[type[Payload]] = ClassLogits
-    Upload: ClassVar[type[Payload]] = ClassLogits
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Jeong et al., Communication-Efficient On-Device Machine Learning: Federated Distillation "

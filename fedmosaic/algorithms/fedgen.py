@@ -143,11 +143,6 @@ class FedGenState:
     head_arch: str  # the clients' (shared) head spec, e.g. "linear" or "mlp512"
 
 
-Broadcast = FedGenBroadcast
-Upload = FedGenUpload
-ServerState = FedGenState
-
-
 def teacher_weights(counts: Tensor) -> Tensor:
     """``w_ky = n_ky / sum_k' n_k'y`` from label counts ``[K, C]``; columns with no data are 0."""
     counts = counts.to(torch.float32)
@@ -258,8 +253,6 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     eta: float = 1.0  # weight of the diversity regularizer (official ensemble_eta; HtFLlib 0)
     teacher: str = "logits"  # logits: CE of the weighted logit ensemble | losses: official code
 
-    Broadcast: ClassVar[type[Payload]] = FedGenBroadcast
-    Upload: ClassVar[type[Payload]] = FedGenUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Zhu, Hong, Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, "

@@ -48,7 +48,7 @@ from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
 from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -56,7 +56,7 @@ from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
 if TYPE_CHECKING:
-    from fedmosaic.core.training import TrainSettings
+    pass
 
 
 SERVER_STEPS = ("pair", "client")
@@ -76,11 +76,6 @@ class FedGHState:
 
     head: dict[str, Tensor]  # the global header Linear(d, C): weight [C, d], bias [C]
     seed: int
-
-
-Broadcast = SharedState
-Upload = ClassMeans
-ServerState = FedGHState
 
 
 def check_linear_head(head: nn.Module, feature_dim: int, num_classes: int, where: str) -> None:
@@ -165,8 +160,6 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
     )
 
-    Broadcast: ClassVar[type[Payload]] = SharedState
-    Upload: ClassVar[type[Payload]] = ClassMeans
     paper: ClassVar[str] = (
         "Yi et al., FedGH: Heterogeneous Federated Learning with Generalized Global Header, "
         "ACM MM 2023"
@@ -238,18 +231,11 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         if not _trained(extras):
             model.load_part_state("head", msg.state)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: SharedState,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        model.load_part_state("head", msg.state)  # Eq. 5: the global header replaces the local one
-        if isinstance(extras, FedGHClient):
-            extras.trained.fill_(True)
+    def before_fit(self, ctx: FitContext[SharedState]) -> None:
+        # Eq. 5: the global header replaces the local one
+        ctx.model.load_part_state("head", ctx.msg.state)
+        if isinstance(ctx.extras, FedGHClient):
+            ctx.extras.trained.fill_(True)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState

@@ -96,10 +96,6 @@ class HeNNUpload(Payload):
     kernel: Annotated[Tensor, "[L, L] float32"]
 
 
-Broadcast = HeNNBroadcast
-Upload = HeNNUpload
-
-
 @dataclass
 class HeNNState:
     """Server state: the public inputs, and K_bar with the round whose RAD it lives on."""
@@ -109,9 +105,6 @@ class HeNNState:
     rad_size: int  # L (capped to P)
     kernel: Tensor  # [L, L] K_bar; [0, 0] before any upload
     kernel_round: int = 0  # K_bar lives on the RAD of this round (0: none yet)
-
-
-ServerState = HeNNState
 
 
 # ---- math ------------------------------------------------------------------------------------
@@ -254,8 +247,6 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
     weighting: str = "uniform"  # w_j in K_bar: uniform 1/N (paper) | samples (n_j / sum n)
 
-    Broadcast: ClassVar[type[Payload]] = HeNNBroadcast
-    Upload: ClassVar[type[Payload]] = HeNNUpload
     supports_heterogeneous: ClassVar[bool] = True
     model_projection: ClassVar[str | None] = "none"  # each client aligns its own Phi (width d_i)
     paper: ClassVar[str] = (

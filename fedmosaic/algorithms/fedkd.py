@@ -116,11 +116,6 @@ class FedKDState:
     rounds: int  # total rounds R, for the threshold schedule
 
 
-Broadcast = MenteeBroadcast
-Upload = MenteeUpload
-ServerState = FedKDState
-
-
 # ---- SVD compression ----------------------------------------------------------------------
 def energy_threshold(round_num: int, rounds: int, T_start: float, T_end: float) -> float:
     """``T(t) = T_start + (T_end - T_start) (t - 1) / (R - 1)``, ``t`` clamped to ``1..R``."""
@@ -266,8 +261,6 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     mentee_arch: str = ""  # zoo architecture of the mentee; "" = the family's smallest member
     first_broadcast: str = "full"  # round 1's mentee: full (PFLlib) | svd (compressed like later)
 
-    Broadcast: ClassVar[type[Payload]] = MenteeBroadcast
-    Upload: ClassVar[type[Payload]] = MenteeUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Wu et al., Communication-efficient federated learning via knowledge distillation, "

@@ -39,9 +39,6 @@ from fedmosaic.core.algorithm import FederationSpec, Weighted
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-
 
 @dataclass
 class FedOptState:

@@ -86,11 +86,6 @@ class ProtoState:
     known: Tensor  # [C] bool
 
 
-Broadcast = ProtoBroadcast
-Upload = ProtoUpload
-ServerState = ProtoState
-
-
 def aggregate_prototypes(
     protos: Tensor, counts: Tensor, weighting: str = "uniform"
 ) -> tuple[Tensor, Tensor]:
@@ -153,8 +148,6 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     # term as the Euclidean distance: FedTGP's comparison with one client term for both)
     distance: str = "mse"
 
-    Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
-    Upload: ClassVar[type[Payload]] = ProtoUpload
     supports_heterogeneous: ClassVar[bool] = True
     batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (

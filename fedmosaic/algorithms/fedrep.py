@@ -24,15 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import Tensor
-
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.algorithms._shared import SharedWeights
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.registry import ALGORITHMS
-
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
 
 
 @ALGORITHMS.register("fedrep")

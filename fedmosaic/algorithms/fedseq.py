@@ -57,12 +57,11 @@ from fedmosaic.algorithms.fedbabu import (
     start_from_server_init,
 )
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
 __all__ = [
     "FedSeqAnti",
@@ -103,11 +102,6 @@ class ExpansionState:
     block_keys: tuple[tuple[str, ...], ...]  # per block (forward order): its keys in ``body``
     unfreeze_rounds: tuple[int, ...]  # resolved schedule, one entry per block, unfreezing order
     rounds: int  # R: after it every block counts as unfrozen (final evaluation, fine-tuning)
-
-
-Broadcast = ExpansionBroadcast
-Upload = ExpansionUpload
-ServerState = ExpansionState
 
 
 # ---- the block split and the schedule: pure functions -------------------------------------------
@@ -190,8 +184,6 @@ def freeze_inactive(model: ClientModel, num_active: int, order: str) -> None:
 class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, ExpansionUpload]):
     """FedBABU whose body blocks unfreeze one after another (``order`` set by the subclass)."""
 
-    Broadcast: ClassVar[type[Payload]] = ExpansionBroadcast
-    Upload: ClassVar[type[Payload]] = ExpansionUpload
     supports_heterogeneous: ClassVar[bool] = False
     paper: ClassVar[str] = (
         "Jang & Choi, Personalized Federated Learning via Sequential Layer Expansion in Representation Learning, 2024"
@@ -291,16 +283,8 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
                     )
                 own[k].copy_(v)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: ExpansionBroadcast,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        extras.examples = 0
+    def before_fit(self, ctx: FitContext[ExpansionBroadcast]) -> None:
+        ctx.extras.examples = 0
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         # The body; frozen blocks are switched off in ``loss`` (the broadcast says which).

@@ -50,12 +50,12 @@ from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
 from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings, sgd_linear_backward, sgd_linear_forward
+from fedmosaic.core.training import sgd_linear_backward, sgd_linear_forward
 
 MARGINS = ("adaptive", "fixed", "none")
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
@@ -75,10 +75,6 @@ class ClientPrototypes(Payload):
 
     protos: Annotated[Tensor, "[k, d] float32"]
     classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
-
-
-Broadcast = Prototypes
-Upload = ClientPrototypes
 
 
 class TrainablePrototypes(nn.Module):
@@ -128,9 +124,6 @@ class TGPState:
     margin: float = 0.0  # delta(t) of the last aggregation
     loss: float = math.nan  # ACL loss of the last server minibatch
     num_points: int = 0  # (prototype, class) pairs in the last aggregation
-
-
-ServerState = TGPState
 
 
 # ---- math ------------------------------------------------------------------------------------
@@ -293,8 +286,6 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     server_fused_sgd: bool = True  # server step by hand, SGD fused (False: autograd + SGD)
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
 
-    Broadcast: ClassVar[type[Payload]] = Prototypes
-    Upload: ClassVar[type[Payload]] = ClientPrototypes
     supports_heterogeneous: ClassVar[bool] = True
     batchable: ClassVar[bool] = True  # plain per-step loss: clients may train batched
     paper: ClassVar[str] = (
@@ -386,17 +377,12 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
             extras.register_buffer("stale_known", torch.zeros(spec.num_classes, dtype=torch.bool))
         return extras
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: Prototypes,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[Prototypes]) -> None:
         if self.stale_prototypes:
-            protos, counts = class_means(model, data, data.num_classes, settings.eval_batch_size)
+            data, extras = ctx.data, ctx.extras
+            protos, counts = class_means(
+                ctx.model, data, data.num_classes, ctx.settings.eval_batch_size
+            )
             extras.stale_protos.copy_(protos)
             extras.stale_known.copy_(counts > 0)
 

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import schema, seeding
-from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -108,11 +108,6 @@ class KTpFLState:
     coef: Tensor  # [N, N] float64, rows on the probability simplex
     soft: Tensor  # [N, P, C] float32, each client's last uploaded predictions
     known: Tensor  # [N] bool, which clients have uploaded at least once
-
-
-Broadcast = KTpFLBroadcast
-Upload = KTpFLUpload
-ServerState = KTpFLState
 
 
 def personalized_targets(coef: Tensor, soft: Tensor, known: Tensor) -> Tensor:
@@ -251,8 +246,6 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     distill_reduction: str = "mean"
     epoch_ramp: bool = False  # min(round, local_epochs) private epochs per round (reference)
 
-    Broadcast: ClassVar[type[Payload]] = KTpFLBroadcast
-    Upload: ClassVar[type[Payload]] = KTpFLUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Zhang, Guo, Ma, Wang, Xu, Wu, Parameterized Knowledge Transfer for Personalized "
@@ -329,19 +322,12 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
         return dataclasses.replace(state, coef=coef, soft=soft, known=known)
 
     # ---- client half ---------------------------------------------------------------------
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: KTpFLBroadcast,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[KTpFLBroadcast]) -> None:
+        msg = ctx.msg
         if not msg.has_target or self.distill_epochs == 0:
             return
         s = dataclasses.replace(
-            settings,
+            ctx.settings,
             batch_size=self.distill_batch_size,
             optimizer=self.distill_optimizer,
             momentum=0.0,
@@ -349,14 +335,14 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             drop_last=False,  # every public input, as the reference's loader
         )
         distill(
-            model,
+            ctx.model,
             msg.public,
             msg.target,
             self.T,
             self.distill_epochs,
             self.distill_lr,
             s,
-            gen,
+            ctx.gen,
             self.distill_reduction,
         )
 

@@ -8,6 +8,7 @@ in the client's model and its ``extras`` module (persistent across rounds).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,13 +102,47 @@ def payload_to(msg: B, device: torch.device | str) -> B:
     return dataclasses.replace(msg, **changes)
 
 
-class Algorithm(ABC, Generic[S, B, U]):
-    """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters."""
+@dataclass(frozen=True)
+class FitContext(Generic[B]):
+    """What ``before_fit`` may use: the client's parts, this round's message and its settings."""
 
+    model: ClientModel
+    extras: nn.Module
+    data: ClientData
+    msg: B
+    settings: TrainSettings
+    gen: torch.Generator  # the client's "batches" generator, drawn before training's batches
+    round_num: int
+
+
+def _declared(cls: type) -> tuple[Any, ...] | None:
+    """``cls``'s ``Algorithm[S, B, U]`` arguments from its own parametrized bases, or None when it
+    names none (it inherits its parent's). A parametrized generic subclass of Algorithm maps its
+    own type variables onto its parent's declaration."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        origin = typing.get_origin(base)
+        if origin is Algorithm:
+            return typing.get_args(base)
+        if isinstance(origin, type) and issubclass(origin, Algorithm):
+            bound = dict(zip(origin.__parameters__, typing.get_args(base), strict=True))
+            return tuple(bound.get(a, a) for a in origin._declaration)
+    return None
+
+
+class Algorithm(ABC, Generic[S, B, U]):
+    """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters.
+
+    A method declares its types once, as the Generic parameters ``Algorithm[ServerState,
+    Broadcast, Upload]``; ``Broadcast`` and ``Upload`` below are derived from them at class
+    definition (a subclass of a concrete method inherits them, or names ``Algorithm[...]``
+    again among its bases to narrow them).
+    """
+
+    # Derived in __init_subclass__ from the Generic parameters: never assigned by hand.
     Broadcast: ClassVar[type[Payload]]
     Upload: ClassVar[type[Payload]]
+    _declaration: ClassVar[tuple[Any, ...]] = (S, B, U)
     supports_heterogeneous: ClassVar[bool] = True
-    paper: ClassVar[str] = ""
     # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
     # framing of its empty payloads (a real deployment would send no message at all)
     communicates: ClassVar[bool] = True
@@ -124,6 +159,22 @@ class Algorithm(ABC, Generic[S, B, U]):
     # per client. Off by default: a method opts in where that holds; a subclass that overrides
     # ``loss``, ``phases`` or ``before_fit`` must declare it again (``batched.declared_batchable``).
     batchable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = _declared(cls)
+        if declared is not None:
+            cls._declaration = declared  # else the parent's, inherited
+        if getattr(cls, "__parameters__", ()):
+            return  # still generic (a base for other methods): its subclasses bind the rest
+        _, broadcast, upload = cls._declaration
+        for role, tp in (("Broadcast", broadcast), ("Upload", upload)):
+            if not (isinstance(tp, type) and issubclass(tp, Payload)):
+                raise TypeError(
+                    f"{cls.__qualname__} must declare Algorithm[ServerState, Broadcast, Upload] "
+                    f"with a Payload subclass as {role}, got {tp!r}"
+                )
+        cls.Broadcast, cls.Upload = broadcast, upload
 
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook
@@ -167,15 +218,7 @@ class Algorithm(ABC, Generic[S, B, U]):
     def receive(self, model: ClientModel, extras: nn.Module, msg: B) -> None:  # noqa: B027
         """Load the shared parts from the server's message into the client's model."""
 
-    def before_fit(  # noqa: B027
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: B,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[B]) -> None:  # noqa: B027
         """Extra local work before the training phases (e.g. KT-pFL's distillation step)."""
 
     def phases(self, round_num: int, epochs: int) -> Sequence[Phase]:
