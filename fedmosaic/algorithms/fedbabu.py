@@ -24,7 +24,7 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,7 +38,7 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
-FINETUNE_PARTS = ("all", "head")
+FinetunePart = Literal["all", "head"]  # what fine-tuning trains
 BODY = ("encoder",)  # what trains during the federated rounds: the body only
 
 
@@ -84,9 +84,7 @@ def finetune_phase(part: str, epochs: int) -> tuple[Phase, ...]:
     return (Phase((part,), epochs, name="finetune"),)
 
 
-def check_finetune(part: str, epochs: int) -> None:
-    if part not in FINETUNE_PARTS:
-        raise ValueError(f"finetune_part = {part!r}; choose one of {', '.join(FINETUNE_PARTS)}")
+def check_finetune(epochs: int) -> None:
     if epochs < 0:
         raise ValueError(f"finetune_epochs = {epochs} must be >= 0")
 
@@ -103,11 +101,12 @@ class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUploa
     )
 
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
-    finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
+    finetune_part: FinetunePart = (
+        "all"  # what fine-tuning trains: all (body + head, the paper) | head
+    )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_finetune(self.finetune_part, self.finetune_epochs)
+        check_finetune(self.finetune_epochs)
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
     def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:

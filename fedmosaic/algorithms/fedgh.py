@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     pass
 
 
-SERVER_STEPS = ("pair", "client")
+ServerStep = Literal["pair", "client"]
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)
     server_epochs: int = 1  # passes over the round's (class mean, label) pairs (reference: 1)
-    server_step: str = "pair"  # pair: one step per (client, class) (Eq. 4) | client: per client
+    server_step: ServerStep = (
+        "pair"  # pair: one step per (client, class) (Eq. 4) | client: per client
+    )
     server_batch_size: int = (
         0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
     )
@@ -169,8 +171,6 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
         if self.eta_g <= 0 or self.server_epochs < 0 or self.server_batch_size < 0:
             raise ValueError("eta_g must be > 0, server_epochs >= 0 and server_batch_size >= 0")
-        if self.server_step not in SERVER_STEPS:
-            raise ValueError(f"server_step = {self.server_step!r}; choose one of {SERVER_STEPS}")
 
     def check(self, spec: FederationSpec) -> None:
         heads = {m.partition("/")[2] for m in spec.members}

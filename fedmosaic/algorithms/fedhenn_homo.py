@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, weighted_average
 from fedmosaic.algorithms.fedhenn import (
+    Kernel,
+    Schedule,
     check_hyperparameters,
     cka_distance,
     eta_at,
@@ -73,8 +75,10 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     """FedAvg plus a CKA proximal term to the global model's representation kernel on the RAD."""
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
-    schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
-    kernel: str = "linear"  # kernel on representations: linear | rbf
+    schedule: Schedule = (
+        "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    )
+    kernel: Kernel = "linear"  # kernel on representations: linear | rbf
     sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
     rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
@@ -87,7 +91,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     )
 
     def __post_init__(self) -> None:
-        check_hyperparameters(self.kernel, self.schedule, self.sigma, self.eta0, self.rad_size)
+        check_hyperparameters(self.sigma, self.eta0, self.rad_size)
         if self.rad_batch < 0 or self.rad_batch == 1:
             raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
 

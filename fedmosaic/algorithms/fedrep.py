@@ -44,7 +44,6 @@ class FedRep(SharedWeights):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.head_epochs < 0:
             raise ValueError(f"head_epochs = {self.head_epochs} must be >= 0")
 

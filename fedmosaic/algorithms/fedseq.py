@@ -51,6 +51,7 @@ from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.fedbabu import (
     BODY,
+    FinetunePart,
     RoundCounter,
     check_finetune,
     finetune_phase,
@@ -193,10 +194,11 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
     # Per block, in unfreezing order: rounds completed before it trains; () = floor(k R / B).
     unfreeze_rounds: tuple[int, ...] = ()  # e.g. (0, 100, 200) of R = 300 (the paper)
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
-    finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
+    # what fine-tuning trains: all (body + head, the paper) | head
+    finetune_part: FinetunePart = "all"
 
     def __post_init__(self) -> None:
-        check_finetune(self.finetune_part, self.finetune_epochs)
+        check_finetune(self.finetune_epochs)
         u = self.unfreeze_rounds
         if u and (u[0] != 0 or any(b < a for a, b in zip(u, u[1:]))):
             raise ValueError(

@@ -41,14 +41,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
+from fedmosaic.algorithms._shared import Distance, alignment_loss, class_means
 from fedmosaic.core import robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
@@ -57,7 +57,7 @@ from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import sgd_linear_backward, sgd_linear_forward
 
-MARGINS = ("adaptive", "fixed", "none")
+Margin = Literal["adaptive", "fixed", "none"]
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
 
 
@@ -275,9 +275,9 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
 
     lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)
-    distance: str = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
+    distance: Distance = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
     tau: float = 100.0  # threshold capping the adaptive margin delta(t)
-    margin: str = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
+    margin: Margin = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
     fixed_margin: float = 1.0  # delta when margin = "fixed"
     mlp: bool = True  # further-processing MLP F after the embedding (False: Table 6 ablation)
     server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
@@ -294,10 +294,6 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     )
 
     def __post_init__(self) -> None:
-        if self.distance not in DISTANCES:
-            raise ValueError(f"distance = {self.distance!r}; choose one of {', '.join(DISTANCES)}")
-        if self.margin not in MARGINS:
-            raise ValueError(f"margin = {self.margin!r}; choose one of {', '.join(MARGINS)}")
         if self.server_epochs < 0 or self.server_batch_size < 1:
             raise ValueError("server_epochs must be >= 0 and server_batch_size >= 1")
         if self.server_lr <= 0 or self.lam < 0 or self.tau < 0 or self.fixed_margin < 0:

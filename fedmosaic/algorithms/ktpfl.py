@@ -65,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,7 @@ from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings, TrainStats, train_epochs
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
-REDUCTIONS = ("mean", "batchmean")
+Reduction = Literal["mean", "batchmean"]
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,10 @@ def soft_kl(student_logits: Tensor, target: Tensor, T: float, reduction: str = "
     ``"batchmean"``: the per-example KL averaged over the batch. ``"mean"`` (the reference's):
     the elementwise terms averaged over ``B * C``, i.e. ``batchmean / C``.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction = {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    if reduction not in get_args(Reduction):
+        raise ValueError(
+            f"reduction = {reduction!r}; choose one of {', '.join(get_args(Reduction))}"
+        )
     kl = F.kl_div(F.log_softmax(student_logits / T, dim=1), target, reduction="batchmean")
     # Written as batchmean / C: torch deprecates reduction="mean" for kl_div (to mean batchmean).
     return kl if reduction == "batchmean" else kl / student_logits.shape[1]
@@ -241,9 +243,9 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     distill_batch_size: int = 256  # minibatch size of distillation (reference 256)
     # The distillation step's own optimizer (reference: plain SGD at distill_lr), whatever
     # train.optimizer the private training uses: Adam at SGD's 0.02 wrecks the model.
-    distill_optimizer: str = "sgd"  # sgd | adam
+    distill_optimizer: Literal["sgd", "adam"] = "sgd"  # sgd | adam
     # KL normalization of the distillation: mean (reference: / (B * C)) | batchmean (/ B)
-    distill_reduction: str = "mean"
+    distill_reduction: Reduction = "mean"
     epoch_ramp: bool = False  # min(round, local_epochs) private epochs per round (reference)
 
     supports_heterogeneous: ClassVar[bool] = True
@@ -263,13 +265,6 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             raise ValueError("coef_steps and distill_epochs must be >= 0")
         if self.public_batch < 1 or self.distill_batch_size < 1:
             raise ValueError("public_batch and distill_batch_size must be >= 1")
-        if self.distill_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"distill_optimizer = {self.distill_optimizer!r}; choose sgd or adam")
-        if self.distill_reduction not in REDUCTIONS:
-            raise ValueError(
-                f"distill_reduction = {self.distill_reduction!r}; "
-                f"choose one of {', '.join(REDUCTIONS)}"
-            )
 
     def check(self, spec: FederationSpec) -> None:
         if spec.public is None or spec.public.shape[0] == 0:

@@ -18,6 +18,8 @@ def type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
+    if origin is typing.Literal:  # a choice: equal to one of them and of its type (True is not 1)
+        return any(value == c and type(value) is type(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return any(type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -47,7 +49,8 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Construct ``cls`` from ``values``, rejecting unknown keys and wrong types by name."""
+    """Construct ``cls`` from ``values``, rejecting unknown keys, wrong types and values outside
+    a ``Literal[...]`` field's choices by name."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -57,6 +60,9 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {name!r}; valid keys: {known}")
         tp = hints[key]
+        if typing.get_origin(tp) is typing.Literal and not type_ok(value, tp):
+            choices = ", ".join(str(c) for c in typing.get_args(tp))
+            raise ConfigError(f"{name} = {value!r}; choose one of {choices}")
         if not type_ok(value, tp):
             raise ConfigError(
                 f"{name} = {value!r} has type {type(value).__name__}, expected {_type_name(tp)}"

@@ -100,7 +100,9 @@ def test_batchnorm_statistics_untouched_and_one_mode_for_both_kernels(family, me
     extras = algo.init_client(model, None, bn_data())  # type: ignore[arg-type]
     msg = HomoBroadcast(received, shifted_rad(), 1.0, 2)
     algo.receive(model, extras, msg)
-    algo.before_fit(FitContext(model, extras, bn_data(), msg, TrainSettings(), torch.Generator(), 1))
+    algo.before_fit(
+        FitContext(model, extras, bn_data(), msg, TrainSettings(), torch.Generator(), 1)
+    )
     model.train()
     dist = cka_distance(model, msg.rad, extras.k_global, "linear", 1.0)
     assert float(dist.detach()) == pytest.approx(0.0, abs=1e-5)

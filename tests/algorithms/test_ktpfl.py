@@ -197,7 +197,9 @@ def test_distillation_uses_its_own_optimizer_not_the_private_one():
     got, want = toy_model(), toy_model()
     want.load_state_dict(got.state_dict())
     adam = TrainSettings(batch_size=6, lr=0.1, optimizer="adam", betas=(0.5, 0.999))
-    algo.before_fit(FitContext(got, torch.nn.Module(), toy.clients[0], msg, adam, torch.Generator(), 1))
+    algo.before_fit(
+        FitContext(got, torch.nn.Module(), toy.clients[0], msg, adam, torch.Generator(), 1)
+    )
     # By hand: one plain SGD step at distill_lr on the distillation loss over all 16 inputs.
     want.train()
     loss = soft_kl(want(x), target, algo.T)
@@ -363,7 +365,9 @@ def test_distillation_reduction_scales_the_sgd_step_by_C():
         model = toy_model()
         model.load_state_dict(start.state_dict())
         algo = KTpFL(T=2.0, distill_lr=lr, distill_batch_size=16, distill_reduction=red)
-        algo.before_fit(FitContext(model, torch.nn.Module(), toy.clients[0], msg, TrainSettings(), None, 1))
+        algo.before_fit(
+            FitContext(model, torch.nn.Module(), toy.clients[0], msg, TrainSettings(), None, 1)
+        )
         steps[red] = [
             p.detach() - q.detach() for p, q in zip(model.parameters(), start.parameters())
         ]
@@ -380,7 +384,9 @@ def test_distillation_uses_every_public_input_whatever_train_drop_last():
     seen = []
     model.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape[0]))
     settings = TrainSettings(batch_size=6, drop_last=True)  # the private loader drops its tail
-    algo.before_fit(FitContext(model, torch.nn.Module(), toy.clients[0], msg, settings, torch.Generator(), 1))
+    algo.before_fit(
+        FitContext(model, torch.nn.Module(), toy.clients[0], msg, settings, torch.Generator(), 1)
+    )
     assert sorted(seen) == [4, 6, 6] and sum(seen) == 16  # the reference keeps the partial batch
 
 
