@@ -171,7 +171,7 @@ class Algorithm(ABC, Generic[S, B, U]):
         for role, tp in (("Broadcast", broadcast), ("Upload", upload)):
             if not (isinstance(tp, type) and issubclass(tp, Payload)):
                 raise TypeError(
-                    f"{cls.__qualname__} must declare Algorithm[ServerState, Broadcast, Upload] "
+                    f"{cls.__name__} must declare Algorithm[ServerState, Broadcast, Upload] "
                     f"with a Payload subclass as {role}, got {tp!r}"
                 )
         cls.Broadcast, cls.Upload = broadcast, upload
