@@ -104,7 +104,13 @@ def payload_to(msg: B, device: torch.device | str) -> B:
 
 @dataclass(frozen=True)
 class FitContext(Generic[B]):
-    """What ``before_fit`` may use: the client's parts, this round's message and its settings."""
+    """What ``before_fit`` may use: the client's parts, this round's message and its settings.
+
+    Only ``before_fit`` takes a context (it needs six things and runs once a round). ``receive``,
+    ``loss``, ``predict`` and ``upload`` keep short positional signatures: they need three to
+    five, and ``loss`` runs every step (inside ``vmap`` when clients train batched), where
+    building an object per call would cost time for nothing.
+    """
 
     model: ClientModel
     extras: nn.Module
@@ -143,6 +149,7 @@ class Algorithm(ABC, Generic[S, B, U]):
     Upload: ClassVar[type[Payload]]
     _declaration: ClassVar[tuple[Any, ...]] = (S, B, U)
     supports_heterogeneous: ClassVar[bool] = True
+    paper: ClassVar[str] = ""
     # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
     # framing of its empty payloads (a real deployment would send no message at all)
     communicates: ClassVar[bool] = True
