@@ -145,9 +145,7 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     weighting: Weighting = (
         "uniform"  # server mean per class: uniform (reference code) | count (paper)
     )
-    inference: Inference = (
-        "all"  # nearest prototype over: all known classes (paper) | own (authors' code)
-    )
+    inference: Inference = "all"  # nearest prototype over: all known (paper) | own (authors')
     # client term: mse (the reference code's MSELoss) | euclidean (FedTGP's Eq. 4 writes FedProto's
     # term as the Euclidean distance: FedTGP's comparison with one client term for both)
     distance: Distance = "mse"
