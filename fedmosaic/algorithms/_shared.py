@@ -133,9 +133,8 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
 
     shared: ClassVar[str] = "all"
 
-    bn: BNMode = (
-        "average"  # average | local_stats (PFLlib) | local (FedBN); see the class docstring
-    )
+    # average | local_stats (PFLlib) | local (FedBN); see the class docstring
+    bn: BNMode = "average"
 
     def local_keys(self, module: nn.Module) -> frozenset[str]:
         """Names in the shared part's state dict that stay on the client (per ``bn``)."""

@@ -101,9 +101,8 @@ class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUploa
     )
 
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
-    finetune_part: FinetunePart = (
-        "all"  # what fine-tuning trains: all (body + head, the paper) | head
-    )
+    # what fine-tuning trains: all (body + head, the paper) | head
+    finetune_part: FinetunePart = "all"
 
     def __post_init__(self) -> None:
         check_finetune(self.finetune_epochs)

@@ -155,9 +155,8 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)
     server_epochs: int = 1  # passes over the round's (class mean, label) pairs (reference: 1)
-    server_step: ServerStep = (
-        "pair"  # pair: one step per (client, class) (Eq. 4) | client: per client
-    )
+    # pair: one step per (client, class) (Eq. 4) | client: per client
+    server_step: ServerStep = "pair"
     server_batch_size: int = (
         0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
     )

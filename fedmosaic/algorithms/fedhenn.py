@@ -240,9 +240,8 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     """Heterogeneous FedHeNN: CKA alignment of each client's RAD kernel to the clients' mean."""
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
-    schedule: Schedule = (
-        "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
-    )
+    # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    schedule: Schedule = "sqrt"
     kernel: Kernel = "linear"  # kernel on representations: linear | rbf
     sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size

@@ -75,9 +75,8 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     """FedAvg plus a CKA proximal term to the global model's representation kernel on the RAD."""
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
-    schedule: Schedule = (
-        "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
-    )
+    # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    schedule: Schedule = "sqrt"
     kernel: Kernel = "linear"  # kernel on representations: linear | rbf
     sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size

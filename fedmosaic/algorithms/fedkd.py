@@ -257,13 +257,11 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
 
     T_start: float = 0.95  # SVD energy threshold in round 1 (PFLlib/HtFLlib default)
     T_end: float = 0.98  # SVD energy threshold in the last round (PFLlib/HtFLlib default)
-    upload_mode: UploadMode = (
-        "update"  # what clients compress: update (paper) | state (PFLlib/HtFLlib)
-    )
+    # what clients compress: update (paper) | state (PFLlib/HtFLlib)
+    upload_mode: UploadMode = "update"
     mentee_arch: str = ""  # zoo architecture of the mentee; "" = the family's smallest member
-    first_broadcast: FirstBroadcast = (
-        "full"  # round 1's mentee: full (PFLlib) | svd (compressed like later)
-    )
+    # round 1's mentee: full (PFLlib) | svd (compressed like later)
+    first_broadcast: FirstBroadcast = "full"
 
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (

@@ -142,9 +142,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     """Share per-class mean features; pull local features towards the global prototypes."""
 
     lam: float = 1.0  # weight of the prototype MSE term (PFLlib/HtFLlib default; FedTGP used 0.1)
-    weighting: Weighting = (
-        "uniform"  # server mean per class: uniform (reference code) | count (paper)
-    )
+    # server mean per class: uniform (reference code) | count (paper)
+    weighting: Weighting = "uniform"
     inference: Inference = "all"  # nearest prototype over: all known (paper) | own (authors')
     # client term: mse (the reference code's MSELoss) | euclidean (FedTGP's Eq. 4 writes FedProto's
     # term as the Euclidean distance: FedTGP's comparison with one client term for both)
