@@ -8,6 +8,7 @@ in the client's model and its ``extras`` module (persistent across rounds).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.robust import RobustRule
+from fedmosaic.core.typed import check_choices
 
 if TYPE_CHECKING:
     from fedmosaic.core.client import ClientData
@@ -135,6 +137,17 @@ def _declared(cls: type) -> tuple[Any, ...] | None:
     return None
 
 
+def _after_choices(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``post_init`` preceded by the choices' check (a subclass need not call super())."""
+
+    @functools.wraps(post_init)
+    def checked(self: Any) -> None:
+        check_choices(self)
+        post_init(self)
+
+    return checked
+
+
 class Algorithm(ABC, Generic[S, B, U]):
     """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters.
 
@@ -169,6 +182,9 @@ class Algorithm(ABC, Generic[S, B, U]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is not None:  # a method's own checks run after the choices' (Algorithm's below)
+            cls.__post_init__ = _after_choices(own)  # type: ignore[method-assign]
         declared = _declared(cls)
         if declared is not None:
             cls._declaration = declared  # else the parent's, inherited
@@ -182,6 +198,13 @@ class Algorithm(ABC, Generic[S, B, U]):
                     f"with a Payload subclass as {role}, got {tp!r}"
                 )
         cls.Broadcast, cls.Upload = broadcast, upload
+
+    def __post_init__(self) -> None:
+        """Refuse a value outside a ``Literal[...]`` hyperparameter's choices, naming the key.
+
+        The config builder (``core/typed.py``) refuses them first, with the ``[algorithm]`` key;
+        this covers a method constructed in Python."""
+        check_choices(self)
 
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook

@@ -80,6 +80,22 @@ def test_a_value_outside_the_choices_is_refused_naming_key_and_choices(name, key
         build_algorithm({"name": name, key: True})
 
 
+def test_a_method_built_in_python_is_checked_too():
+    with pytest.raises(ValueError, match="^weighting = 'x'; choose one of uniform, count$"):
+        FedProto(weighting="x")  # type: ignore[arg-type]
+
+    @dataclass(frozen=True)
+    class Strict(FedProto):
+        def __post_init__(self) -> None:  # its own checks; no super() call needed
+            if self.lam > 5:
+                raise ValueError("lam too large")
+
+    with pytest.raises(ValueError, match="^inference = 'some'; choose one of all, own$"):
+        Strict(inference="some")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lam too large"):
+        Strict(lam=6.0)
+
+
 def test_every_string_choice_is_a_literal():
     # The methods' choice hyperparameters (the ones __post_init__ used to check by hand).
     assert len(_choices()) >= 20
