@@ -71,7 +71,6 @@ class FederationSpec:
     build_model: Callable[[int], ClientModel]  # fresh, deterministic model of client i's arch
     public: Tensor | None = None  # server-held public inputs, normalized float [P, C, H, W]
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
     # How ``build_model`` maps encoders to ``feature_dim`` (``models.build``): every other model a
     # client builds (FML's meme, FedKD's mentee) is built the same way.
     projection: str = "linear"
