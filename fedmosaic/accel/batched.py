@@ -39,7 +39,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedmosaic.accel._engaged import engaged
 from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Algorithm, Phase, declared_acceleration, payload_to
+from fedmosaic.core.algorithm import Algorithm, FitContext, Phase, declared_acceleration, payload_to
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.client import fit as fit_one
 from fedmosaic.core.model import ClientModel
@@ -295,7 +295,7 @@ def fit_group(
         gen = seeding.torch_generator(seed, round_num, cid, "batches")
         msg = payload_to(msg, settings.device)
         algo.receive(model, ext, msg)
-        algo.before_fit(model, ext, data, msg, settings, gen)
+        algo.before_fit(FitContext(model, ext, data, msg, settings, gen, round_num))
         clients.append(_Client(model, ext, data, msg, gen, torch.get_rng_state()))
     try:
         stats = _train(algo, clients, algo.phases(round_num, epochs), settings)

@@ -28,13 +28,12 @@ def build_algorithm(table: dict[str, Any]) -> Algorithm:
             f"algorithm.name = {name!r} is unknown; known: {', '.join(ALGORITHMS.names())}"
         )
     algo = build_dataclass(ALGORITHMS.get(name), params, "algorithm")
-    # Numeric hyperparameters are weights, rates, counts and sizes: never negative (a class
-    # lists any that may be in ``signed_hyperparameters``). NaN/inf are refused by
-    # build_dataclass; method-specific ranges by each method's __post_init__.
-    signed = getattr(algo, "signed_hyperparameters", frozenset())
+    # Numeric hyperparameters are weights, rates, counts and sizes: never negative. NaN/inf and
+    # values outside a Literal's choices are refused by build_dataclass; method-specific ranges
+    # by each method's __post_init__.
     for key, value in ((f.name, getattr(algo, f.name)) for f in dataclasses.fields(algo)):
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if numeric and value < 0 and key not in signed:
+        if numeric and value < 0:
             raise ConfigError(f"algorithm.{key} = {value} must be >= 0 ({name})")
     return algo
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +100,7 @@ class SharedState(Payload):
     state: Annotated[dict[str, Tensor], "like shared"]  # shared: what the server holds of it
 
 
-BN_MODES = ("average", "local_stats", "local")
+BNMode = Literal["average", "local_stats", "local"]
 _BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -131,15 +131,10 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     - ``local``: whole BatchNorm layers stay local, affine weights too (FedBN, Li et al., ICLR 2021).
     """
 
-    Broadcast: ClassVar[type[Payload]] = SharedState
-    Upload: ClassVar[type[Payload]] = SharedState
     shared: ClassVar[str] = "all"
 
-    bn: str = "average"  # average | local_stats (PFLlib) | local (FedBN); see the class docstring
-
-    def __post_init__(self) -> None:
-        if self.bn not in BN_MODES:
-            raise ValueError(f"bn = {self.bn!r}; choose one of {', '.join(BN_MODES)}")
+    # average | local_stats (PFLlib) | local (FedBN); see the class docstring
+    bn: BNMode = "average"
 
     def local_keys(self, module: nn.Module) -> frozenset[str]:
         """Names in the shared part's state dict that stay on the client (per ``bn``)."""
@@ -202,11 +197,11 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         return SharedState(self.shared_state(model))
 
 
-DISTANCES = ("euclidean", "mse")  # a prototype method's client term phi (FedProto, FedTGP)
+Distance = Literal["euclidean", "mse"]  # a prototype method's client term phi (FedProto, FedTGP)
 
 
 def alignment_loss(
-    features: Tensor, y: Tensor, protos: Tensor, known: Tensor, distance: str = "euclidean"
+    features: Tensor, y: Tensor, protos: Tensor, known: Tensor, distance: Distance = "euclidean"
 ) -> Tensor:
     """``phi(f(x), P_hat[y])`` over a batch; rows whose class has no global prototype add 0.
 

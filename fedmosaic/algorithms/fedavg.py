@@ -13,15 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import Tensor
-
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.algorithms._shared import SharedWeights
 from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import ALGORITHMS
-
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
 
 
 @ALGORITHMS.register("fedavg")

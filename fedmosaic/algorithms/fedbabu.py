@@ -24,23 +24,21 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Acceleration, FederationSpec, Phase
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
-FINETUNE_PARTS = ("all", "head")
+FinetunePart = Literal["all", "head"]  # what fine-tuning trains
 BODY = ("encoder",)  # what trains during the federated rounds: the body only
 
 
@@ -52,11 +50,6 @@ class BodyUpload(Payload):
     train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
     # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
     paper_cost: Annotated[int, "int >= 0"]
-
-
-Broadcast = SharedState
-Upload = BodyUpload
-ServerState = dict[str, Tensor]
 
 
 class RoundCounter(nn.Module):
@@ -91,21 +84,18 @@ def finetune_phase(part: str, epochs: int) -> tuple[Phase, ...]:
     return (Phase((part,), epochs, name="finetune"),)
 
 
-def check_finetune(part: str, epochs: int) -> None:
-    if part not in FINETUNE_PARTS:
-        raise ValueError(f"finetune_part = {part!r}; choose one of {', '.join(FINETUNE_PARTS)}")
+def check_finetune(epochs: int) -> None:
     if epochs < 0:
         raise ValueError(f"finetune_epochs = {epochs} must be >= 0")
 
 
 @ALGORITHMS.register("fedbabu")
 @dataclass(frozen=True)
-class FedBABU(SharedWeights):
+class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUpload]):
     """Train and average the body; keep the shared random head fixed; fine-tune at the end."""
 
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
-    Upload: ClassVar[type[Payload]] = BodyUpload
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "encoder"
     paper: ClassVar[str] = (
@@ -113,17 +103,17 @@ class FedBABU(SharedWeights):
     )
 
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
-    finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
+    # what fine-tuning trains: all (body + head, the paper) | head
+    finetune_part: FinetunePart = "all"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_finetune(self.finetune_part, self.finetune_epochs)
+        check_finetune(self.finetune_epochs)
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
     def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:
         return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
-    def validate_upload(self, state: ServerState, upload: BodyUpload, client_id: int) -> None:
+    def validate_upload(self, state: dict[str, Tensor], upload: BodyUpload, client_id: int) -> None:
         schema.check(upload, client_id, body=state)
         robust.check_update(upload.state, state, client_id, "body state")
 
@@ -132,16 +122,8 @@ class FedBABU(SharedWeights):
         start_from_server_init(model, spec)
         return RoundCounter(spec.input_shape)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: SharedState,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        extras.examples = 0
+    def before_fit(self, ctx: FitContext[SharedState]) -> None:
+        ctx.extras.examples = 0
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         return (Phase(BODY, epochs, name="body"),)  # the head never trains during the rounds

@@ -28,7 +28,7 @@ Where we differ from the reference code (github.com/hukla/FedClassAvg), with its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +43,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
-
-PROX_FORMS = ("l2", "squared", "mse")
+ProxForm = Literal["l2", "squared", "mse"]
 
 
 def supcon_loss(
@@ -107,7 +103,7 @@ def prox_term(head: nn.Module, global_state: dict[str, Tensor], form: str = "l2"
         return _safe_sqrt(sq)
     if form in ("squared", "mse"):
         return 0.5 * sq
-    raise ValueError(f"prox = {form!r}; choose one of {PROX_FORMS}")
+    raise ValueError(f"prox = {form!r}; choose one of {get_args(ProxForm)}")
 
 
 class LocalHead(nn.Module):
@@ -136,7 +132,7 @@ class FedClassAvg(SharedWeights):
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     rho: float = 0.1  # proximal strength on the head's distance to the global head (paper: 0.1)
-    prox: str = "l2"  # l2 (Eq. 5, unsquared) | squared (rho/2 ||.||^2) | mse (reference code)
+    prox: ProxForm = "l2"  # l2 (Eq. 5, unsquared) | squared (rho/2 ||.||^2) | mse (reference code)
     contrastive: bool = True  # add the SupCon loss on two augmented views (Table 4 ablation)
     temperature: float = 0.07  # SupCon temperature (Khosla et al.; reference code: 100)
     base_temperature: float = 0.0  # SupCon scale t/base_t; 0 -> scale 1 (reference code: 0.07)
@@ -150,10 +146,7 @@ class FedClassAvg(SharedWeights):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
-        if self.prox not in PROX_FORMS:
-            raise ValueError(f"prox = {self.prox!r}; choose one of {PROX_FORMS}")
         if self.temperature <= 0 or self.base_temperature < 0 or self.rho < 0:
             raise ValueError("temperature must be > 0, base_temperature >= 0 and rho >= 0")
 

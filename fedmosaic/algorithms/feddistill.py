@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,8 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
-DISTILLS = ("mse", "kl")
-AVERAGES = ("others", "all")
+Distill = Literal["mse", "kl"]
+Average = Literal["others", "all"]
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,6 @@ class FDState:
     known: Tensor  # [C] bool
     client_logits: Tensor  # [N, C, C] float32: this round's uploads (zeros: no upload)
     client_known: Tensor  # [N, C] bool: False for every class of a client that did not upload
-
-
-Broadcast = ClassLogits
-Upload = ClassLogits
-ServerState = FDState
 
 
 class _LogitsAsFeatures(nn.Module):
@@ -146,7 +141,7 @@ def distill_loss(
     if kind == "kl":
         rows = kl_rows(logits, global_logits[y], T)  # [B]
         return (T * T) * torch.where(has, rows, torch.zeros_like(rows)).sum() / y.numel()
-    raise ValueError(f"distill = {kind!r}; choose one of {', '.join(DISTILLS)}")
+    raise ValueError(f"distill = {kind!r}; choose one of {', '.join(get_args(Distill))}")
 
 
 @ALGORITHMS.register("feddistill")
@@ -157,12 +152,10 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     lam: float = 1.0  # weight of the distillation term (HtFLlib default)
-    distill: str = "mse"  # mse (paper, PFLlib) | kl (soft targets softmax(G[y]/T), HtFLlib)
+    distill: Distill = "mse"  # mse (paper, PFLlib) | kl (soft targets softmax(G[y]/T), HtFLlib)
     T: float = 1.0  # softmax temperature of the kl variant (unused by mse)
-    average: str = "others"  # mean a client gets: others (paper, leave-one-out) | all (HtFLlib)
+    average: Average = "others"  # mean a client gets: others (paper, leave-one-out) | all (HtFLlib)
 
-    Broadcast: ClassVar[type[Payload]] = ClassLogits
-    Upload: ClassVar[type[Payload]] = ClassLogits
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Jeong et al., Communication-Efficient On-Device Machine Learning: Federated Distillation "
@@ -170,10 +163,6 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
     )
 
     def __post_init__(self) -> None:
-        if self.distill not in DISTILLS:
-            raise ValueError(f"distill = {self.distill!r}; choose one of {', '.join(DISTILLS)}")
-        if self.average not in AVERAGES:
-            raise ValueError(f"average = {self.average!r}; choose one of {', '.join(AVERAGES)}")
         if self.lam < 0:
             raise ValueError(f"lam = {self.lam} must be >= 0")
         if self.T <= 0:

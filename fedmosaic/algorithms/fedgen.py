@@ -55,7 +55,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,7 @@ from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models.build import build_head, split_member
 
-TEACHERS = ("logits", "losses")
+Teacher = Literal["logits", "losses"]
 
 
 class FeatureGenerator(nn.Module):
@@ -141,11 +141,6 @@ class FedGenState:
     trained: bool
     seed: int
     head_arch: str  # the clients' (shared) head spec, e.g. "linear" or "mlp512"
-
-
-Broadcast = FedGenBroadcast
-Upload = FedGenUpload
-ServerState = FedGenState
 
 
 def teacher_weights(counts: Tensor) -> Tensor:
@@ -258,10 +253,8 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     generator_steps: int = 100  # generator updates per round, one batch each (HtFLlib -se 100)
     generator_batch_size: int = 10  # labels per generator step (HtFLlib: client batch size 10)
     eta: float = 1.0  # weight of the diversity regularizer (official ensemble_eta; HtFLlib 0)
-    teacher: str = "logits"  # logits: CE of the weighted logit ensemble | losses: official code
+    teacher: Teacher = "logits"  # logits: CE of the weighted logit ensemble | losses: official code
 
-    Broadcast: ClassVar[type[Payload]] = FedGenBroadcast
-    Upload: ClassVar[type[Payload]] = FedGenUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Zhu, Hong, Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, "
@@ -269,8 +262,6 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     )
 
     def __post_init__(self) -> None:
-        if self.teacher not in TEACHERS:
-            raise ValueError(f"teacher = {self.teacher!r}; choose one of {', '.join(TEACHERS)}")
         if self.noise_dim < 1 or self.hidden_dim < 1:
             raise ValueError("noise_dim and hidden_dim must be >= 1")
         if self.generator_steps < 0:

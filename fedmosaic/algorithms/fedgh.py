@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -48,18 +48,14 @@ from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
 from fedmosaic.core import robust, schema, seeding
-from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
-if TYPE_CHECKING:
-    from fedmosaic.core.training import TrainSettings
-
-
-SERVER_STEPS = ("pair", "client")
+ServerStep = Literal["pair", "client"]
 
 
 @dataclass(frozen=True)
@@ -76,11 +72,6 @@ class FedGHState:
 
     head: dict[str, Tensor]  # the global header Linear(d, C): weight [C, d], bias [C]
     seed: int
-
-
-Broadcast = SharedState
-Upload = ClassMeans
-ServerState = FedGHState
 
 
 def check_linear_head(head: nn.Module, feature_dim: int, num_classes: int, where: str) -> None:
@@ -162,13 +153,12 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)
     server_epochs: int = 1  # passes over the round's (class mean, label) pairs (reference: 1)
-    server_step: str = "pair"  # pair: one step per (client, class) (Eq. 4) | client: per client
+    # pair: one step per (client, class) (Eq. 4) | client: per client
+    server_step: ServerStep = "pair"
     server_batch_size: int = (
         0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
     )
 
-    Broadcast: ClassVar[type[Payload]] = SharedState
-    Upload: ClassVar[type[Payload]] = ClassMeans
     paper: ClassVar[str] = (
         "Yi et al., FedGH: Heterogeneous Federated Learning with Generalized Global Header, "
         "ACM MM 2023"
@@ -178,8 +168,6 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
         if self.eta_g <= 0 or self.server_epochs < 0 or self.server_batch_size < 0:
             raise ValueError("eta_g must be > 0, server_epochs >= 0 and server_batch_size >= 0")
-        if self.server_step not in SERVER_STEPS:
-            raise ValueError(f"server_step = {self.server_step!r}; choose one of {SERVER_STEPS}")
 
     def check(self, spec: FederationSpec) -> None:
         heads = {m.partition("/")[2] for m in spec.members}
@@ -240,18 +228,11 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         if not _trained(extras):
             model.load_part_state("head", msg.state)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: SharedState,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        model.load_part_state("head", msg.state)  # Eq. 5: the global header replaces the local one
-        if isinstance(extras, FedGHClient):
-            extras.trained.fill_(True)
+    def before_fit(self, ctx: FitContext[SharedState]) -> None:
+        # Eq. 5: the global header replaces the local one
+        ctx.model.load_part_state("head", ctx.msg.state)
+        if isinstance(ctx.extras, FedGHClient):
+            ctx.extras.trained.fill_(True)
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState

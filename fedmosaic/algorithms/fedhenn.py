@@ -56,7 +56,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +72,9 @@ from fedmosaic.core.registry import ALGORITHMS
 
 log = logging.getLogger("fedmosaic")
 
-KERNELS = ("linear", "rbf")
-SCHEDULES = ("sqrt", "constant", "linear")
-WEIGHTINGS = ("uniform", "samples")
+Kernel = Literal["linear", "rbf"]
+Schedule = Literal["sqrt", "constant", "linear"]
+Weighting = Literal["uniform", "samples"]
 FEATURE_BATCH = 500  # RAD rows per forward pass when computing an upload kernel (eval mode)
 EPS = 1e-12  # floor of HSIC(K, K) before the square root
 
@@ -96,10 +96,6 @@ class HeNNUpload(Payload):
     kernel: Annotated[Tensor, "[L, L] float32"]
 
 
-Broadcast = HeNNBroadcast
-Upload = HeNNUpload
-
-
 @dataclass
 class HeNNState:
     """Server state: the public inputs, and K_bar with the round whose RAD it lives on."""
@@ -109,9 +105,6 @@ class HeNNState:
     rad_size: int  # L (capped to P)
     kernel: Tensor  # [L, L] K_bar; [0, 0] before any upload
     kernel_round: int = 0  # K_bar lives on the RAD of this round (0: none yet)
-
-
-ServerState = HeNNState
 
 
 # ---- math ------------------------------------------------------------------------------------
@@ -249,15 +242,14 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
-    schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
-    kernel: str = "linear"  # kernel on representations: linear | rbf
+    # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    schedule: Schedule = "sqrt"
+    kernel: Kernel = "linear"  # kernel on representations: linear | rbf
     sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
     rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
-    weighting: str = "uniform"  # w_j in K_bar: uniform 1/N (paper) | samples (n_j / sum n)
+    weighting: Weighting = "uniform"  # w_j in K_bar: uniform 1/N (paper) | samples (n_j / sum n)
 
-    Broadcast: ClassVar[type[Payload]] = HeNNBroadcast
-    Upload: ClassVar[type[Payload]] = HeNNUpload
     supports_heterogeneous: ClassVar[bool] = True
     model_projection: ClassVar[str | None] = "none"  # each client aligns its own Phi (width d_i)
     paper: ClassVar[str] = (
@@ -265,9 +257,7 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     )
 
     def __post_init__(self) -> None:
-        check_hyperparameters(self.kernel, self.schedule, self.sigma, self.eta0, self.rad_size)
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting = {self.weighting!r}; choose one of {WEIGHTINGS}")
+        check_hyperparameters(self.sigma, self.eta0, self.rad_size)
         if self.rad_batch < 0 or self.rad_batch == 1:
             raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
 
@@ -349,11 +339,7 @@ def cka_distance(
     return 1.0 - cka(rad_kernel(model, rad, kind, sigma), target)
 
 
-def check_hyperparameters(kernel: str, schedule: str, sigma: float, eta0: float, rad: int) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel = {kernel!r}; choose one of {', '.join(KERNELS)}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule = {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+def check_hyperparameters(sigma: float, eta0: float, rad: int) -> None:
     if sigma <= 0 or eta0 < 0:
         raise ValueError(f"sigma = {sigma} must be > 0 and eta0 = {eta0} >= 0")
     if rad < 2:

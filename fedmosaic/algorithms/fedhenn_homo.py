@@ -36,6 +36,8 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, weighted_average
 from fedmosaic.algorithms.fedhenn import (
+    Kernel,
+    Schedule,
     check_hyperparameters,
     cka_distance,
     eta_at,
@@ -44,12 +46,11 @@ from fedmosaic.algorithms.fedhenn import (
     representation_kernel,
 )
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -60,19 +61,12 @@ class HomoBroadcast(Payload):
     round_num: int
 
 
-Broadcast = HomoBroadcast
-Upload = SharedState
-
-
 @dataclass
 class HomoState:
     weights: dict[str, Tensor]  # the global model's state dict
     public: Tensor  # [P, C, H, W] normalized float, server-held
     seed: int
     rad_size: int  # L (capped to P)
-
-
-ServerState = HomoState
 
 
 @ALGORITHMS.register("fedhenn_homo")
@@ -83,14 +77,13 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)
-    schedule: str = "sqrt"  # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
-    kernel: str = "linear"  # kernel on representations: linear | rbf
+    # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
+    schedule: Schedule = "sqrt"
+    kernel: Kernel = "linear"  # kernel on representations: linear | rbf
     sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
     rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
 
-    Broadcast: ClassVar[type[Payload]] = HomoBroadcast
-    Upload: ClassVar[type[Payload]] = SharedState
     supports_heterogeneous: ClassVar[bool] = False
     model_projection: ClassVar[str | None] = "none"  # the paper's model, no added layer
     paper: ClassVar[str] = (
@@ -99,7 +92,7 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     )
 
     def __post_init__(self) -> None:
-        check_hyperparameters(self.kernel, self.schedule, self.sigma, self.eta0, self.rad_size)
+        check_hyperparameters(self.sigma, self.eta0, self.rad_size)
         if self.rad_batch < 0 or self.rad_batch == 1:
             raise ValueError(f"rad_batch = {self.rad_batch} must be 0 (whole RAD) or >= 2")
 
@@ -140,18 +133,11 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     def receive(self, model: ClientModel, extras: nn.Module, msg: HomoBroadcast) -> None:
         model.load_part_state("all", msg.state)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: HomoBroadcast,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[HomoBroadcast]) -> None:
         # The model holds W(t-1) right after receive: its kernel on the RAD is K_global(t-1).
+        extras, msg = ctx.extras, ctx.msg
         if msg.eta > 0:
-            extras.k_global = representation_kernel(model, msg.rad, self.kernel, self.sigma)
+            extras.k_global = representation_kernel(ctx.model, msg.rad, self.kernel, self.sigma)
         else:
             extras.k_global = torch.zeros(0, 0, device=extras.k_global.device)
 

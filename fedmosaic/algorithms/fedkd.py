@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -83,8 +83,8 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
 
-UPLOADS = ("update", "state")
-FIRST_BROADCASTS = ("full", "svd")
+UploadMode = Literal["update", "state"]
+FirstBroadcast = Literal["full", "svd"]
 FACTORS = ("U", "S", "V")
 HEADER_BYTES = 64  # approximate safetensors header entry of one tensor, besides its name
 
@@ -114,11 +114,6 @@ class FedKDState:
     message: dict[str, Tensor]  # its compressed form, broadcast to every client
     energy: float  # threshold of ``message`` and of the uploads it asks for
     rounds: int  # total rounds R, for the threshold schedule
-
-
-Broadcast = MenteeBroadcast
-Upload = MenteeUpload
-ServerState = FedKDState
 
 
 # ---- SVD compression ----------------------------------------------------------------------
@@ -264,12 +259,12 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
 
     T_start: float = 0.95  # SVD energy threshold in round 1 (PFLlib/HtFLlib default)
     T_end: float = 0.98  # SVD energy threshold in the last round (PFLlib/HtFLlib default)
-    upload_mode: str = "update"  # what clients compress: update (paper) | state (PFLlib/HtFLlib)
+    # what clients compress: update (paper) | state (PFLlib/HtFLlib)
+    upload_mode: UploadMode = "update"
     mentee_arch: str = ""  # zoo architecture of the mentee; "" = the family's smallest member
-    first_broadcast: str = "full"  # round 1's mentee: full (PFLlib) | svd (compressed like later)
+    # round 1's mentee: full (PFLlib) | svd (compressed like later)
+    first_broadcast: FirstBroadcast = "full"
 
-    Broadcast: ClassVar[type[Payload]] = MenteeBroadcast
-    Upload: ClassVar[type[Payload]] = MenteeUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Wu et al., Communication-efficient federated learning via knowledge distillation, "
@@ -280,15 +275,6 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
         if not 0.0 < self.T_start <= self.T_end <= 1.0:
             raise ValueError(
                 f"T_start = {self.T_start}, T_end = {self.T_end}: need 0 < T_start <= T_end <= 1"
-            )
-        if self.upload_mode not in UPLOADS:
-            raise ValueError(
-                f"upload_mode = {self.upload_mode!r}; choose one of {', '.join(UPLOADS)}"
-            )
-        if self.first_broadcast not in FIRST_BROADCASTS:
-            raise ValueError(
-                f"first_broadcast = {self.first_broadcast!r}; "
-                f"choose one of {', '.join(FIRST_BROADCASTS)}"
             )
 
     def check(self, spec: FederationSpec) -> None:

@@ -39,9 +39,6 @@ from fedmosaic.core.algorithm import Acceleration, FederationSpec, Weighted
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-
 
 @dataclass
 class FedOptState:
@@ -68,7 +65,6 @@ class FedOpt(SharedWeights):
     tau: float = 1e-3  # adaptivity: added to sqrt(v); v starts at tau^2
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.server_lr <= 0 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
             raise ValueError("server_lr must be > 0 and beta1, beta2 in [0, 1)")
         if self.rule != "momentum" and self.tau <= 0:

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
+from fedmosaic.algorithms._shared import Distance, alignment_loss, class_means
 from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -58,8 +58,8 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 
-WEIGHTINGS = ("uniform", "count")
-INFERENCES = ("all", "own")
+Weighting = Literal["uniform", "count"]
+Inference = Literal["all", "own"]
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,8 @@ class ProtoState:
     known: Tensor  # [C] bool
 
 
-Broadcast = ProtoBroadcast
-Upload = ProtoUpload
-ServerState = ProtoState
-
-
 def aggregate_prototypes(
-    protos: Tensor, counts: Tensor, weighting: str = "uniform"
+    protos: Tensor, counts: Tensor, weighting: Weighting = "uniform"
 ) -> tuple[Tensor, Tensor]:
     """Per-class mean of client prototypes over the clients that have the class.
 
@@ -106,7 +101,9 @@ def aggregate_prototypes(
     elif weighting == "uniform":
         w = (counts > 0).to(torch.float64)  # [K, C]
     else:
-        raise ValueError(f"weighting = {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+        raise ValueError(
+            f"weighting = {weighting!r}; choose one of {', '.join(get_args(Weighting))}"
+        )
     total = w.sum(0)  # [C]
     known = total > 0  # [C]
     summed = torch.einsum("kc,kcd->cd", w, protos.to(torch.float64))  # [C, d]
@@ -145,16 +142,13 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     """Share per-class mean features; pull local features towards the global prototypes."""
 
     lam: float = 1.0  # weight of the prototype MSE term (PFLlib/HtFLlib default; FedTGP used 0.1)
-    weighting: str = "uniform"  # server mean per class: uniform (reference code) | count (paper)
-    inference: str = (
-        "all"  # nearest prototype over: all known classes (paper) | own (authors' code)
-    )
+    # server mean per class: uniform (reference code) | count (paper)
+    weighting: Weighting = "uniform"
+    inference: Inference = "all"  # nearest prototype over: all known (paper) | own (authors')
     # client term: mse (the reference code's MSELoss) | euclidean (FedTGP's Eq. 4 writes FedProto's
     # term as the Euclidean distance: FedTGP's comparison with one client term for both)
-    distance: str = "mse"
+    distance: Distance = "mse"
 
-    Broadcast: ClassVar[type[Payload]] = ProtoBroadcast
-    Upload: ClassVar[type[Payload]] = ProtoUpload
     supports_heterogeneous: ClassVar[bool] = True
     acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
@@ -162,18 +156,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     )
 
     def __post_init__(self) -> None:
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"weighting = {self.weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
-            )
-        if self.inference not in INFERENCES:
-            raise ValueError(
-                f"inference = {self.inference!r}; choose one of {', '.join(INFERENCES)}"
-            )
         if self.lam < 0:
             raise ValueError(f"lam = {self.lam} must be >= 0")
-        if self.distance not in DISTANCES:
-            raise ValueError(f"distance = {self.distance!r}; choose one of {', '.join(DISTANCES)}")
 
     # ---- server half ---------------------------------------------------------------------
     def init_server(self, spec: FederationSpec) -> ProtoState:

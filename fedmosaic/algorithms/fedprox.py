@@ -21,10 +21,6 @@ from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
-
 
 def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
     """``sum_p ||w_p - g_p||^2`` over the trainable parameters the global model holds.

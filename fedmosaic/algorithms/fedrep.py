@@ -24,15 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import Tensor
-
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.algorithms._shared import SharedWeights
 from fedmosaic.core.algorithm import Acceleration, Phase
 from fedmosaic.core.registry import ALGORITHMS
-
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
 
 
 @ALGORITHMS.register("fedrep")
@@ -50,7 +44,6 @@ class FedRep(SharedWeights):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.head_epochs < 0:
             raise ValueError(f"head_epochs = {self.head_epochs} must be >= 0")
 

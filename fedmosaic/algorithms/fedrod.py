@@ -43,10 +43,6 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
 
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
-
 
 def balanced_softmax_logits(logits: Tensor, class_counts: Tensor) -> Tensor:
     """``logits [B, C] + log(class_counts [C])``; a zero count gives ``-inf`` (class excluded)."""

@@ -51,18 +51,25 @@ from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.fedbabu import (
     BODY,
+    FinetunePart,
     RoundCounter,
     check_finetune,
     finetune_phase,
     start_from_server_init,
 )
 from fedmosaic.core import robust, schema
-from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import (
+    Acceleration,
+    Algorithm,
+    FederationSpec,
+    FitContext,
+    Phase,
+    Weighted,
+)
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
 __all__ = [
     "FedSeqAnti",
@@ -103,11 +110,6 @@ class ExpansionState:
     block_keys: tuple[tuple[str, ...], ...]  # per block (forward order): its keys in ``body``
     unfreeze_rounds: tuple[int, ...]  # resolved schedule, one entry per block, unfreezing order
     rounds: int  # R: after it every block counts as unfrozen (final evaluation, fine-tuning)
-
-
-Broadcast = ExpansionBroadcast
-Upload = ExpansionUpload
-ServerState = ExpansionState
 
 
 # ---- the block split and the schedule: pure functions -------------------------------------------
@@ -192,8 +194,6 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
 
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
-    Broadcast: ClassVar[type[Payload]] = ExpansionBroadcast
-    Upload: ClassVar[type[Payload]] = ExpansionUpload
     supports_heterogeneous: ClassVar[bool] = False
     paper: ClassVar[str] = (
         "Jang & Choi, Personalized Federated Learning via Sequential Layer Expansion in Representation Learning, 2024"
@@ -203,10 +203,11 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
     # Per block, in unfreezing order: rounds completed before it trains; () = floor(k R / B).
     unfreeze_rounds: tuple[int, ...] = ()  # e.g. (0, 100, 200) of R = 300 (the paper)
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
-    finetune_part: str = "all"  # what fine-tuning trains: all (body + head, the paper) | head
+    # what fine-tuning trains: all (body + head, the paper) | head
+    finetune_part: FinetunePart = "all"
 
     def __post_init__(self) -> None:
-        check_finetune(self.finetune_part, self.finetune_epochs)
+        check_finetune(self.finetune_epochs)
         u = self.unfreeze_rounds
         if u and (u[0] != 0 or any(b < a for a, b in zip(u, u[1:]))):
             raise ValueError(
@@ -293,16 +294,8 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
                     )
                 own[k].copy_(v)
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: ExpansionBroadcast,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
-        extras.examples = 0
+    def before_fit(self, ctx: FitContext[ExpansionBroadcast]) -> None:
+        ctx.extras.examples = 0
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         # The body; frozen blocks are switched off in ``loss`` (the broadcast says which).

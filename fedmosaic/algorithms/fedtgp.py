@@ -42,23 +42,22 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import DISTANCES, alignment_loss, class_means
+from fedmosaic.algorithms._shared import Distance, alignment_loss, class_means
 from fedmosaic.core import robust, schema, seeding, training
-from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
+from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.core.training import TrainSettings
 
-MARGINS = ("adaptive", "fixed", "none")
+Margin = Literal["adaptive", "fixed", "none"]
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
 
 
@@ -76,10 +75,6 @@ class ClientPrototypes(Payload):
 
     protos: Annotated[Tensor, "[k, d] float32"]
     classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
-
-
-Broadcast = Prototypes
-Upload = ClientPrototypes
 
 
 class TrainablePrototypes(nn.Module):
@@ -129,9 +124,6 @@ class TGPState:
     margin: float = 0.0  # delta(t) of the last aggregation
     loss: float = math.nan  # ACL loss of the last server minibatch
     num_points: int = 0  # (prototype, class) pairs in the last aggregation
-
-
-ServerState = TGPState
 
 
 # ---- math ------------------------------------------------------------------------------------
@@ -238,9 +230,9 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
 
     lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)
-    distance: str = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
+    distance: Distance = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
     tau: float = 100.0  # threshold capping the adaptive margin delta(t)
-    margin: str = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
+    margin: Margin = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
     fixed_margin: float = 1.0  # delta when margin = "fixed"
     mlp: bool = True  # further-processing MLP F after the embedding (False: Table 6 ablation)
     server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
@@ -249,8 +241,6 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     server_fused_sgd: bool = True  # server step by hand, SGD fused (False: autograd + SGD)
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
 
-    Broadcast: ClassVar[type[Payload]] = Prototypes
-    Upload: ClassVar[type[Payload]] = ClientPrototypes
     supports_heterogeneous: ClassVar[bool] = True
     acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
     paper: ClassVar[str] = (
@@ -259,10 +249,6 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     )
 
     def __post_init__(self) -> None:
-        if self.distance not in DISTANCES:
-            raise ValueError(f"distance = {self.distance!r}; choose one of {', '.join(DISTANCES)}")
-        if self.margin not in MARGINS:
-            raise ValueError(f"margin = {self.margin!r}; choose one of {', '.join(MARGINS)}")
         if self.server_epochs < 0 or self.server_batch_size < 1:
             raise ValueError("server_epochs must be >= 0 and server_batch_size >= 1")
         if self.server_lr <= 0 or self.lam < 0 or self.tau < 0 or self.fixed_margin < 0:
@@ -342,17 +328,12 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
             extras.register_buffer("stale_known", torch.zeros(spec.num_classes, dtype=torch.bool))
         return extras
 
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: Prototypes,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[Prototypes]) -> None:
         if self.stale_prototypes:
-            protos, counts = class_means(model, data, data.num_classes, settings.eval_batch_size)
+            data, extras = ctx.data, ctx.extras
+            protos, counts = class_means(
+                ctx.model, data, data.num_classes, ctx.settings.eval_batch_size
+            )
             extras.stale_protos.copy_(protos)
             extras.stale_known.copy_(counts > 0)
 

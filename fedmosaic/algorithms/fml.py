@@ -49,12 +49,7 @@ from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
-
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]  # the global meme's state dict (CPU)
 
 
 class MemeExtras(nn.Module):
@@ -92,8 +87,6 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     beta: float = 0.5  # meme model: weight of CE vs (1 - beta) of KL to the personal model
     meme_arch: str = ""  # zoo architecture of the meme; "" = the family's smallest member
 
-    Broadcast: ClassVar[type[Payload]] = SharedState
-    Upload: ClassVar[type[Payload]] = SharedState
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020"
 

@@ -65,14 +65,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import schema, seeding
-from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.algorithm import (
+    Acceleration,
+    Algorithm,
+    FederationSpec,
+    FitContext,
+    Phase,
+    Weighted,
+)
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
@@ -81,7 +88,7 @@ from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.training import TrainSettings, TrainStats, train_epochs
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
-REDUCTIONS = ("mean", "batchmean")
+Reduction = Literal["mean", "batchmean"]
 
 
 @dataclass(frozen=True)
@@ -108,11 +115,6 @@ class KTpFLState:
     coef: Tensor  # [N, N] float64, rows on the probability simplex
     soft: Tensor  # [N, P, C] float32, each client's last uploaded predictions
     known: Tensor  # [N] bool, which clients have uploaded at least once
-
-
-Broadcast = KTpFLBroadcast
-Upload = KTpFLUpload
-ServerState = KTpFLState
 
 
 def personalized_targets(coef: Tensor, soft: Tensor, known: Tensor) -> Tensor:
@@ -198,8 +200,10 @@ def soft_kl(student_logits: Tensor, target: Tensor, T: float, reduction: str = "
     ``"batchmean"``: the per-example KL averaged over the batch. ``"mean"`` (the reference's):
     the elementwise terms averaged over ``B * C``, i.e. ``batchmean / C``.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction = {reduction!r}; choose one of {', '.join(REDUCTIONS)}")
+    if reduction not in get_args(Reduction):
+        raise ValueError(
+            f"reduction = {reduction!r}; choose one of {', '.join(get_args(Reduction))}"
+        )
     kl = F.kl_div(F.log_softmax(student_logits / T, dim=1), target, reduction="batchmean")
     # Written as batchmean / C: torch deprecates reduction="mean" for kl_div (to mean batchmean).
     return kl if reduction == "batchmean" else kl / student_logits.shape[1]
@@ -248,13 +252,11 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     distill_batch_size: int = 256  # minibatch size of distillation (reference 256)
     # The distillation step's own optimizer (reference: plain SGD at distill_lr), whatever
     # train.optimizer the private training uses: Adam at SGD's 0.02 wrecks the model.
-    distill_optimizer: str = "sgd"  # sgd | adam
+    distill_optimizer: Literal["sgd", "adam"] = "sgd"  # sgd | adam
     # KL normalization of the distillation: mean (reference: / (B * C)) | batchmean (/ B)
-    distill_reduction: str = "mean"
+    distill_reduction: Reduction = "mean"
     epoch_ramp: bool = False  # min(round, local_epochs) private epochs per round (reference)
 
-    Broadcast: ClassVar[type[Payload]] = KTpFLBroadcast
-    Upload: ClassVar[type[Payload]] = KTpFLUpload
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
         "Zhang, Guo, Ma, Wang, Xu, Wu, Parameterized Knowledge Transfer for Personalized "
@@ -272,13 +274,6 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             raise ValueError("coef_steps and distill_epochs must be >= 0")
         if self.public_batch < 1 or self.distill_batch_size < 1:
             raise ValueError("public_batch and distill_batch_size must be >= 1")
-        if self.distill_optimizer not in ("sgd", "adam"):
-            raise ValueError(f"distill_optimizer = {self.distill_optimizer!r}; choose sgd or adam")
-        if self.distill_reduction not in REDUCTIONS:
-            raise ValueError(
-                f"distill_reduction = {self.distill_reduction!r}; "
-                f"choose one of {', '.join(REDUCTIONS)}"
-            )
 
     def check(self, spec: FederationSpec) -> None:
         if spec.public is None or spec.public.shape[0] == 0:
@@ -331,19 +326,12 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
         return dataclasses.replace(state, coef=coef, soft=soft, known=known)
 
     # ---- client half ---------------------------------------------------------------------
-    def before_fit(
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: KTpFLBroadcast,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[KTpFLBroadcast]) -> None:
+        msg = ctx.msg
         if not msg.has_target or self.distill_epochs == 0:
             return
         s = dataclasses.replace(
-            settings,
+            ctx.settings,
             batch_size=self.distill_batch_size,
             optimizer=self.distill_optimizer,
             momentum=0.0,
@@ -351,14 +339,14 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             drop_last=False,  # every public input, as the reference's loader
         )
         distill(
-            model,
+            ctx.model,
             msg.public,
             msg.target,
             self.T,
             self.distill_epochs,
             self.distill_lr,
             s,
-            gen,
+            ctx.gen,
             self.distill_reduction,
         )
 

@@ -10,17 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torch import Tensor
-
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.algorithms._shared import SharedWeights
 from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models.build import split_member
-
-Broadcast = SharedState
-Upload = SharedState
-ServerState = dict[str, Tensor]
 
 
 def check_same_heads(spec: FederationSpec, name: str) -> None:

@@ -15,12 +15,8 @@ from torch import nn
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Empty, Payload
+from fedmosaic.core.payload import Empty
 from fedmosaic.core.registry import ALGORITHMS
-
-Broadcast = Empty
-Upload = Empty
-ServerState = None
 
 
 @ALGORITHMS.register("local")
@@ -28,8 +24,6 @@ ServerState = None
 class Local(Algorithm[None, Empty, Empty]):
     """Local training only (no federation)."""
 
-    Broadcast: ClassVar[type[Payload]] = Empty
-    Upload: ClassVar[type[Payload]] = Empty
     paper: ClassVar[str] = "baseline: local training only"
     communicates: ClassVar[bool] = False
     acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)

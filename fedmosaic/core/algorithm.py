@@ -8,6 +8,8 @@ in the client's model and its ``extras`` module (persistent across rounds).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from torch import Tensor, nn
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.robust import RobustRule
+from fedmosaic.core.typed import check_choices
 
 if TYPE_CHECKING:
     from fedmosaic.core.client import ClientData
@@ -68,7 +71,6 @@ class FederationSpec:
     build_model: Callable[[int], ClientModel]  # fresh, deterministic model of client i's arch
     public: Tensor | None = None  # server-held public inputs, normalized float [P, C, H, W]
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
     # How ``build_model`` maps encoders to ``feature_dim`` (``models.build``): every other model a
     # client builds (FML's meme, FedKD's mentee) is built the same way.
     projection: str = "linear"
@@ -142,11 +144,63 @@ def declared_acceleration(algo: object) -> Acceleration:
     return declared
 
 
-class Algorithm(ABC, Generic[S, B, U]):
-    """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters."""
+@dataclass(frozen=True)
+class FitContext(Generic[B]):
+    """What ``before_fit`` may use: the client's parts, this round's message and its settings.
 
+    Only ``before_fit`` takes a context (it needs six things and runs once a round). ``receive``,
+    ``loss``, ``predict`` and ``upload`` keep short positional signatures: they need three to
+    five, and ``loss`` runs every step (inside ``vmap`` when clients train batched), where
+    building an object per call would cost time for nothing.
+    """
+
+    model: ClientModel
+    extras: nn.Module
+    data: ClientData
+    msg: B
+    settings: TrainSettings
+    gen: torch.Generator  # the client's "batches" generator, drawn before training's batches
+    round_num: int
+
+
+def _declared(cls: type) -> tuple[Any, ...] | None:
+    """``cls``'s ``Algorithm[S, B, U]`` arguments from its own parametrized bases, or None when it
+    names none (it inherits its parent's). A parametrized generic subclass of Algorithm maps its
+    own type variables onto its parent's declaration."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        origin = typing.get_origin(base)
+        if origin is Algorithm:
+            return typing.get_args(base)
+        if isinstance(origin, type) and issubclass(origin, Algorithm):
+            bound = dict(zip(origin.__parameters__, typing.get_args(base), strict=True))
+            return tuple(bound.get(a, a) for a in origin._declaration)
+    return None
+
+
+def _after_choices(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``post_init`` preceded by the choices' check (a subclass need not call super())."""
+
+    @functools.wraps(post_init)
+    def checked(self: Any) -> None:
+        check_choices(self)
+        post_init(self)
+
+    return checked
+
+
+class Algorithm(ABC, Generic[S, B, U]):
+    """Base of every method. Subclasses are frozen dataclasses; fields = hyperparameters.
+
+    A method declares its types once, as the Generic parameters ``Algorithm[ServerState,
+    Broadcast, Upload]``; ``Broadcast`` and ``Upload`` below are derived from them at class
+    definition (a subclass of a concrete method inherits them, or names ``Algorithm[...]``
+    again among its bases to narrow them).
+    """
+
+    # Derived in __init_subclass__ from the Generic parameters: never assigned by hand.
     Broadcast: ClassVar[type[Payload]]
     Upload: ClassVar[type[Payload]]
+    _declaration: ClassVar[tuple[Any, ...]] = (S, B, U)
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = ""
     # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
@@ -170,6 +224,29 @@ class Algorithm(ABC, Generic[S, B, U]):
                     f"{cls.__name__}.{old} is replaced by "
                     f"acceleration = Acceleration(batched=..., fused_sgd=...)"
                 )
+        own = cls.__dict__.get("__post_init__")
+        if own is not None:  # a method's own checks run after the choices' (Algorithm's below)
+            cls.__post_init__ = _after_choices(own)  # type: ignore[method-assign]
+        declared = _declared(cls)
+        if declared is not None:
+            cls._declaration = declared  # else the parent's, inherited
+        if getattr(cls, "__parameters__", ()):
+            return  # still generic (a base for other methods): its subclasses bind the rest
+        _, broadcast, upload = cls._declaration
+        for role, tp in (("Broadcast", broadcast), ("Upload", upload)):
+            if not (isinstance(tp, type) and issubclass(tp, Payload)):
+                raise TypeError(
+                    f"{cls.__name__} must declare Algorithm[ServerState, Broadcast, Upload] "
+                    f"with a Payload subclass as {role}, got {tp!r}"
+                )
+        cls.Broadcast, cls.Upload = broadcast, upload
+
+    def __post_init__(self) -> None:
+        """Refuse a value outside a ``Literal[...]`` hyperparameter's choices, naming the key.
+
+        The config builder (``core/typed.py``) refuses them first, with the ``[algorithm]`` key;
+        this covers a method constructed in Python."""
+        check_choices(self)
 
     # ---- configuration -------------------------------------------------------------------
     def check(self, spec: FederationSpec) -> None:  # noqa: B027 - optional hook
@@ -213,15 +290,7 @@ class Algorithm(ABC, Generic[S, B, U]):
     def receive(self, model: ClientModel, extras: nn.Module, msg: B) -> None:  # noqa: B027
         """Load the shared parts from the server's message into the client's model."""
 
-    def before_fit(  # noqa: B027
-        self,
-        model: ClientModel,
-        extras: nn.Module,
-        data: ClientData,
-        msg: B,
-        settings: TrainSettings,
-        gen: torch.Generator,
-    ) -> None:
+    def before_fit(self, ctx: FitContext[B]) -> None:  # noqa: B027
         """Extra local work before the training phases (e.g. KT-pFL's distillation step)."""
 
     def phases(self, round_num: int, epochs: int) -> Sequence[Phase]:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from fedmosaic.core import seeding
-from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
+from fedmosaic.core.algorithm import Algorithm, FitContext, Phase, payload_to
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.training import (
@@ -96,7 +96,7 @@ def fit(
     gen = seeding.torch_generator(seed, round_num, cid, "batches")
     msg = payload_to(msg, settings.device)
     algo.receive(model, extras, msg)
-    algo.before_fit(model, extras, data, msg, settings, gen)
+    algo.before_fit(FitContext(model, extras, data, msg, settings, gen, round_num))
     stats = run_phases(
         algo, model, extras, msg, data, algo.phases(round_num, epochs), settings, gen
     )

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import typing
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load as st_load
@@ -41,8 +41,6 @@ def _kind(tp: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class Payload:
     """Base class for every message between server and clients."""
-
-    _kinds: ClassVar[dict[str, str] | None] = None
 
     @classmethod
     def field_kinds(cls) -> dict[str, str]:

@@ -18,6 +18,8 @@ def type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
+    if origin is typing.Literal:
+        return _is_choice(value, typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return any(type_ok(value, a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -38,6 +40,39 @@ def type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
+def _is_choice(value: Any, choices: tuple[Any, ...]) -> bool:
+    """Equal to one of ``choices`` and of its type (``True`` is not ``1``)."""
+    return any(value == c and type(value) is type(c) for c in choices)
+
+
+def literal_choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The choices of each ``Literal[...]`` field of the dataclass ``cls`` (cached per class:
+    resolving type hints is slow)."""
+    cache = cls.__dict__.get("_literal_choices")
+    if cache is None:
+        hints = typing.get_type_hints(cls)
+        cache = {
+            f.name: typing.get_args(hints[f.name])
+            for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is typing.Literal
+        }
+        cls._literal_choices = cache  # type: ignore[attr-defined]
+    return cache
+
+
+def choice_error(name: str, value: Any, choices: tuple[Any, ...]) -> str:
+    """The one-line message for a value outside a ``Literal``'s choices."""
+    return f"{name} = {value!r}; choose one of {', '.join(str(c) for c in choices)}"
+
+
+def check_choices(obj: Any) -> None:
+    """Raise ValueError for a ``Literal[...]`` field of the dataclass ``obj`` holding another value."""
+    for key, choices in literal_choices(type(obj)).items():
+        value = getattr(obj, key)
+        if not _is_choice(value, choices):
+            raise ValueError(choice_error(key, value, choices))
+
+
 def _coerce(value: Any, tp: Any) -> Any:
     if tp is float and isinstance(value, int):
         return float(value)
@@ -47,7 +82,8 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
-    """Construct ``cls`` from ``values``, rejecting unknown keys and wrong types by name."""
+    """Construct ``cls`` from ``values``, rejecting unknown keys, wrong types and values outside
+    a ``Literal[...]`` field's choices by name."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
@@ -57,6 +93,8 @@ def build_dataclass(cls: type, values: dict[str, Any], where: str) -> Any:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {name!r}; valid keys: {known}")
         tp = hints[key]
+        if typing.get_origin(tp) is typing.Literal and not type_ok(value, tp):
+            raise ConfigError(choice_error(name, value, typing.get_args(tp)))
         if not type_ok(value, tp):
             raise ConfigError(
                 f"{name} = {value!r} has type {type(value).__name__}, expected {_type_name(tp)}"

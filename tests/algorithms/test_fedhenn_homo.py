@@ -15,7 +15,7 @@ from fedmosaic.algorithms.fedhenn import cka, cka_distance, kernel_matrix
 from fedmosaic.algorithms.fedhenn_homo import FedHeNNHomo, HomoBroadcast
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import client as client_ops
-from fedmosaic.core.algorithm import FederationSpec
+from fedmosaic.core.algorithm import FederationSpec, FitContext
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.training import TrainSettings
 
@@ -55,7 +55,7 @@ def test_global_kernel_is_the_received_models_and_starts_aligned():
     data = tiny_data()
     extras = algo.init_client(model, spec, data)
     algo.receive(model, extras, msg)
-    algo.before_fit(model, extras, data, msg, TrainSettings(), torch.Generator())
+    algo.before_fit(FitContext(model, extras, data, msg, TrainSettings(), torch.Generator(), 1))
     with torch.no_grad():
         global_model = spec.build_model(0).eval()
         want = kernel_matrix(global_model.features(msg.rad))
@@ -100,7 +100,9 @@ def test_batchnorm_statistics_untouched_and_one_mode_for_both_kernels(family, me
     extras = algo.init_client(model, None, bn_data())  # type: ignore[arg-type]
     msg = HomoBroadcast(received, shifted_rad(), 1.0, 2)
     algo.receive(model, extras, msg)
-    algo.before_fit(model, extras, bn_data(), msg, TrainSettings(), torch.Generator())
+    algo.before_fit(
+        FitContext(model, extras, bn_data(), msg, TrainSettings(), torch.Generator(), 1)
+    )
     model.train()
     dist = cka_distance(model, msg.rad, extras.k_global, "linear", 1.0)
     assert float(dist.detach()) == pytest.approx(0.0, abs=1e-5)

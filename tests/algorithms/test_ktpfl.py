@@ -26,7 +26,7 @@ from fedmosaic.algorithms.ktpfl import (
 )
 from fedmosaic.algorithms.local import Local
 from fedmosaic.config import ConfigError
-from fedmosaic.core.algorithm import FederationSpec, Weighted
+from fedmosaic.core.algorithm import FederationSpec, FitContext, Weighted
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.training import TrainSettings
 
@@ -173,10 +173,10 @@ def test_distillation_moves_predictions_toward_target():
     gen = torch.Generator().manual_seed(0)
     settings = TrainSettings(batch_size=6, lr=0.1)
     off = KTpFLBroadcast(x, target, False)
-    algo.before_fit(model, torch.nn.Module(), toy.clients[0], off, settings, gen)
+    algo.before_fit(FitContext(model, torch.nn.Module(), toy.clients[0], off, settings, gen, 1))
     assert all(torch.equal(a, b) for a, b in zip(start, model.parameters()))  # no target yet
     msg = KTpFLBroadcast(x, target, True)
-    algo.before_fit(model, torch.nn.Module(), toy.clients[0], msg, settings, gen)
+    algo.before_fit(FitContext(model, torch.nn.Module(), toy.clients[0], msg, settings, gen, 1))
     after = _kl(model, x, target, algo.T)
     assert after < 0.7 * before
     # The upload is softmax(logits / T) on the public inputs.
@@ -197,7 +197,9 @@ def test_distillation_uses_its_own_optimizer_not_the_private_one():
     got, want = toy_model(), toy_model()
     want.load_state_dict(got.state_dict())
     adam = TrainSettings(batch_size=6, lr=0.1, optimizer="adam", betas=(0.5, 0.999))
-    algo.before_fit(got, torch.nn.Module(), toy.clients[0], msg, adam, torch.Generator())
+    algo.before_fit(
+        FitContext(got, torch.nn.Module(), toy.clients[0], msg, adam, torch.Generator(), 1)
+    )
     # By hand: one plain SGD step at distill_lr on the distillation loss over all 16 inputs.
     want.train()
     loss = soft_kl(want(x), target, algo.T)
@@ -363,7 +365,9 @@ def test_distillation_reduction_scales_the_sgd_step_by_C():
         model = toy_model()
         model.load_state_dict(start.state_dict())
         algo = KTpFL(T=2.0, distill_lr=lr, distill_batch_size=16, distill_reduction=red)
-        algo.before_fit(model, torch.nn.Module(), toy.clients[0], msg, TrainSettings(), None)
+        algo.before_fit(
+            FitContext(model, torch.nn.Module(), toy.clients[0], msg, TrainSettings(), None, 1)
+        )
         steps[red] = [
             p.detach() - q.detach() for p, q in zip(model.parameters(), start.parameters())
         ]
@@ -380,7 +384,9 @@ def test_distillation_uses_every_public_input_whatever_train_drop_last():
     seen = []
     model.register_forward_hook(lambda m, inp, out: seen.append(inp[0].shape[0]))
     settings = TrainSettings(batch_size=6, drop_last=True)  # the private loader drops its tail
-    algo.before_fit(model, torch.nn.Module(), toy.clients[0], msg, settings, torch.Generator())
+    algo.before_fit(
+        FitContext(model, torch.nn.Module(), toy.clients[0], msg, settings, torch.Generator(), 1)
+    )
     assert sorted(seen) == [4, 6, 6] and sum(seen) == 16  # the reference keeps the partial batch
 
 
