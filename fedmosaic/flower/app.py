@@ -69,9 +69,9 @@ def _federation(run_config: Any) -> _Federation:
         from fedmosaic.core.training import TrainSettings
         from fedmosaic.data import build_federated_data
         from fedmosaic.federation import client_data, make_spec
-        from fedmosaic.flower.settings import experiment_config
+        from fedmosaic.flower.settings import experiment_from_run_config
 
-        cfg = experiment_config(run_config)
+        cfg = experiment_from_run_config(run_config)
         # "auto" = 1, as the simulator resolves it: the simulator's numbers on any machine
         threads = 1 if cfg.sim.threads == "auto" else int(cfg.sim.threads)
         if threads > 0:  # 0: torch's default, left alone
@@ -278,14 +278,14 @@ def run_server(
     A run that fails leaves ``FAILED`` (the traceback) next to ``server.log`` in the results
     folder, so whoever waits for ``results.json`` can stop waiting.
     """
-    from fedmosaic.flower.settings import FlowerOptions, experiment_config
+    from fedmosaic.flower.settings import FlowerOptions, experiment_from_run_config
 
     start = time.perf_counter()
     from fedmosaic.provenance import now
 
     started = now()
     options = FlowerOptions.from_run_config(run_config)
-    cfg = experiment_config(run_config)
+    cfg = experiment_from_run_config(run_config)
     out = Path(
         options.results_dir
         or f"runs/flower-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}"
