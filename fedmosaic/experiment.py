@@ -70,7 +70,7 @@ def run_experiment(
             torch.set_num_threads(runtime.threads)
         if runtime.backend == "serial" and cfg.sim.backend != "serial":
             # "auto" chose serial: build the clients now, on the data already loaded.
-            fed = build_federation(cfg, fed=fed.fed, offload=None)
+            fed = build_federation(cfg, data=fed.data, offload=None)
         if cfg.sim.backend == "auto":
             log.info("sim.backend = auto: %s (%s)", _runtime_words(runtime), runtime.why)
         transport = make_transport(fed, runtime)
@@ -81,7 +81,16 @@ def run_experiment(
                 fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
             )
         history = _rounds(fed, transport, ckpt, progress, on_round, trained)
-        doc = results_document(fed, history, time.perf_counter() - start, started, runtime.workers)
+        doc = results_document(
+            cfg,
+            fed.data,
+            fed.clients,
+            fed.spec.members,
+            history,
+            time.perf_counter() - start,
+            started,
+            runtime.workers,
+        )
         # The config keeps what was asked ("auto"): the resolution does not change the numbers,
         # so it is not part of the run's identity; it is recorded beside the worker count.
         doc["provenance"]["runtime"] = runtime.to_dict()

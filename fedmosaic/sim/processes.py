@@ -129,7 +129,7 @@ def worker_setup(init: dict[str, Any]) -> Any:
     dataset = ImageDataset(images=images.view(*shape), **init["dataset"])
     # The same assembly as the main process's, on the shared images: same spec, same clients.
     federation = build_federation(
-        cfg, with_clients=False, fed=FederatedData(dataset=dataset, **init["federated"])
+        cfg, with_clients=False, data=FederatedData(dataset=dataset, **init["federated"])
     )
     algo, spec, clients = federation.algo, federation.spec, federation.clients
 
@@ -232,7 +232,7 @@ class ProcessTransport:
         self,
         algo: Algorithm,
         cfg: Any,
-        fed: Any,
+        data: FederatedData,
         fit_costs: Sequence[float],
         workers: int,
         eval_costs: Sequence[float] | None = None,
@@ -260,7 +260,7 @@ class ProcessTransport:
         self.conns: list[Connection] = []
         self.reuse = reuse
         self._clean = True
-        images = fed.dataset.images.contiguous()
+        images = data.dataset.images.contiguous()
         remove_stale(_shm_dir(), "fedmosaic-")  # image files of SIGKILLed runs
         self._images_path = os.path.join(_shm_dir(), f"fedmosaic-{os.getpid()}-{uuid.uuid4().hex}")
         try:
@@ -273,13 +273,13 @@ class ProcessTransport:
                 "images_path": self._images_path,
                 "images_shape": tuple(images.shape),
                 "dataset": {
-                    f.name: getattr(fed.dataset, f.name)
-                    for f in dataclasses.fields(fed.dataset)
+                    f.name: getattr(data.dataset, f.name)
+                    for f in dataclasses.fields(data.dataset)
                     if f.name != "images"
                 },
                 "federated": {
-                    f.name: getattr(fed, f.name)
-                    for f in dataclasses.fields(fed)
+                    f.name: getattr(data, f.name)
+                    for f in dataclasses.fields(data)
                     if f.init and f.name != "dataset"
                 },
                 "store_dir": str(self.store.root),
