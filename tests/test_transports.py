@@ -107,7 +107,7 @@ def test_every_transport_implements_the_whole_protocol(runtime):
             transport.load_client_states([])
         return
     trained = list(transport.client_states())
-    assert len(trained) == n
+    assert len(trained) == n and len(transport.client_states()[1:]) == n - 1
     wanted = _shifted(trained)
     transport.load_client_states(wanted)
     back = list(transport.client_states())

@@ -26,6 +26,7 @@ With ``train.batched_clients`` on, the round's clients of one model layout train
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 from torch import nn
 
@@ -272,7 +273,15 @@ class _StoredStates(Sequence[ClientState]):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, cid: int) -> ClientState:  # type: ignore[override]
+    @overload
+    def __getitem__(self, cid: int) -> ClientState: ...
+
+    @overload
+    def __getitem__(self, cid: slice) -> list[ClientState]: ...
+
+    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
+        if isinstance(cid, slice):
+            return [self[i] for i in range(self.n)[cid]]
         if not 0 <= cid < self.n:
             raise IndexError(cid)
         return self.host.state_dicts([cid])[cid]
