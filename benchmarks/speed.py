@@ -264,7 +264,7 @@ class Reference:
     test_sets: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        fd = self.fed.fed
+        fd = self.fed.data
         for c in self.fed.clients:  # per-client copies of normalized floats, as from .npz files
             for split, out in (("train", self.train_sets), ("test", self.test_sets)):
                 x = fd.batch(c.rows(split), self.device).contiguous()

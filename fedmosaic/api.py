@@ -52,13 +52,14 @@ from fedmosaic.checkpoint import (
     FINAL_FILE,
     CheckpointError,
     check_meta,
-    for_federation,
+    for_models,
     read_checkpoint,
 )
 from fedmosaic.config import (
+    Config,
     ConfigError,
     ExperimentConfig,
-    apply_overrides,
+    experiment_config,
     from_dict,
     load,
     resolve_plugin,
@@ -75,19 +76,6 @@ from fedmosaic.federation import Federation, build_federation, make_client
 from fedmosaic.runfolder import RunFolder, RunFolderError
 
 log = logging.getLogger("fedmosaic")
-
-Config = str | Path | dict[str, Any] | ExperimentConfig
-
-
-def experiment_config(config: Config, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """A validated config from a TOML path, a dict of its tables, or an ``ExperimentConfig``;
-    ``overrides`` are ``--set``-style ``"section.key=value"`` strings. Plugins named in it are
-    imported here."""
-    if isinstance(config, ExperimentConfig):
-        config = config.to_dict()
-    if isinstance(config, dict):
-        return from_dict(apply_overrides(copy.deepcopy(config), list(overrides)))
-    return load(config, list(overrides))
 
 
 @dataclass
@@ -270,8 +258,13 @@ def run(
     # After the method's fine-tuning (FedBABU, ...) the clients hold the fine-tuned models, which
     # were evaluated without receiving again; otherwise the evaluation received the broadcast.
     tuned = "after_finetune" in doc.get("summary", {})
-    state = trained["state"]
-    models, extras = _trained_clients(trained["fed"], trained["clients"], state, done, not tuned)
+    state, fed = trained["state"], trained["fed"]
+    if "models" in trained:  # the serial backend's own modules: the run is over, nothing to copy
+        models, extras = _as_evaluated(
+            fed, trained["models"], trained["extras"], state, done, not tuned
+        )
+    else:  # the clients lived in worker processes or a state store: built here from their states
+        models, extras = _trained_clients(fed, trained["clients"], state, done, not tuned)
     return Result(doc, cfg, state, models, extras, done, None if out is None else Path(out))
 
 
@@ -320,9 +313,8 @@ def load_run(
             )
     cfg = from_dict(meta["config"])
     fed = build_federation(replace(cfg, sim=replace(cfg.sim, backend="serial")))
-    ckpt = for_federation(fed, None, file.parent, 0, resume=True)  # type: ignore[arg-type]
     # This file, checked against its own config (loaded on the serial backend whatever ran it).
-    ckpt.path, ckpt.config = file, meta["config"]
+    ckpt = for_models(file, meta["config"], fed.models, fed.extras)
     with torch.random.fork_rng(devices=[]):  # the file's RNG state is the run's, not ours
         restored = ckpt.restore(fed.algo.init_server(fed.spec))
     assert restored is not None  # the file exists: restore either loads it or raises

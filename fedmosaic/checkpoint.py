@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 import fedmosaic
 from fedmosaic.core.errors import ConfigError
-from fedmosaic.core.rounds import EvalResult, History, Transport
+from fedmosaic.core.rounds import ClientState, EvalResult, History, Transport
 from fedmosaic.federation import Federation
 from fedmosaic.report.results import replace_all, write_temp
 
@@ -438,8 +438,8 @@ def check_magnitudes(path: str | Path, tensors: dict[str, Tensor]) -> None:
 
 
 # ---- the round-loop hook -----------------------------------------------------------------------------
-ClientStates = Callable[[], list[tuple[dict[str, Tensor], dict[str, Tensor]]]]
-LoadClientStates = Callable[[list[tuple[dict[str, Tensor], dict[str, Tensor]]]], None]
+ClientStates = Callable[[], list[ClientState]]
+LoadClientStates = Callable[[Sequence[ClientState]], None]
 
 
 class Checkpointer:
@@ -598,41 +598,44 @@ def for_federation(
     keep_final: bool = False,
     extend: bool = False,
 ) -> Checkpointer:
-    """The round loop's checkpoint hook, with access to every client's persistent state."""
+    """The round loop's checkpoint hook: the transport reads and loads the clients wherever it
+    keeps them (a transport whose clients are out of reach raises ``ClientStatesUnavailable``
+    at the first save or restore)."""
     if checkpoint_dir is None:
         raise ConfigError("checkpointing needs an output folder (checkpoint_dir)")
-    if hasattr(transport, "client_states") and hasattr(transport, "load_client_states"):
-        # every simulator backend: its transport reads and loads the clients wherever they are
-        get_clients, set_clients = transport.client_states, transport.load_client_states
-    elif fed.models:  # no transport (api.load_run): the clients built in this process
-        models, extras = fed.models, fed.extras
-
-        def get_clients() -> list[tuple[dict, dict]]:
-            return [(m.state_dict(), e.state_dict()) for m, e in zip(models, extras)]
-
-        def set_clients(states: list[tuple[dict, dict]]) -> None:
-            if len(states) != len(models):
-                raise ValueError(f"checkpoint has {len(states)} clients, this run {len(models)}")
-            for cid, (m, e) in enumerate(zip(models, extras)):
-                try:
-                    m.load_state_dict(states[cid][0], strict=True)
-                    e.load_state_dict(states[cid][1], strict=True)
-                except RuntimeError as exc:
-                    raise ValueError(f"client {cid}: {exc}") from exc
-
-    else:
-        raise ConfigError(
-            f"sim.backend = {fed.cfg.sim.backend!r} cannot checkpoint client state yet; "
-            'use sim.backend = "serial" with --checkpoint-every/--resume'
-        )
     return Checkpointer(
         Path(checkpoint_dir) / FILENAME,
         every,
         fed.cfg.to_dict(),
-        get_clients,
-        set_clients,
+        lambda: list(transport.client_states()),
+        transport.load_client_states,
         resume=resume,
         last_round=fed.plan.rounds,
         keep_final=keep_final,
         extend=extend,
     )
+
+
+def for_models(
+    path: str | Path,
+    config: dict[str, Any],
+    models: Sequence[nn.Module],
+    extras: Sequence[nn.Module],
+) -> Checkpointer:
+    """A reader of the checkpoint file ``path`` (checked against ``config``) into client modules
+    built in this process (``api.load_run``: no transport, no run)."""
+
+    def get_clients() -> list[tuple[dict, dict]]:
+        return [(m.state_dict(), e.state_dict()) for m, e in zip(models, extras)]
+
+    def set_clients(states: Sequence[tuple[dict, dict]]) -> None:
+        if len(states) != len(models):
+            raise ValueError(f"checkpoint has {len(states)} clients, this run {len(models)}")
+        for cid, (m, e) in enumerate(zip(models, extras)):
+            try:
+                m.load_state_dict(states[cid][0], strict=True)
+                e.load_state_dict(states[cid][1], strict=True)
+            except RuntimeError as exc:
+                raise ValueError(f"client {cid}: {exc}") from exc
+
+    return Checkpointer(path, 0, config, get_clients, set_clients, resume=True)

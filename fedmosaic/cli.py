@@ -256,10 +256,10 @@ def format_datasets() -> str:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
-    fed = build_federated_data(cfg.data, cfg.seed)
-    print(format_histograms(fed, args.split))
+    data = build_federated_data(cfg.data, cfg.seed)
+    print(format_histograms(data, args.split))
     if args.png:
-        plot_histograms(fed, args.png, args.split)
+        plot_histograms(data, args.png, args.split)
         print(f"histogram plot written to {args.png}")
     return 0
 

@@ -6,8 +6,10 @@ before any data is loaded or any model is trained.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,6 +389,21 @@ def load(
     if algorithm is not None:
         raw["algorithm"] = dict(algorithm)
     return from_dict(raw)
+
+
+# What names an experiment: a TOML path, a dict of its tables, or a config already built.
+Config = str | Path | dict[str, Any] | ExperimentConfig
+
+
+def experiment_config(config: Config, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """A validated config from a TOML path, a dict of its tables, or an ``ExperimentConfig``;
+    ``overrides`` are ``--set``-style ``"section.key=value"`` strings. Plugins named in it are
+    imported here."""
+    if isinstance(config, ExperimentConfig):
+        config = config.to_dict()
+    if isinstance(config, dict):
+        return from_dict(apply_overrides(copy.deepcopy(config), list(overrides)))
+    return load(config, list(overrides))
 
 
 def _wandb_installed() -> bool:

@@ -45,8 +45,10 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Run one experiment on the simulator and return the ``results.json`` document.
 
-    ``trained`` (a dict, filled in place) receives the final server state (``"state"``), every
-    client's final model and extras state dicts (``"clients"``) and the federation (``"fed"``).
+    ``trained`` (a dict, filled in place) receives the final server state (``"state"``) and the
+    federation (``"fed"``), and either the trained client modules themselves (``"models"``,
+    ``"extras"``: the serial backend's, in memory) or every client's final (model, extras) state
+    dicts (``"clients"``: clients that lived in worker processes or a state store).
 
     ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
     after the last one; ``resume`` continues from that file when it exists (see
@@ -68,7 +70,7 @@ def run_experiment(
             torch.set_num_threads(runtime.threads)
         if runtime.backend == "serial" and cfg.sim.backend != "serial":
             # "auto" chose serial: build the clients now, on the data already loaded.
-            fed = build_federation(cfg, fed=fed.fed, offload=None)
+            fed = build_federation(cfg, data=fed.data, offload=None)
         if cfg.sim.backend == "auto":
             log.info("sim.backend = auto: %s (%s)", _runtime_words(runtime), runtime.why)
         transport = make_transport(fed, runtime)
@@ -79,7 +81,16 @@ def run_experiment(
                 fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
             )
         history = _rounds(fed, transport, ckpt, progress, on_round, trained)
-        doc = results_document(fed, history, time.perf_counter() - start, started, runtime.workers)
+        doc = results_document(
+            cfg,
+            fed.data,
+            fed.clients,
+            fed.spec.members,
+            history,
+            time.perf_counter() - start,
+            started,
+            runtime.workers,
+        )
         # The config keeps what was asked ("auto"): the resolution does not change the numbers,
         # so it is not part of the run's identity; it is recorded beside the worker count.
         doc["provenance"]["runtime"] = runtime.to_dict()
@@ -113,8 +124,7 @@ def _rounds(
         if ckpt is not None and ckpt.resume and ckpt.path.exists():
             done = int(peek(ckpt.path)["round"])
         bar = RoundBar(name, cfg.train.rounds, stream, done)
-        if hasattr(transport, "on_client"):  # both simulator backends report each client
-            transport.on_client = bar.clients  # type: ignore[attr-defined]
+        transport.set_progress(bar.clients)
 
     def tick(rec: dict[str, Any]) -> None:
         if bar is not None:
@@ -126,14 +136,16 @@ def _rounds(
 
     try:
         history, state = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
-        if trained is not None:  # before the workers (which hold the clients) are closed
-            trained.update(state=state, clients=_client_states(fed, transport), fed=fed)
+        if trained is not None:
+            trained.update(state=state, fed=fed)
+            if fed.models:  # the serial backend trained these very modules: no copy needed
+                trained.update(models=fed.models, extras=fed.extras)
+            else:  # before the workers (which hold the clients) are closed
+                trained.update(clients=list(transport.client_states()))
     finally:
         if bar is not None:
             bar.close()
-        close = getattr(transport, "close", None)
-        if close is not None:
-            close()
+        transport.close()
     return history
 
 
@@ -184,9 +196,3 @@ class RoundBar:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
-
-
-def _client_states(fed: Federation, transport: Transport) -> list[tuple[dict, dict]]:
-    """Every client's (model, extras) state dicts, wherever the backend keeps them (read out
-    before the transport closes)."""
-    return list(transport.client_states())  # type: ignore[attr-defined]

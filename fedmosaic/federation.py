@@ -35,14 +35,15 @@ accel.install()
 
 @dataclass
 class Federation:
-    """Everything a runtime needs: data, per-client models/extras, spec, algorithm, plan.
+    """Everything a runtime needs: the federated data (``data``), per-client models/extras, spec,
+    algorithm, plan.
 
     ``models`` and ``extras`` are empty when the runtime builds its clients itself (the process
     backend's workers, Flower's ClientApps) and when ``offload`` is set: the serial backend then
     keeps the clients in a state store and builds them on demand (``sim/simulator.py``)."""
 
     cfg: ExperimentConfig
-    fed: FederatedData
+    data: FederatedData
     algo: Algorithm
     spec: FederationSpec
     clients: list[ClientData]
@@ -66,7 +67,7 @@ def model_projection(cfg: ExperimentConfig) -> str:
     return fixed or cfg.model.projection
 
 
-def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], ClientModel]:
+def model_builder(cfg: ExperimentConfig, data: FederatedData) -> Callable[[int], ClientModel]:
     members = family_members(cfg.model.family)
     projection = model_projection(cfg)
 
@@ -75,8 +76,8 @@ def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], 
         seeding.seed_torch(cfg.seed, 0, client_id, "init")
         return build_client_model(
             members[client_id % len(members)],
-            fed.input_shape,
-            fed.num_classes,
+            data.input_shape,
+            data.num_classes,
             cfg.model.feature_dim,
             projection=projection,
         ).to(cfg.train.device)
@@ -84,37 +85,37 @@ def model_builder(cfg: ExperimentConfig, fed: FederatedData) -> Callable[[int], 
     return build
 
 
-def client_data(fed: FederatedData, device: str) -> list[ClientData]:
+def client_data(data: FederatedData, device: str) -> list[ClientData]:
     out = []
-    for cid, split in enumerate(fed.clients):
+    for cid, split in enumerate(data.clients):
         splits = {"train": split.train, "test": split.test}
         if split.val.numel() > 0:
             splits["val"] = split.val
-        out.append(ClientData(cid, fed, fed.dataset.labels, splits, fed.num_classes, device))
+        out.append(ClientData(cid, data, data.dataset.labels, splits, data.num_classes, device))
     return out
 
 
 def make_spec(
-    cfg: ExperimentConfig, fed: FederatedData, clients: list[ClientData]
+    cfg: ExperimentConfig, data: FederatedData, clients: list[ClientData]
 ) -> FederationSpec:
     members = family_members(cfg.model.family)
-    n = fed.num_clients
+    n = data.num_clients
     public = None
-    if fed.public.numel() > 0:
-        public = fed.batch(fed.public, "cpu")  # [P, C, H, W] normalized, server-held
+    if data.public.numel() > 0:
+        public = data.batch(data.public, "cpu")  # [P, C, H, W] normalized, server-held
     server_eval = None
-    if fed.server_eval.numel() > 0:  # data.server_eval_size: labelled, the server's own
-        server_eval = (fed.batch(fed.server_eval, "cpu"), fed.labels[fed.server_eval].long())
+    if data.server_eval.numel() > 0:  # data.server_eval_size: labelled, the server's own
+        server_eval = (data.batch(data.server_eval, "cpu"), data.labels[data.server_eval].long())
     return FederationSpec(
         num_clients=n,
-        num_classes=fed.num_classes,
+        num_classes=data.num_classes,
         feature_dim=cfg.model.feature_dim,
-        input_shape=tuple(fed.input_shape),
+        input_shape=tuple(data.input_shape),
         members=tuple(members[i % len(members)] for i in range(n)),
         num_train=tuple(c.num_train for c in clients),
         seed=cfg.seed,
         rounds=cfg.train.rounds,
-        build_model=model_builder(cfg, fed),
+        build_model=model_builder(cfg, data),
         public=public,
         device=cfg.train.device,
         projection=model_projection(cfg),
@@ -155,7 +156,7 @@ def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
 
 
 def _assemble(
-    cfg: ExperimentConfig, fed: FederatedData | None
+    cfg: ExperimentConfig, data: FederatedData | None
 ) -> tuple[Algorithm, FederatedData, list[ClientData], FederationSpec]:
     """Everything up to (and including) the method's own check against the federation: the
     device, the algorithm's hyperparameters, the data and ``Algorithm.check(spec)``."""
@@ -165,12 +166,12 @@ def _assemble(
         if dev.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"{key} = {dev!r} but CUDA is not available")
     algo = build_algorithm(cfg.algorithm)
-    if fed is None:
-        fed = build_federated_data(cfg.data, cfg.seed)
-    clients = client_data(fed, cfg.train.device)
-    spec = make_spec(cfg, fed, clients)
+    if data is None:
+        data = build_federated_data(cfg.data, cfg.seed)
+    clients = client_data(data, cfg.train.device)
+    spec = make_spec(cfg, data, clients)
     algo.check(spec)
-    return algo, fed, clients, spec
+    return algo, data, clients, spec
 
 
 def check_runs(runs: Sequence[tuple[str, ExperimentConfig]]) -> None:
@@ -182,10 +183,10 @@ def check_runs(runs: Sequence[tuple[str, ExperimentConfig]]) -> None:
     for label, cfg in runs:
         key = repr((cfg.data, cfg.seed))
         try:
-            _, fed, _, _ = _assemble(cfg, shared.get(key))
+            _, data, _, _ = _assemble(cfg, shared.get(key))
         except ConfigError as exc:
             raise ConfigError(f"{label}: {exc}") from exc
-        shared[key] = fed
+        shared[key] = data
         if len(shared) > 4:  # bounded: a suite's cells come setting by setting
             del shared[next(iter(shared))]
 
@@ -206,7 +207,7 @@ def module_nbytes(*modules: nn.Module) -> int:
 def build_federation(
     cfg: ExperimentConfig,
     with_clients: bool = True,
-    fed: FederatedData | None = None,
+    data: FederatedData | None = None,
     offload: bool | None = False,
 ) -> Federation:
     """Load data (unless given: a worker's view of the shared images), build the algorithm, check
@@ -218,7 +219,7 @@ def build_federation(
     family first and stops there when the population's estimated state exceeds
     :data:`OFFLOAD_BUDGET` (a pure function of the config: no client's stream depends on it).
     """
-    algo, fed, clients, spec = _assemble(cfg, fed)
+    algo, data, clients, spec = _assemble(cfg, data)
     models: list[ClientModel] = []
     extras: list[nn.Module] = []
     if offload is None:
@@ -238,7 +239,7 @@ def build_federation(
                     models, extras, offload = [], [], True
                     break
     settings = TrainSettings.from_config(cfg.train, algo)
-    plan = round_plan(cfg, fed.num_clients)
+    plan = round_plan(cfg, data.num_clients)
     return Federation(
-        cfg, fed, algo, spec, clients, models, extras, settings, plan, offload=bool(offload)
+        cfg, data, algo, spec, clients, models, extras, settings, plan, offload=bool(offload)
     )

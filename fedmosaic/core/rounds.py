@@ -61,8 +61,22 @@ class EvalResult:
     counts: dict[str, dict[str, int]]  # split -> {"n": examples, mode: correct}
 
 
+ClientState = tuple[dict[str, Tensor], dict[str, Tensor]]  # a client's (model, extras) state dicts
+ClientProgress = Callable[[int, int], None]  # (clients done, clients in the fit)
+
+
+class ClientStatesUnavailable(RuntimeError):
+    """The transport's clients keep their state where this process cannot read or set it
+    (Flower: on the SuperNodes)."""
+
+
 class Transport(Protocol):
-    """How messages reach clients: in-process simulator, worker processes, or Flower."""
+    """How messages reach clients: in-process simulator, worker processes, or Flower.
+
+    Besides the round's messages, a transport exports and imports every client's persistent
+    state (checkpoints, the trained models of ``api.run``), reports each client's progress
+    through a fit, and releases what it holds on ``close``.
+    """
 
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]: ...
 
@@ -71,6 +85,25 @@ class Transport(Protocol):
     ) -> list[EvalResult]: ...
 
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None: ...
+
+    def client_states(self) -> Sequence[ClientState]:
+        """Every client's state, in client order (read before :meth:`close`); raises
+        :class:`ClientStatesUnavailable` where the clients' state is out of reach."""
+        ...
+
+    def load_client_states(self, states: Sequence[ClientState]) -> None:
+        """Set every client's state (a checkpoint's); ``ValueError`` naming a client whose state
+        does not fit, :class:`ClientStatesUnavailable` as for :meth:`client_states`."""
+        ...
+
+    def set_progress(self, on_client: ClientProgress | None) -> None:
+        """Call ``on_client(done, total)`` during each fit: 0 at its start, then per client
+        finished (None: stop reporting)."""
+        ...
+
+    def close(self) -> None:
+        """Release workers, stores and files; the transport is not used afterwards."""
+        ...
 
 
 @dataclass

@@ -42,7 +42,7 @@ client_app = ClientApp()
 
 # ---- client half ------------------------------------------------------------------------------
 @dataclass
-class _Federation:
+class _NodeSetup:
     """What a SuperNode rebuilds from the experiment config (cached per process)."""
 
     cfg: Any
@@ -53,35 +53,35 @@ class _Federation:
     splits: tuple[str, ...]
 
 
-_FEDERATIONS: dict[str, _Federation] = {}
+_SETUPS: dict[str, _NodeSetup] = {}
 
 
 def eval_splits(clients: list[Any]) -> tuple[str, ...]:
     return ("test", "val") if any(c.num("val") for c in clients) else ("test",)
 
 
-def _federation(run_config: Any) -> _Federation:
+def _node_setup(run_config: Any) -> _NodeSetup:
     key = json.dumps([run_config.get("experiment"), run_config.get("overrides")])
-    if key not in _FEDERATIONS:
+    if key not in _SETUPS:
         import torch
 
         from fedmosaic.algorithms import build_algorithm
         from fedmosaic.core.training import TrainSettings
         from fedmosaic.data import build_federated_data
         from fedmosaic.federation import client_data, make_spec
-        from fedmosaic.flower.settings import experiment_config
+        from fedmosaic.flower.settings import experiment_from_run_config
 
-        cfg = experiment_config(run_config)
+        cfg = experiment_from_run_config(run_config)
         # "auto" = 1, as the simulator resolves it: the simulator's numbers on any machine
         threads = 1 if cfg.sim.threads == "auto" else int(cfg.sim.threads)
         if threads > 0:  # 0: torch's default, left alone
             torch.set_num_threads(threads)
-        fed = build_federated_data(cfg.data, cfg.seed)
-        clients = client_data(fed, cfg.train.device)
-        spec = make_spec(cfg, fed, clients)
-        _FEDERATIONS.clear()  # one experiment per process
+        data = build_federated_data(cfg.data, cfg.seed)
+        clients = client_data(data, cfg.train.device)
+        spec = make_spec(cfg, data, clients)
+        _SETUPS.clear()  # one experiment per process
         algo = build_algorithm(cfg.algorithm)
-        _FEDERATIONS[key] = _Federation(
+        _SETUPS[key] = _NodeSetup(
             cfg,
             algo,
             clients,
@@ -89,7 +89,7 @@ def _federation(run_config: Any) -> _Federation:
             TrainSettings.from_config(cfg.train, algo),
             eval_splits(clients),
         )
-    return _FEDERATIONS[key]
+    return _SETUPS[key]
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -110,15 +110,17 @@ class _Client:
         from fedmosaic.flower.codec import record_to_tensors
 
         self.context = context
-        self.fed = _federation(context.run_config)
+        self.setup = _node_setup(context.run_config)
         self.cid, total = _partition(context)
-        n = self.fed.spec.num_clients
+        n = self.setup.spec.num_clients
         if total != n or not 0 <= self.cid < n:
             raise ValueError(
                 f"partition-id={self.cid} num-partitions={total}: the run has {n} clients"
             )
-        self.data = self.fed.clients[self.cid]
-        self.model, self.extras = make_client(self.fed.cfg, self.fed.algo, self.fed.spec, self.data)
+        self.data = self.setup.clients[self.cid]
+        self.model, self.extras = make_client(
+            self.setup.cfg, self.setup.algo, self.setup.spec, self.data
+        )
         state = context.state
         owner = state.config_records.get(CLIENT_STATE)
         if owner is not None and owner.get("client-id") == self.cid:
@@ -142,8 +144,8 @@ class _Client:
         head = m.header(msg.content)
         if m.int_field(head, "client-id") != self.cid:
             raise PayloadError(f"message for client {head.get('client-id')} sent to {self.cid}")
-        m.check_payload_type(head, self.fed.algo.Broadcast)
-        return records_to_payload(self.fed.algo.Broadcast, msg.content), head
+        m.check_payload_type(head, self.setup.algo.Broadcast)
+        return records_to_payload(self.setup.algo.Broadcast, msg.content), head
 
 
 @client_app.query()
@@ -169,17 +171,17 @@ def train(msg: Message, context: Context) -> Message:
         raise RuntimeError(f"{TEST_FAULT}=raise")
     client = _Client(context)
     payload, head = client.broadcast(msg)
-    fed = client.fed
+    setup = client.setup
     out = client_ops.fit(
-        fed.algo,
+        setup.algo,
         client.model,
         client.extras,
         payload,
         client.data,
-        fed.settings,
-        fed.cfg.seed,
+        setup.settings,
+        setup.cfg.seed,
         m.int_field(head, "round"),
-        fed.cfg.train.local_epochs,
+        setup.cfg.train.local_epochs,
     )
     client.save()
     content = m.payload_message(
@@ -205,13 +207,13 @@ def evaluate(msg: Message, context: Context) -> Message:
     payload, head = client.broadcast(msg)
     receive = bool(head.get("receive", True))
     counts = client_ops.evaluate(
-        client.fed.algo,
+        client.setup.algo,
         client.model,
         client.extras,
         payload,
         client.data,
-        client.fed.splits,
-        client.fed.settings.eval_batch_size,
+        client.setup.splits,
+        client.setup.settings.eval_batch_size,
         receive=receive,
     )
     if receive:  # receiving changed the model, exactly as it does in the simulator
@@ -231,13 +233,13 @@ def finetune(msg: Message, context: Context) -> Message:
     payload, head = client.broadcast(msg)
     phases = m.phases_from_json(str(head.get("phases", "[]")))
     client_ops.finetune(
-        client.fed.algo,
+        client.setup.algo,
         client.model,
         client.extras,
         payload,
         client.data,
-        client.fed.settings,
-        client.fed.cfg.seed,
+        client.setup.settings,
+        client.setup.cfg.seed,
         phases,
     )
     client.save()
@@ -278,14 +280,14 @@ def run_server(
     A run that fails leaves ``FAILED`` (the traceback) next to ``server.log`` in the results
     folder, so whoever waits for ``results.json`` can stop waiting.
     """
-    from fedmosaic.flower.settings import FlowerOptions, experiment_config
+    from fedmosaic.flower.settings import FlowerOptions, experiment_from_run_config
 
     start = time.perf_counter()
     from fedmosaic.provenance import now
 
     started = now()
     options = FlowerOptions.from_run_config(run_config)
-    cfg = experiment_config(run_config)
+    cfg = experiment_from_run_config(run_config)
     out = Path(
         options.results_dir
         or f"runs/flower-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}"
@@ -335,7 +337,10 @@ def run_server(
 
         history, _ = run_rounds(fed.algo, fed.spec, transport, plan, each_round)
         nodes = len(set(transport.node_of.values())) or None  # workers: the SuperNodes
-        doc = results_document(fed, history, time.perf_counter() - start, started, nodes)
+        wall = time.perf_counter() - start
+        doc = results_document(
+            cfg, fed.data, fed.clients, fed.spec.members, history, wall, started, nodes
+        )
         doc["runtime"] = "flower"
         # Every accuracy here is what the SuperNodes counted on their own data: the server sees
         # counts it can bound (never above the split's size) but cannot recompute. The one

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedmosaic.config import ConfigError, ExperimentConfig, apply_overrides, from_dict
+from fedmosaic.config import ConfigError, ExperimentConfig, experiment_config
 
 # key -> (default, meaning); written into the generated app's pyproject.toml with these comments.
 RUN_CONFIG: dict[str, tuple[Any, str]] = {
@@ -98,7 +98,9 @@ def parse_node_partitions(text: Any) -> dict[int, int]:
     return out
 
 
-def experiment_raw(rc: Mapping[str, Any]) -> dict[str, Any]:
+def experiment_from_run_config(rc: Mapping[str, Any]) -> ExperimentConfig:
+    """The experiment both halves run: the run config's ``experiment`` JSON with its
+    ``overrides`` (space-separated ``section.key=value``) applied by ``experiment_config``."""
     text = rc.get("experiment", "")
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(
@@ -118,9 +120,4 @@ def experiment_raw(rc: Mapping[str, Any]) -> dict[str, Any]:
         items = shlex.split(overrides)
     except ValueError as exc:  # an unbalanced quote
         raise ConfigError(f"run config 'overrides' = {overrides!r}: {exc}") from exc
-    return apply_overrides(raw, items)
-
-
-def experiment_config(rc: Mapping[str, Any]) -> ExperimentConfig:
-    """The experiment both halves run: the ``experiment`` JSON with ``overrides`` applied."""
-    return from_dict(experiment_raw(rc))
+    return experiment_config(raw, items)

@@ -26,7 +26,13 @@ from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.payload import Payload, PayloadError
-from fedmosaic.core.rounds import EvalResult, FitResult
+from fedmosaic.core.rounds import (
+    ClientProgress,
+    ClientState,
+    ClientStatesUnavailable,
+    EvalResult,
+    FitResult,
+)
 from fedmosaic.flower import messages as m
 from fedmosaic.flower.codec import records_to_payload, wire_size
 from fedmosaic.flower.settings import FlowerOptions
@@ -34,6 +40,7 @@ from fedmosaic.flower.settings import FlowerOptions
 log = logging.getLogger("fedmosaic.flower")
 K = TypeVar("K")
 TTL_MARGIN = 10.0  # seconds a message outlives the wait for its reply
+_ON_NODES = "Flower clients keep their state on their SuperNodes; the server cannot read or set it"
 
 
 def content_bytes(content: RecordDict) -> int:
@@ -71,6 +78,7 @@ class GridTransport:
         self.refused: dict[int, str] = {}  # node -> why it serves no partition (results.json)
         self._hello: dict[str, tuple[int, float]] = {}  # message id -> (node, sent at)
         self.rounds: dict[int, dict[str, Any]] = {}  # per-round transport facts for results.json
+        self._on_client: ClientProgress | None = None  # see set_progress
 
     # ---- node discovery -----------------------------------------------------------------------
     def connect(self) -> None:
@@ -282,7 +290,11 @@ class GridTransport:
             for cid, msg in messages.items()
         }
         t0 = time.perf_counter()
+        if self._on_client is not None:
+            self._on_client(0, len(messages))
         replies, failures, down = self._send(m.FIT, round_num, contents, self.options.round_timeout)
+        if self._on_client is not None:  # the replies are pulled together: all done at once
+            self._on_client(len(messages), len(messages))
         self._note(round_num, "fit_seconds", time.perf_counter() - t0)
         results: dict[int, FitResult] = {}
         for cid, reply in replies.items():
@@ -374,3 +386,20 @@ class GridTransport:
         for cid, reason in sorted(failures.items()):
             log.warning("fine-tuning: client %d: %s", cid, reason)
         self._note(0, "finetune_failures", dict(sorted(failures.items())))
+
+    # ---- client state, progress, shutdown -----------------------------------------------------
+    def client_states(self) -> Sequence[ClientState]:
+        """Always :class:`ClientStatesUnavailable`: each client's state lives in its SuperNode's
+        ``context.state``, never sent to the server."""
+        raise ClientStatesUnavailable(_ON_NODES)
+
+    def load_client_states(self, states: Sequence[ClientState]) -> None:
+        """Always :class:`ClientStatesUnavailable` (see :meth:`client_states`)."""
+        raise ClientStatesUnavailable(_ON_NODES)
+
+    def set_progress(self, on_client: ClientProgress | None) -> None:
+        """Report each fit: 0 clients when its messages go out, all when its replies are in."""
+        self._on_client = on_client
+
+    def close(self) -> None:
+        """Nothing to release: the grid and the SuperNodes belong to Flower's runtime."""

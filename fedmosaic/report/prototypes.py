@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fedmosaic.algorithms._shared import class_means
 from fedmosaic.checkpoint import read_checkpoint, restore_tree
-from fedmosaic.federation import build_federation
+from fedmosaic.federation import Federation, build_federation
 from fedmosaic.report.results import save_figure
 
 
@@ -88,8 +88,10 @@ def plot_prototypes(
     plt.close(fig)
 
 
-def prototypes_of_run(fed: Any, state: Any) -> tuple[list[tuple[int, int, Tensor]], Tensor, Tensor]:
-    """Client and global prototypes of a federation (``experiment.Federation``) in ``state``."""
+def prototypes_of_run(
+    fed: Federation, state: Any
+) -> tuple[list[tuple[int, int, Tensor]], Tensor, Tensor]:
+    """Client and global prototypes of a federation in ``state``."""
     msg = fed.algo.broadcast(state, 0, fed.plan.rounds + 1)
     if not hasattr(msg, "protos") or not hasattr(msg, "known"):
         raise ValueError(f"{fed.cfg.algorithm['name']} broadcasts no prototypes")

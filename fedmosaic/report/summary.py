@@ -1,24 +1,28 @@
 """What a finished run reports: ``results.json``'s summary, per-client records, the round line.
 
-The same for every runtime (simulator, process backend, Flower): each hands its
-:class:`~fedmosaic.federation.Federation` and the round loop's :class:`History` here.
+The same for every runtime (simulator, process backend, Flower): each hands the round loop's
+:class:`History` here with what the report says about the federation (its config, clients, their
+architectures and the data), not the federation itself.
 """
 
 from __future__ import annotations
 
 import math
 import platform
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import fedmosaic
 from fedmosaic import provenance
+from fedmosaic.config import ExperimentConfig
+from fedmosaic.core.client import ClientData
 from fedmosaic.core.rounds import EvalResult, History, per_client_acc, summarize_eval
-from fedmosaic.federation import Federation
+from fedmosaic.data import FederatedData
 
 
-def summarize(history: History, fed: Federation) -> dict[str, Any]:
+def summarize(history: History) -> dict[str, Any]:
     """Final, best-on-validation and best-on-test (as the papers report it) accuracies."""
     rounds = [r for r in history.rounds if "acc_weighted" in r]
     summary: dict[str, Any] = {}
@@ -83,24 +87,31 @@ def summarize(history: History, fed: Federation) -> dict[str, Any]:
     return summary
 
 
-def client_records(fed: Federation, history: History) -> list[dict[str, Any]]:
+def client_records(
+    clients: Sequence[ClientData],
+    members: Sequence[str],
+    shifts: Sequence[dict[str, float]],
+    history: History,
+) -> list[dict[str, Any]]:
+    """One record per client: its architecture (``members[cid]``), split sizes, label counts,
+    feature shift (``shifts[cid]``, when the data has any) and final accuracies."""
     final = {r.client_id: r for r in history.final_eval}
     tuned = {r.client_id: r for r in history.finetune_eval}
     held_before = {r.client_id: r for r in history.holdout_before}
     held_after = {r.client_id: r for r in history.holdout_after}
     recs = []
-    for c in fed.clients:
+    for c in clients:
         rec: dict[str, Any] = {
             "client_id": c.client_id,
-            "arch": fed.spec.members[c.client_id],
+            "arch": members[c.client_id],
             "num_train": c.num_train,
             "num_val": c.num("val"),
             "num_test": c.num("test"),
             "train_label_counts": c.class_counts("train").tolist(),
             "test_label_counts": c.class_counts("test").tolist(),
         }
-        if fed.fed.shifts:  # feature shift: this client's transform (data.shift_*)
-            rec["feature_shift"] = fed.fed.shifts[c.client_id]
+        if shifts:  # feature shift: this client's transform (data.shift_*)
+            rec["feature_shift"] = shifts[c.client_id]
         if c.client_id in final:
             rec.update(_client_accs(final[c.client_id], ""))
         if c.client_id in tuned:
@@ -139,24 +150,27 @@ def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
 
 
 def results_document(
-    fed: Federation,
+    cfg: ExperimentConfig,
+    data: FederatedData,
+    clients: Sequence[ClientData],
+    members: Sequence[str],
     history: History,
     wall_seconds: float,
     started: str | None = None,
     workers: int | None = None,
 ) -> dict[str, Any]:
-    """The ``results.json`` document of a finished run (any runtime)."""
-    cfg = fed.cfg
-    ds = fed.fed.dataset
+    """The ``results.json`` document of a finished run (any runtime): ``data`` is the run's
+    federated data, ``clients`` its clients and ``members[cid]`` each one's architecture."""
+    ds = data.dataset
     return {
         "library": {"name": "fedmosaic", "version": fedmosaic.__version__},
         "environment": {"python": platform.python_version(), "torch": torch.__version__},
         "seed": cfg.seed,
         "config": cfg.to_dict(),
         "rounds": history.rounds,
-        "clients": client_records(fed, history),
+        "clients": client_records(clients, members, data.shifts, history),
         "per_client_final_acc": per_client_acc(history.final_eval),
-        "summary": summarize(history, fed),
+        "summary": summarize(history),
         "wall_seconds": wall_seconds,
         "provenance": provenance.provenance(ds.sources, ds.images, ds.labels, started, workers),
     }

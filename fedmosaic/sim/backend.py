@@ -137,7 +137,7 @@ def make_transport(fed: Federation, runtime: Runtime | None = None) -> Transport
         return ProcessTransport(
             fed.algo,
             cfg,
-            fed.fed,
+            fed.data,
             [f * max(c.num_train, 1) for f, c in zip(flops, clients)],
             runtime.workers,
             eval_costs=[f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, clients)],

@@ -57,7 +57,7 @@ import fedmosaic
 from fedmosaic.config import from_dict
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.payload import Payload, PayloadError, decode
-from fedmosaic.core.rounds import EvalResult, FitResult
+from fedmosaic.core.rounds import ClientProgress, ClientState, EvalResult, FitResult
 from fedmosaic.data.datasets import ImageDataset
 from fedmosaic.data.federated import FederatedData
 from fedmosaic.federation import build_federation, make_client
@@ -129,7 +129,7 @@ def worker_setup(init: dict[str, Any]) -> Any:
     dataset = ImageDataset(images=images.view(*shape), **init["dataset"])
     # The same assembly as the main process's, on the shared images: same spec, same clients.
     federation = build_federation(
-        cfg, with_clients=False, fed=FederatedData(dataset=dataset, **init["federated"])
+        cfg, with_clients=False, data=FederatedData(dataset=dataset, **init["federated"])
     )
     algo, spec, clients = federation.algo, federation.spec, federation.clients
 
@@ -232,7 +232,7 @@ class ProcessTransport:
         self,
         algo: Algorithm,
         cfg: Any,
-        fed: Any,
+        data: FederatedData,
         fit_costs: Sequence[float],
         workers: int,
         eval_costs: Sequence[float] | None = None,
@@ -254,14 +254,13 @@ class ProcessTransport:
         self.measured: dict[int, float] = {}  # client -> seconds of its last fit (cost model)
         self.version = [0] * self.num_clients  # bumped whenever a client's state changes
         self.cache = EvalCache()
-        # called with (clients trained, clients in the fit): 0 at its start, then as each arrives
-        self.on_client: Callable[[int, int], None] | None = None
+        self._on_client: ClientProgress | None = None  # see set_progress
         self.store = StateStore(state_dir)
         self.procs: list[_Worker] = []
         self.conns: list[Connection] = []
         self.reuse = reuse
         self._clean = True
-        images = fed.dataset.images.contiguous()
+        images = data.dataset.images.contiguous()
         remove_stale(_shm_dir(), "fedmosaic-")  # image files of SIGKILLed runs
         self._images_path = os.path.join(_shm_dir(), f"fedmosaic-{os.getpid()}-{uuid.uuid4().hex}")
         try:
@@ -274,13 +273,13 @@ class ProcessTransport:
                 "images_path": self._images_path,
                 "images_shape": tuple(images.shape),
                 "dataset": {
-                    f.name: getattr(fed.dataset, f.name)
-                    for f in dataclasses.fields(fed.dataset)
+                    f.name: getattr(data.dataset, f.name)
+                    for f in dataclasses.fields(data.dataset)
                     if f.name != "images"
                 },
                 "federated": {
-                    f.name: getattr(fed, f.name)
-                    for f in dataclasses.fields(fed)
+                    f.name: getattr(data, f.name)
+                    for f in dataclasses.fields(data)
                     if f.init and f.name != "dataset"
                 },
                 "store_dir": str(self.store.root),
@@ -424,8 +423,8 @@ class ProcessTransport:
             self.version[cid] += 1
             if isinstance(blob, str):  # the client's upload could not be encoded
                 results[cid] = FitResult(cid, None, n, 0, table.sizes[cid], loss, error=blob)
-                if self.on_client is not None:
-                    self.on_client(len(results), len(messages))
+                if self._on_client is not None:
+                    self._on_client(len(results), len(messages))
                 return
             res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
             try:
@@ -433,11 +432,11 @@ class ProcessTransport:
             except PayloadError as exc:
                 res.error = str(exc)  # the round loop drops and logs it
             results[cid] = res
-            if self.on_client is not None:
-                self.on_client(len(results), len(messages))
+            if self._on_client is not None:
+                self._on_client(len(results), len(messages))
 
-        if self.on_client is not None:
-            self.on_client(0, len(messages))
+        if self._on_client is not None:
+            self._on_client(0, len(messages))
         for flushed in self._call(calls, arrived).values():
             for cid in flushed:
                 self.holder.pop(cid, None)
@@ -478,17 +477,21 @@ class ProcessTransport:
                     self.holder[cid] = w
                 self.version[cid] += 1
 
-    # ---- checkpoints -----------------------------------------------------------------------
-    def client_states(self) -> list[tuple[dict, dict]]:
+    # ---- client state (checkpoints, the trained models) ----------------------------------
+    def set_progress(self, on_client: ClientProgress | None) -> None:
+        """Report each fit's clients as their uploads arrive (the progress bar's per-client line)."""
+        self._on_client = on_client
+
+    def client_states(self) -> list[ClientState]:
         groups = self._place(range(self.num_clients), self.eval_costs)
-        got: dict[int, tuple[dict, dict]] = {}
+        got: dict[int, ClientState] = {}
         for part in self._call(
             {w: ("states", {"cids": g}) for w, g in enumerate(groups) if g}
         ).values():
             got.update(part)
         return [got[c] for c in range(self.num_clients)]
 
-    def load_client_states(self, states: list[tuple[dict, dict]]) -> None:
+    def load_client_states(self, states: Sequence[ClientState]) -> None:
         if len(states) != self.num_clients:
             raise ValueError(f"checkpoint has {len(states)} clients, this run {self.num_clients}")
         groups = self._place(range(self.num_clients), self.fit_costs)

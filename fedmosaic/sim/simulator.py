@@ -26,6 +26,7 @@ With ``train.batched_clients`` on, the round's clients of one model layout train
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 from torch import nn
 
@@ -35,7 +36,7 @@ from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
-from fedmosaic.core.rounds import EvalResult, FitResult
+from fedmosaic.core.rounds import ClientProgress, ClientState, EvalResult, FitResult
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.sim.common import EvalCache, MessageTable
 from fedmosaic.sim.host import ClientHost
@@ -96,8 +97,7 @@ class SimTransport:
         # bumped whenever a client's model is trained
         self.version = [0] * (len(self.data) if build is not None else len(self.models))
         self.cache = EvalCache()
-        # called with (clients trained, clients in the fit): 0 at its start, then after each
-        self.on_client: Callable[[int, int], None] | None = None
+        self._on_client: ClientProgress | None = None  # see set_progress
         self.host: ClientHost | None = None
         if build is not None:
             if self.models or self.extras:
@@ -136,11 +136,11 @@ class SimTransport:
         for cid, msg in messages.items():
             received[cid], downs[cid] = wire(msg, self.check_wire)
         results: dict[int, FitResult] = {}
-        if self.on_client is not None:
-            self.on_client(0, len(messages))
+        if self._on_client is not None:
+            self._on_client(0, len(messages))
         for cid, res in self._fit_all(round_num, received):
-            if self.on_client is not None:
-                self.on_client(len(results) + 1, len(messages))
+            if self._on_client is not None:
+                self._on_client(len(results) + 1, len(messages))
             down = downs[cid]
             self.version[cid] += 1
             try:
@@ -220,12 +220,16 @@ class SimTransport:
             self._release([cid])
             self.version[cid] += 1
 
+    def set_progress(self, on_client: ClientProgress | None) -> None:
+        """Report each fit's clients as they finish (the progress bar's per-client line)."""
+        self._on_client = on_client
+
     def invalidate(self) -> None:
         """Forget cached evaluations (after client models were changed from outside)."""
         self.cache.clear()
 
-    # ---- checkpoints (the process backend's interface) -------------------------------------
-    def client_states(self) -> Sequence[tuple[dict, dict]]:
+    # ---- client state (checkpoints, the trained models) ----------------------------------
+    def client_states(self) -> Sequence[ClientState]:
         """Every client's (model, extras) state dicts: in memory, the live modules' (their
         readers copy what they keep: the checkpoint writer, ``api.run``'s fresh models).
         Offloaded, a lazy sequence that reads each client from the store when indexed (a
@@ -234,7 +238,7 @@ class SimTransport:
             return [(m.state_dict(), e.state_dict()) for m, e in zip(self.models, self.extras)]
         return _StoredStates(self.host, len(self.version))
 
-    def load_client_states(self, states: Sequence[tuple[dict, dict]]) -> None:
+    def load_client_states(self, states: Sequence[ClientState]) -> None:
         """Load every client's (model, extras) state dicts (a checkpoint's); ``ValueError``
         naming the client when one does not fit its model."""
         if len(states) != len(self.version):
@@ -260,7 +264,7 @@ class SimTransport:
             self.host.store.close()
 
 
-class _StoredStates(Sequence[tuple[dict, dict]]):
+class _StoredStates(Sequence[ClientState]):
     """Offloaded clients' state dicts, each read from the store (copied) when indexed."""
 
     def __init__(self, host: ClientHost, n: int) -> None:
@@ -269,7 +273,15 @@ class _StoredStates(Sequence[tuple[dict, dict]]):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, cid: int) -> tuple[dict, dict]:  # type: ignore[override]
+    @overload
+    def __getitem__(self, cid: int) -> ClientState: ...
+
+    @overload
+    def __getitem__(self, cid: slice) -> list[ClientState]: ...
+
+    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
+        if isinstance(cid, slice):
+            return [self[i] for i in range(self.n)[cid]]
         if not 0 <= cid < self.n:
             raise IndexError(cid)
         return self.host.state_dicts([cid])[cid]

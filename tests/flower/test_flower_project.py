@@ -10,7 +10,7 @@ from conftest import tiny_raw
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict, tomllib  # tomli on Python 3.10
-from fedmosaic.flower.settings import FlowerOptions, experiment_config
+from fedmosaic.flower.settings import FlowerOptions, experiment_from_run_config
 
 CONFIG = """seed = 3
 [data]
@@ -47,7 +47,7 @@ def test_cli_writes_a_runnable_app(tmp_path, capsys):
         "clientapp": "fedmosaic.flower.app:client_app",
     }
     rc = flwr_app["config"]
-    cfg = experiment_config(rc)
+    cfg = experiment_from_run_config(rc)
     assert cfg.seed == 3 and cfg.train.rounds == 3 and cfg.algorithm["name"] == "fedtgp"
     assert cfg.to_dict() == from_dict(cfg.to_dict()).to_dict()
     options = FlowerOptions.from_run_config(rc)
@@ -62,7 +62,10 @@ def test_cli_writes_a_runnable_app(tmp_path, capsys):
     assert "num-partitions=3" in (out / "README.md").read_text()
     # run-config overrides apply on top of the embedded experiment (flwr run -c ...)
     assert (
-        experiment_config({**rc, "overrides": "train.rounds=7 algorithm.lam=0.5"}).train.rounds == 7
+        experiment_from_run_config(
+            {**rc, "overrides": "train.rounds=7 algorithm.lam=0.5"}
+        ).train.rounds
+        == 7
     )
 
 
@@ -113,7 +116,7 @@ def test_bad_run_config_numbers_are_config_errors(key, value):
 
 
 def test_unbalanced_override_quote_is_a_config_error():
-    from fedmosaic.flower.settings import experiment_raw
+    from fedmosaic.flower.settings import experiment_from_run_config
 
     with pytest.raises(ConfigError, match="overrides"):
-        experiment_raw({"experiment": "{}", "overrides": 'train.rounds="3'})
+        experiment_from_run_config({"experiment": "{}", "overrides": 'train.rounds="3'})
