@@ -9,7 +9,6 @@ import torch
 from _toyfed import make_toy
 
 from fedmosaic.algorithms import ALGORITHMS, build_algorithm
-from fedmosaic.algorithms._flops import training_macs
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedbabu import BodyUpload, FedBABU
 from fedmosaic.config import ConfigError
@@ -17,6 +16,7 @@ from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Phase, Weighted
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.rounds import RoundPlan, run_rounds
+from fedmosaic.models.flops import training_macs
 
 
 def run_toy_rounds(algo: FedBABU, rounds: int = 3, finetune_epochs: int = 0):
