@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_until_round, tiny_raw, write_toml
+from helpers.experiments import run_until_round, tiny_raw, write_toml
 from safetensors.torch import save_file
 from torch import nn
 

@@ -303,8 +303,9 @@ def run_rounds(
             last_eval, scores = evaluate_round(algo, state, spec, transport, plan, t, server_eval)
             rec.update(scores)
         t3 = time.perf_counter()
-        rec.update(seconds_train=t1 - t0, seconds_aggregate=t2 - t1, seconds_eval=t3 - t2)
-        rec["seconds"] = t3 - t0
+        rec.update(
+            seconds_train=t1 - t0, seconds_aggregate=t2 - t1, seconds_eval=t3 - t2, seconds=t3 - t0
+        )
         history.rounds.append(rec)
         history.participants.append(rec["participants"])
         stop = evaluated and stop_on_plateau(history.rounds, plan)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from _toyfed import make_toy
+from helpers.toyfed import make_toy
 
 from fedmosaic.algorithms import ALGORITHMS, build_algorithm
 from fedmosaic.algorithms._shared import SharedState
@@ -114,7 +114,7 @@ def test_two_rounds_on_the_zoo_with_wire_check_and_finetuning():
     models = pytest.importorskip("fedmosaic.models")
     if not hasattr(models, "family_members"):
         pytest.skip("the model zoo (fedmosaic.models) is not there yet")
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

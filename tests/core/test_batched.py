@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import round_numbers, tiny_raw
+from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import ConfigError, from_dict
