@@ -178,6 +178,7 @@ def prefixes_of(trainable: Sequence[str]) -> list[str]:
 
 
 def is_trainable(name: str, prefixes: Sequence[str]) -> bool:
+    """Whether parameter ``name`` falls under one of ``prefixes`` (from ``prefixes_of``)."""
     return any(name.startswith(p) for p in prefixes)
 
 
@@ -192,6 +193,7 @@ class LayerCost:
 
 
 def layer_macs(module: nn.Module, output: Tensor) -> int:
+    """Forward MACs per image of one Conv/Linear call (bias not counted)."""
     per_image = output.numel() // max(output.shape[0], 1)
     if isinstance(module, nn.Linear):
         return per_image * module.in_features
