@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "flower"))
 
 
 def experiment(args: argparse.Namespace) -> dict:
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     return tiny_raw(
         algorithm={"name": args.algorithm},

@@ -20,7 +20,6 @@ import fedmosaic
 import fedmosaic.data
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.checkpoint import FILENAME, FINAL_FILE
-from fedmosaic.compare import build_cells, bundled_suites, cell_status, load_suite, run_suite
 from fedmosaic.config import (
     ConfigError,
     DataConfig,
@@ -39,6 +38,7 @@ from fedmosaic.flower.project import write_app
 from fedmosaic.models import build_client_model, count_params, flops_per_image
 from fedmosaic.report.results import format_table, plot_curves
 from fedmosaic.runfolder import RunFolder, fs_error
+from fedmosaic.suite_runner import build_cells, bundled_suites, cell_status, load_suite, run_suite
 
 # The default job's baselines: its claim's (docs/results.md: Vanilla scheduling level with FedBABU
 # after fine-tuning, at about a third of its training compute) and the other schedule.

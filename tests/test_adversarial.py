@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _attack import ATTACKER, Poison, attacked_run
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.core import robust

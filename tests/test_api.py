@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.checkpoint import CheckpointError

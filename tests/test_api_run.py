@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TIMING, numbers, tiny_raw, write_toml
+from helpers.experiments import TIMING, numbers, tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.cli import main

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_until_round, tiny_raw, write_toml
+from helpers.experiments import run_until_round, tiny_raw, write_toml
 from safetensors.torch import save_file
 from torch import nn
 
@@ -335,7 +335,7 @@ def test_committed_cells_keep_their_config_hashes() -> None:
     """A committed cell's config, rebuilt by today's code, hashes as the stored one (else
     ``compare`` would run every committed cell again)."""
     from fedmosaic.checkpoint import config_hash
-    from fedmosaic.compare import build_cells, load_suite
+    from fedmosaic.suite_runner import build_cells, load_suite
 
     root = Path(__file__).resolve().parents[1] / "docs" / "results" / "converged"
     doc = json.loads(

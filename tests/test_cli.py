@@ -1,7 +1,7 @@
 import csv
 import json
 
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.cli import main

@@ -1,5 +1,5 @@
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import ConfigError, apply_overrides, from_dict, load, parse_value
 

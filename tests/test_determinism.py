@@ -1,4 +1,4 @@
-from conftest import round_numbers, tiny_raw
+from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment

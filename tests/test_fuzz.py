@@ -15,7 +15,7 @@ import re
 import typing
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.cli import main

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core.rounds import holdout_clients

@@ -34,8 +34,8 @@ def test_default_job_is_the_confirmed_claims_suite_cell():
     main-job section states the verdict the committed cells give the claim, whatever it is (a
     stale or flattering sentence fails here), judged from at least 3 paired seeds."""
     from fedmosaic.cli import DEFAULT_BASELINES, baseline_config
-    from fedmosaic.compare import build_cells, load_suite
     from fedmosaic.report import claims
+    from fedmosaic.suite_runner import build_cells, load_suite
 
     main = load(default_config_path())
     suite = load_suite("layer_expansion")

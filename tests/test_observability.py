@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.core import rounds

@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.config import tomllib  # tomli on Python 3.10
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from _attack import ATTACKER, Poison, attacked_run
-from conftest import numbers, tiny_raw
+from helpers.experiments import numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms._shared import SharedState

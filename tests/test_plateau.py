@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core.rounds import plateaued
@@ -71,7 +71,7 @@ def test_plateau_stop_needs_a_validation_split():
 
 
 def test_a_plateau_stopped_run_keeps_the_models_of_its_last_round(tmp_path):
-    from conftest import write_toml
+    from helpers.experiments import write_toml
 
     import fedmosaic.api as fm
     from fedmosaic.cli import main

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
-from fedmosaic import compare, provenance
+from fedmosaic import provenance, suite_runner
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
@@ -71,7 +71,7 @@ def test_source_hash_follows_number_deciding_code_only(tmp_path: Path):
     shutil.copytree(provenance.PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
     before = provenance.source_hash(root)
     assert before == provenance.source_hash()  # same files, same hash
-    report = root / "report" / "compare.py"
+    report = root / "report" / "suite_report.py"
     report.write_text(report.read_text() + "\n# presentation only\n")
     assert provenance.source_hash(root) == before
     algo = root / "algorithms" / "fedavg.py"
@@ -119,9 +119,9 @@ def test_compare_reruns_cells_of_other_code_unless_told(tmp_path: Path, monkeypa
     current = provenance.code()
     monkeypatch.setattr(provenance, "code", lambda: {**current, "source_hash": "f" * 64})
     ran = []
-    real = compare.run_cell
+    real = suite_runner.run_cell
     monkeypatch.setattr(
-        compare, "run_cell", lambda o, cell, *a, **k: ran.append(1) or real(o, cell, *a, **k)
+        suite_runner, "run_cell", lambda o, cell, *a, **k: ran.append(1) or real(o, cell, *a, **k)
     )
     capsys.readouterr()
     assert main([*args, "--reuse-other-code"]) == 0  # kept, and the report says so

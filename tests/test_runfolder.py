@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.checkpoint import FILENAME, FINAL_FILE
 from fedmosaic.cli import main

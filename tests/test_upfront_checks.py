@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import tiny_raw, write_toml
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic import runfolder
 from fedmosaic.cli import main
-from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.federation import check_runs
+from fedmosaic.suite_runner import build_cells, load_suite
 
 # No public split: KT-pFL (distills on it) cannot run here, Local can.
 NO_PUBLIC = {"synthetic_shape": [1, 16, 16], "public_size": 0}

@@ -18,7 +18,8 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
   authors' code); ``bn = "local_stats"`` keeps them on each client (PFLlib/HtFLlib average
   parameters only), ``bn = "local"`` keeps whole BatchNorm layers local (FedBN).
 - uploads also carry ``train_macs`` (this round's forward + backward MACs) and ``paper_cost``
-  (trainable parameters x examples, the layer-expansion paper's Table 4 measure), see ``_flops.py``.
+  (trainable parameters x examples, the layer-expansion paper's Table 4 measure), see
+  ``models/flops.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Annotated, ClassVar, Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
 from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Phase
@@ -37,6 +37,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.models.flops import paper_cost, training_macs
 
 FinetunePart = Literal["all", "head"]  # what fine-tuning trains
 BODY = ("encoder",)  # what trains during the federated rounds: the body only
@@ -47,8 +48,8 @@ class BodyUpload(Payload):
     """A client's body after local training, and what that training cost."""
 
     state: Annotated[dict[str, Tensor], "like body"]  # encoder state dict (params and buffers)
-    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
-    # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (models.flops)
+    # this round's Table 4 cost: trainable parameters x examples (models.flops.paper_cost)
     paper_cost: Annotated[int, "int >= 0"]
 
 

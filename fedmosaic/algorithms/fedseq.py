@@ -23,7 +23,7 @@ The broadcast carries ``num_active`` (and ``order``) so clients know which block
 
 Compute: uploads carry ``paper_cost``, this round's cost in the paper's Table 4 measure (trainable
 parameters x examples processed, which the paper calls FLOPs), and ``train_macs``, the forward +
-backward multiply-accumulates of Conv/Linear layers (``_flops.py``); the report shows both under
+backward multiply-accumulates of Conv/Linear layers (``models/flops.py``); the report shows both under
 their own names, the paper's as the compute column. There is no public reference
 code. Choices of ours:
 - freezing: phases train the encoder; the loss sets ``requires_grad=False`` on the frozen blocks
@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.algorithms._flops import paper_cost, training_macs
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.fedbabu import (
     BODY,
@@ -70,6 +69,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.models.flops import paper_cost, training_macs
 
 __all__ = [
     "FedSeqAnti",
@@ -99,8 +99,8 @@ class ExpansionBroadcast(Payload):
 class ExpansionUpload(Payload):
     state: Annotated[dict[str, Tensor], "like blocks"]  # the unfrozen blocks' body state only
     num_active: Annotated[int, "int in [1, B]"]  # the broadcast's num_active: which blocks
-    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (_flops)
-    # this round's Table 4 cost: trainable parameters x examples (_flops.paper_cost)
+    train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (models.flops)
+    # this round's Table 4 cost: trainable parameters x examples (models.flops.paper_cost)
     paper_cost: Annotated[int, "int >= 0"]
 
 

@@ -294,6 +294,11 @@ def run_rounds(
 ) -> tuple[History, Any]:
     """Run the federation; returns the history and the final server state.
 
+    Each round ``t``: sample the participants, broadcast to them, fit (local training on the
+    transport), screen the replies (validation and the peer guard), aggregate, evaluate every
+    client (every ``eval_every`` rounds and the last), then check the plateau. After the rounds:
+    fine-tune, then serve the held-out newcomers.
+
     With ``checkpoint``, the loop first asks it for a saved point to continue from, and hands it
     the state after every round (it decides when to write).
 
@@ -303,145 +308,40 @@ def run_rounds(
     names the first such round). With ``plan.plateau_delta > 0`` the loop ends early at the first
     evaluated round where ``plateaued`` holds; that round's record has ``"plateau": True``.
     """
-    state = algo.init_server(spec)
+    state, history, last_eval, done = resume(algo, spec, checkpoint)
     # The server's robust rule and what it knows of the partition, in force while uploads are
     # screened and aggregated (``core/robust.py``).
     view = robust.ServerView(spec.robust, spec.num_train, spec.class_counts)
-    history = History()
-    last_eval: list[EvalResult] = []
-    start = 1
-    if checkpoint is not None:
-        restored = checkpoint.restore(state)
-        if restored is not None:
-            done, state, history, last_eval = restored
-            start = done + 1
+    server_eval = server_evaluates(algo, state, spec)
+    last = done
+    # a restored run that had already stopped on its plateau runs no more rounds
+    stopped = bool(history.rounds) and bool(history.rounds[-1].get("plateau"))
     diverged = 0
-    last = start - 1
-    server_eval = spec.server_eval is not None
-    if server_eval:
-        with _rng_kept(spec.device):
-            server_eval = algo.server_model(state, spec) is not None
-        if not server_eval:  # said at the default level: its rows were still taken from clients
-            log.warning(
-                "server evaluation (data.server_eval_size) skipped: %s holds no global model",
-                type(algo).__name__,
-            )
-    if history.rounds and history.rounds[-1].get("plateau"):
-        start = plan.rounds + 1  # a restored run that had already stopped on its plateau
-    for t in range(start, plan.rounds + 1):
+    for t in range(plan.rounds + 1 if stopped else done + 1, plan.rounds + 1):
         last = t
         rec: dict[str, Any] = {"round": t}
         round_view = dataclasses.replace(view, round_num=t)  # what it says names the round
-        # Without held-out clients the pool is range(num_clients): the same draws as always.
-        pool = plan.pool
-        sampled = [pool[i] for i in sample_clients(spec.seed, t, len(pool), plan.clients_per_round)]
+        sampled = sample_round(spec, plan, t)
         t0 = time.perf_counter()
-        messages = {c: algo.broadcast(state, c, t) for c in sampled}
-        results = transport.fit(t, messages)
+        results = transport.fit(t, broadcast(algo, state, sampled, t))
         t1 = time.perf_counter()
-        uploads, rejected = [], []
-        for r in results:
-            try:
-                if r.error is not None or r.upload is None:
-                    raise PayloadError(r.error or "no upload")
-                if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
-                    raise PayloadError(f"implausible example count {r.num_examples}")
-                held = spec.num_train[r.client_id] if r.client_id < len(spec.num_train) else None
-                if held is not None and r.num_examples > held:
-                    raise PayloadError(
-                        f"claims {r.num_examples} training examples; its partition has {held}"
-                    )
-                with robust.serving(round_view):
-                    algo.validate_upload(state, r.upload, r.client_id)
-            except PayloadError as exc:
-                log.warning("round %d: dropped the reply of client %d: %s", t, r.client_id, exc)
-                rejected.append(r.client_id)
-                continue
-            uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
-        # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
-        # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
-        # drop nothing (so their numbers are those without the guard), but a late straggler can
-        # be dropped (docs/robustness.md); claims treat a cell that dropped a reply as unfair.
-        far = robust.peer_screen(round_view, [(u.client_id, u.weight) for u in uploads])
-        for u in uploads:
-            if u.client_id in far:
-                log.warning(
-                    "round %d: dropped the reply of client %d: %s", t, u.client_id, far[u.client_id]
-                )
-                rejected.append(u.client_id)
-        uploads = [u for u in uploads if u.client_id not in far]
-        rec["rejected"] = rejected
-        for u in uploads:
-            for k, v in algo.upload_metrics(u.payload).items():
-                rec[k] = rec.get(k, 0) + v
-        rec["aggregated"] = len(uploads) >= max(plan.min_replies, 1)
-        if rec["aggregated"]:
-            with robust.serving(round_view):
-                new_state = algo.aggregate(state, uploads, t)
-            if robust.all_finite(new_state):
-                state = new_state
-            else:  # never broadcast NaN: this round's aggregation is refused
-                rec["aggregated"] = False
-                log.warning(
-                    "round %d: refused the aggregate of clients %s: the new server state has "
-                    "NaN or Inf values; the previous state is kept",
-                    t,
-                    [u.client_id for u in uploads],
-                )
-        else:
-            log.warning(
-                "round %d: skipped: %d valid replies, fewer than the minimum of %d; "
-                "the server state is unchanged",
-                t,
-                len(uploads),
-                max(plan.min_replies, 1),
-            )
+        uploads, rec["rejected"] = screen_replies(algo, state, spec, round_view, results, t)
+        rec.update(upload_totals(algo, uploads))
+        state, rec["aggregated"] = aggregate_round(algo, state, uploads, plan, round_view, t)
         t2 = time.perf_counter()
-        rec["participants"] = [u.client_id for u in uploads]
-        rec["num_sampled"] = len(sampled)
-        talks = algo.communicates
-        rec["bytes_up"] = sum(r.bytes_up for r in results) if talks else 0
-        rec["bytes_down"] = sum(r.bytes_down for r in results) if talks else 0
-        rec["bytes_up_per_client"] = rec["bytes_up"] / max(len(results), 1)
-        rec["bytes_down_per_client"] = rec["bytes_down"] / max(len(results), 1)
-        losses = [r.loss for r in results if not math.isnan(r.loss)]
-        rec["train_loss"] = float(np.mean(losses)) if losses else math.nan
-        # Clients that trained (a lost reply reports no examples): none with a finite loss.
-        trained = [r for r in results if r.num_examples > 0]
-        if trained and not any(math.isfinite(r.loss) for r in trained):
-            diverged += 1
-            log.warning(
-                "round %d: no client has a finite training loss (diverged; lower train.lr?)", t
-            )
-        else:
-            diverged = 0
+        rec.update(reply_stats(algo, sampled, results, uploads))
+        diverged = diverged + 1 if no_finite_loss(results, t) else 0
         evaluated = t % plan.eval_every == 0 or t == plan.rounds
         if evaluated:
-            eval_msgs = {c: algo.broadcast(state, c, t + 1) for c in plan.pool}
-            last_eval = transport.evaluate(t, eval_msgs)
-            rec.update(summarize_eval(last_eval))
-            if server_eval:  # the server's own numbers, next to the clients' reports
-                rec.update(server_evaluate(algo, state, spec))
+            last_eval, scores = evaluate_round(algo, state, spec, transport, plan, t, server_eval)
+            rec.update(scores)
         t3 = time.perf_counter()
-        rec["seconds_train"] = t1 - t0
-        rec["seconds_aggregate"] = t2 - t1
-        rec["seconds_eval"] = t3 - t2
-        rec["seconds"] = t3 - t0
+        rec.update(
+            seconds_train=t1 - t0, seconds_aggregate=t2 - t1, seconds_eval=t3 - t2, seconds=t3 - t0
+        )
         history.rounds.append(rec)
         history.participants.append(rec["participants"])
-        stop = evaluated and plateaued(
-            history.rounds, plan.plateau_delta, plan.plateau_window, plan.plateau_min_rounds
-        )
-        if stop:
-            rec["plateau"] = True
-            log.info(
-                "round %d: validation accuracy improved by less than %.2f points over the last "
-                "%d%% of rounds: stopping (cap %d)",
-                t,
-                100 * plan.plateau_delta,
-                round(100 * plan.plateau_window),
-                plan.rounds,
-            )
+        stop = evaluated and stop_on_plateau(history.rounds, plan)
         if on_round is not None:
             on_round(rec)
         if checkpoint is not None:
@@ -452,26 +352,272 @@ def run_rounds(
                 f"(rounds {t - diverged + 1}-{t}); lower train.lr or check the data"
             )
         if stop:
-            if checkpoint is not None and not checkpoint.due(t):
-                checkpoint.save(t, state, history, last_eval)  # the last round run (kept models)
+            save_unless_due(checkpoint, t, state, history, last_eval)  # the last round run
             break
         if stop_requested.is_set() and t < plan.rounds:
-            if checkpoint is not None and not checkpoint.due(t):
-                checkpoint.save(t, state, history, last_eval)
+            save_unless_due(checkpoint, t, state, history, last_eval)
             raise Interrupted(t, checkpoint is not None)
     history.final_eval = last_eval
-    ft_phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
-    if plan.finetune_epochs != 0 and ft_phases:
-        msgs = {c: algo.broadcast(state, c, last + 1) for c in plan.pool}
-        transport.finetune(msgs, ft_phases)
-        history.finetune_eval = transport.evaluate(last + 1, msgs, receive=False)
-    if plan.holdout:
-        # Newcomers: their initial models receive the final broadcast (evaluated as they
-        # arrive), then run one round of the method's own client procedure (receive, its
-        # phases and loss; the upload is discarded) and are evaluated again.
-        t = last + 1
-        msgs = {c: algo.broadcast(state, c, t) for c in plan.holdout}
-        history.holdout_before = transport.evaluate(t, msgs)
-        transport.fit(t, msgs)
-        history.holdout_after = transport.evaluate(t, msgs, receive=False)
+    finetune(algo, state, transport, plan, history, last + 1)
+    serve_newcomers(algo, state, transport, plan, history, last + 1)
     return history, state
+
+
+def resume(
+    algo: Algorithm, spec: FederationSpec, checkpoint: RoundCheckpoint | None
+) -> tuple[Any, History, list[EvalResult], int]:
+    """``(server state, history, last evaluation, rounds done)``: a fresh start, or where the
+    checkpoint left off."""
+    state = algo.init_server(spec)
+    if checkpoint is not None:
+        restored = checkpoint.restore(state)
+        if restored is not None:
+            done, state, history, last_eval = restored
+            return state, history, last_eval, done
+    return state, History(), [], 0
+
+
+def server_evaluates(algo: Algorithm, state: Any, spec: FederationSpec) -> bool:
+    """Whether the rounds add the server's own accuracy: a server split and a global model."""
+    if spec.server_eval is None:
+        return False
+    with _rng_kept(spec.device):
+        has_model = algo.server_model(state, spec) is not None
+    if not has_model:  # said at the default level: its rows were still taken from clients
+        log.warning(
+            "server evaluation (data.server_eval_size) skipped: %s holds no global model",
+            type(algo).__name__,
+        )
+    return has_model
+
+
+def sample_round(spec: FederationSpec, plan: RoundPlan, round_num: int) -> list[int]:
+    """Round ``round_num``'s participants, drawn from the pool (the clients not held out)."""
+    # Without held-out clients the pool is range(num_clients): the same draws as always.
+    pool = plan.pool
+    picks = sample_clients(spec.seed, round_num, len(pool), plan.clients_per_round)
+    return [pool[i] for i in picks]
+
+
+def broadcast(
+    algo: Algorithm, state: Any, clients: Sequence[int], round_num: int
+) -> dict[int, Payload]:
+    """The server's message to each of ``clients`` for round ``round_num``."""
+    return {c: algo.broadcast(state, c, round_num) for c in clients}
+
+
+def screen_replies(
+    algo: Algorithm,
+    state: Any,
+    spec: FederationSpec,
+    view: robust.ServerView,
+    results: Sequence[FitResult],
+    round_num: int,
+) -> tuple[list[Weighted], list[int]]:
+    """The uploads that pass validation and the peer guard, and the clients whose reply was
+    dropped (each drop logged with its reason)."""
+    uploads, rejected = [], []
+    for r in results:
+        try:
+            check_reply(algo, state, spec, view, r)
+        except PayloadError as exc:
+            log.warning("round %d: dropped the reply of client %d: %s", round_num, r.client_id, exc)
+            rejected.append(r.client_id)
+            continue
+        assert r.upload is not None  # check_reply refuses a missing one
+        uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
+    # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
+    # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
+    # drop nothing (so their numbers are those without the guard), but a late straggler can
+    # be dropped (docs/robustness.md); claims treat a cell that dropped a reply as unfair.
+    far = robust.peer_screen(view, [(u.client_id, u.weight) for u in uploads])
+    for u in uploads:
+        if u.client_id in far:
+            log.warning(
+                "round %d: dropped the reply of client %d: %s",
+                round_num,
+                u.client_id,
+                far[u.client_id],
+            )
+            rejected.append(u.client_id)
+    return [u for u in uploads if u.client_id not in far], rejected
+
+
+def check_reply(
+    algo: Algorithm, state: Any, spec: FederationSpec, view: robust.ServerView, r: FitResult
+) -> None:
+    """Raise ``PayloadError`` for a reply the server cannot use: undecodable, an implausible
+    example count, or an upload the method refuses (``validate_upload``)."""
+    if r.error is not None or r.upload is None:
+        raise PayloadError(r.error or "no upload")
+    if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
+        raise PayloadError(f"implausible example count {r.num_examples}")
+    held = spec.num_train[r.client_id] if r.client_id < len(spec.num_train) else None
+    if held is not None and r.num_examples > held:
+        raise PayloadError(f"claims {r.num_examples} training examples; its partition has {held}")
+    with robust.serving(view):
+        algo.validate_upload(state, r.upload, r.client_id)
+
+
+def upload_totals(algo: Algorithm, uploads: Sequence[Weighted]) -> dict[str, Any]:
+    """The method's per-upload metrics (``upload_metrics``), summed over the round's uploads."""
+    totals: dict[str, Any] = {}
+    for u in uploads:
+        for k, v in algo.upload_metrics(u.payload).items():
+            totals[k] = totals.get(k, 0) + v
+    return totals
+
+
+def aggregate_round(
+    algo: Algorithm,
+    state: Any,
+    uploads: list[Weighted],
+    plan: RoundPlan,
+    view: robust.ServerView,
+    round_num: int,
+) -> tuple[Any, bool]:
+    """``(server state, aggregated)``: the aggregate of ``uploads``, or the state unchanged when
+    there are fewer than ``plan.min_replies`` or the aggregate is not finite."""
+    minimum = max(plan.min_replies, 1)
+    if len(uploads) < minimum:
+        log.warning(
+            "round %d: skipped: %d valid replies, fewer than the minimum of %d; "
+            "the server state is unchanged",
+            round_num,
+            len(uploads),
+            minimum,
+        )
+        return state, False
+    with robust.serving(view):
+        new_state = algo.aggregate(state, uploads, round_num)
+    if robust.all_finite(new_state):
+        return new_state, True
+    # never broadcast NaN: this round's aggregation is refused
+    log.warning(
+        "round %d: refused the aggregate of clients %s: the new server state has "
+        "NaN or Inf values; the previous state is kept",
+        round_num,
+        [u.client_id for u in uploads],
+    )
+    return state, False
+
+
+def reply_stats(
+    algo: Algorithm,
+    sampled: Sequence[int],
+    results: Sequence[FitResult],
+    uploads: Sequence[Weighted],
+) -> dict[str, Any]:
+    """The round record's participants, traffic and mean training loss."""
+    talks = algo.communicates
+    up = sum(r.bytes_up for r in results) if talks else 0
+    down = sum(r.bytes_down for r in results) if talks else 0
+    losses = [r.loss for r in results if not math.isnan(r.loss)]
+    return {
+        "participants": [u.client_id for u in uploads],
+        "num_sampled": len(sampled),
+        "bytes_up": up,
+        "bytes_down": down,
+        "bytes_up_per_client": up / max(len(results), 1),
+        "bytes_down_per_client": down / max(len(results), 1),
+        "train_loss": float(np.mean(losses)) if losses else math.nan,
+    }
+
+
+def no_finite_loss(results: Sequence[FitResult], round_num: int) -> bool:
+    """Whether some client trained and none has a finite training loss (a warning says so)."""
+    # Clients that trained (a lost reply reports no examples): none with a finite loss.
+    trained = [r for r in results if r.num_examples > 0]
+    if trained and not any(math.isfinite(r.loss) for r in trained):
+        log.warning(
+            "round %d: no client has a finite training loss (diverged; lower train.lr?)",
+            round_num,
+        )
+        return True
+    return False
+
+
+def evaluate_round(
+    algo: Algorithm,
+    state: Any,
+    spec: FederationSpec,
+    transport: Transport,
+    plan: RoundPlan,
+    round_num: int,
+    server_eval: bool,
+) -> tuple[list[EvalResult], dict[str, Any]]:
+    """Every pool client evaluated on the next round's broadcast: the results and the round's
+    accuracy statistics (with the server's own numbers when ``server_eval``)."""
+    results = transport.evaluate(round_num, broadcast(algo, state, plan.pool, round_num + 1))
+    scores = summarize_eval(results)
+    if server_eval:  # the server's own numbers, next to the clients' reports
+        scores.update(server_evaluate(algo, state, spec))
+    return results, scores
+
+
+def stop_on_plateau(rounds: list[dict[str, Any]], plan: RoundPlan) -> bool:
+    """Whether validation accuracy has plateaued after the last round; if so its record gets
+    ``"plateau": True`` and the stop is logged."""
+    if not plateaued(rounds, plan.plateau_delta, plan.plateau_window, plan.plateau_min_rounds):
+        return False
+    rec = rounds[-1]
+    rec["plateau"] = True
+    log.info(
+        "round %d: validation accuracy improved by less than %.2f points over the last "
+        "%d%% of rounds: stopping (cap %d)",
+        rec["round"],
+        100 * plan.plateau_delta,
+        round(100 * plan.plateau_window),
+        plan.rounds,
+    )
+    return True
+
+
+def save_unless_due(
+    checkpoint: RoundCheckpoint | None,
+    round_num: int,
+    state: Any,
+    history: History,
+    last_eval: list[EvalResult],
+) -> None:
+    """Save the last round run when the checkpoint's schedule did not (kept models)."""
+    if checkpoint is not None and not checkpoint.due(round_num):
+        checkpoint.save(round_num, state, history, last_eval)
+
+
+def finetune(
+    algo: Algorithm,
+    state: Any,
+    transport: Transport,
+    plan: RoundPlan,
+    history: History,
+    round_num: int,
+) -> None:
+    """The method's local fine-tuning after the rounds, evaluated into ``history.finetune_eval``
+    (nothing when the method has none or ``plan.finetune_epochs`` is 0)."""
+    phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
+    if plan.finetune_epochs == 0 or not phases:
+        return
+    msgs = broadcast(algo, state, plan.pool, round_num)
+    transport.finetune(msgs, phases)
+    history.finetune_eval = transport.evaluate(round_num, msgs, receive=False)
+
+
+def serve_newcomers(
+    algo: Algorithm,
+    state: Any,
+    transport: Transport,
+    plan: RoundPlan,
+    history: History,
+    round_num: int,
+) -> None:
+    """The held-out clients, served as newcomers after the rounds."""
+    if not plan.holdout:
+        return
+    # Newcomers: their initial models receive the final broadcast (evaluated as they
+    # arrive), then run one round of the method's own client procedure (receive, its
+    # phases and loss; the upload is discarded) and are evaluated again.
+    msgs = broadcast(algo, state, plan.holdout, round_num)
+    history.holdout_before = transport.evaluate(round_num, msgs)
+    transport.fit(round_num, msgs)
+    history.holdout_after = transport.evaluate(round_num, msgs, receive=False)

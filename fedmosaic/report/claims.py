@@ -4,7 +4,7 @@ Each claim is a list of paired comparisons ``method`` vs ``baseline`` on one sui
 ran on the same seeds, and a seed fixes the split and the initial models. So the comparison is
 made per seed: ``d_s = metric(method, s) - metric(baseline, s)``, in percentage points. It is
 reported as the mean of ``d_s`` and its 95% Student-t interval ``[lo, hi]`` over the seeds
-(:func:`fedmosaic.report.compare.aggregate`). The label follows the interval, never the sign of
+(:func:`fedmosaic.report.suite_report.aggregate`). The label follows the interval, never the sign of
 the mean alone (issue 22):
 
 - ``above`` (the paper has ``method`` higher):
@@ -55,11 +55,14 @@ The metric is the paper's:
 - ``paper_cost_g``: layer expansion's Table 4 cost.
 
 Cells: each comparison is judged from the first cell folder (``--cells``, in order; default the
-full-data cells ``docs/results/full`` then the reduced-data ``docs/results/converged``) holding at
-least 3 paired seeds of it, else from the folder with the most.
+full-data cells ``<results>/full`` then the reduced-data ``<results>/converged``, where
+``<results>`` is ``--results``, by default ``docs/results`` under the current directory) holding
+at least 3 paired seeds of it, else from the folder with the most. The package computes no path
+of its own: run from the repository root, or say where the results are.
 
     python -m fedmosaic.report.claims                   # -> stdout
     python -m fedmosaic.report.claims --out docs/results/claims.md
+    python -m fedmosaic.report.claims --results /elsewhere/docs/results
 """
 
 from __future__ import annotations
@@ -75,11 +78,11 @@ from typing import Any
 
 import torch
 
-from fedmosaic.compare import load_suite
 from fedmosaic.config import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models import build_client_model, family_members
-from fedmosaic.report.compare import METRIC_KEYS, aggregate
+from fedmosaic.report.suite_report import METRIC_KEYS, aggregate
+from fedmosaic.suite_runner import load_suite
 
 HOLDS = "holds"
 SMALLER = "holds but smaller"
@@ -92,8 +95,17 @@ MIN_SEEDS = 3  # a cell folder is used for a comparison once it holds this many 
 POWER, ALPHA = 0.8, 0.05  # the power column: 80% power at the 5% level, two-sided t
 MAX_SEEDS = 10_000  # "needs more than this many seeds" past it
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
-DEFAULT_ROOTS = (RESULTS / "full", RESULTS / "converged")  # full data first, then reduced
+# Relative on purpose: the repository's results, resolved against the current directory when read
+# (the package lives in site-packages once installed, where no docs/ sits beside it).
+RESULTS = Path("docs") / "results"
+
+
+def result_roots(results: Path = RESULTS) -> tuple[Path, Path]:
+    """The cell folders under a results folder, in order of preference: full data, then reduced."""
+    return (results / "full", results / "converged")
+
+
+DEFAULT_ROOTS = result_roots()
 DEFAULT_CELLS = DEFAULT_ROOTS[-1]
 
 
@@ -1019,13 +1031,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         action="append",
         help="a folder of <suite>/cells/...; repeat, in order of preference "
-        "(default: docs/results/full, then docs/results/converged)",
+        "(default: RESULTS/full, then RESULTS/converged)",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        metavar="RESULTS",
+        help="the results folder whose full/ and converged/ cells are read when no --cells is "
+        f"given (default: {RESULTS}, relative to the current directory: run from the repository "
+        "root)",
     )
     p.add_argument("--out", type=Path, help="write the Markdown here (default: stdout)")
     args = p.parse_args(argv)
-    roots = args.cells or list(DEFAULT_ROOTS)
+    roots = args.cells or list(result_roots(args.results))
     if not any(r.is_dir() for r in roots):
-        print(f"error: --cells {roots[0]} is not a folder", file=sys.stderr)
+        if args.cells:
+            print(f"error: --cells {roots[0]} is not a folder", file=sys.stderr)
+        else:
+            print(
+                f"error: --results {args.results} holds no full/ or converged/ folder (run from "
+                "the repository root, or pass --results DIR)",
+                file=sys.stderr,
+            )
         return 2
     try:
         text = page([r for r in roots if r.is_dir()])

@@ -1,6 +1,6 @@
 """What a suite is: methods x settings x seeds, each cell one run's config.
 
-Read by ``compare.py`` (which runs the cells) and by ``report/compare.py`` (which lays the
+Read by ``suite_runner.py`` (which runs the cells) and by ``report/suite_report.py`` (which lays the
 tables and figures out by them), so it lives below both.
 """
 

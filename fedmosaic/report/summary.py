@@ -63,7 +63,7 @@ def summarize(history: History) -> dict[str, Any]:
         if any(key in r for r in history.rounds):
             # Training compute summed over clients and rounds: ``paper_cost`` is the layer-expansion
             # paper's Table 4 measure (trainable parameters x examples, which it calls FLOPs),
-            # ``train_macs`` the forward + backward multiply-accumulates (``algorithms/_flops.py``).
+            # ``train_macs`` the forward + backward multiply-accumulates (``models/flops.py``).
             summary[f"{key}_total"] = sum(r.get(key, 0) for r in history.rounds)
     served = [r for r in rounds if "server_acc" in r]
     if served:  # data.server_eval_size, where the method holds a global model

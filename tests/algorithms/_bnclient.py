@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from _publicfed import Source
+from helpers.toyfed import TensorSource
 from torch import Tensor, nn
 
 from fedmosaic.core.client import ClientData
@@ -47,7 +47,7 @@ def bn_data(n: int = 8) -> ClientData:
     x = torch.randn(n + 2, *BN_SHAPE, generator=g)
     y = torch.arange(n + 2) % BN_CLASSES
     rows = torch.arange(n + 2)
-    return ClientData(0, Source(x), y, {"train": rows[:n], "test": rows[n:]}, BN_CLASSES)
+    return ClientData(0, TensorSource(x), y, {"train": rows[:n], "test": rows[n:]}, BN_CLASSES)
 
 
 def shifted_rad(rows: int = 6) -> Tensor:

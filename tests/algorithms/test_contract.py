@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import from_dict

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import nn
 
 from fedmosaic.algorithms._shared import SharedState, weighted_average

@@ -6,10 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from _toyfed import make_toy
+from helpers.toyfed import make_toy
 
 from fedmosaic.algorithms import ALGORITHMS, build_algorithm
-from fedmosaic.algorithms._flops import training_macs
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedbabu import BodyUpload, FedBABU
 from fedmosaic.config import ConfigError
@@ -17,6 +16,7 @@ from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Phase, Weighted
 from fedmosaic.core.payload import PayloadError
 from fedmosaic.core.rounds import RoundPlan, run_rounds
+from fedmosaic.models.flops import training_macs
 
 
 def run_toy_rounds(algo: FedBABU, rounds: int = 3, finetune_epochs: int = 0):
@@ -114,7 +114,7 @@ def test_two_rounds_on_the_zoo_with_wire_check_and_finetuning():
     models = pytest.importorskip("fedmosaic.models")
     if not hasattr(models, "family_members"):
         pytest.skip("the model zoo (fedmosaic.models) is not there yet")
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

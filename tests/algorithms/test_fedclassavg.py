@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from _handmade import run_handmade
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import nn
 
 from fedmosaic.algorithms._augment import augment, color_jitter, random_resized_crop_flip

@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-from _tiny_fed import make_clients, run_round, tiny_data, tiny_model, tiny_spec
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import make_clients, member_data, member_model, member_spec, run_round
 from torch import nn
 
 from fedmosaic.algorithms import build_algorithm
@@ -30,7 +30,7 @@ def test_aggregation_with_missing_classes_hand_computed():
     )
     c = ClassLogits(torch.full((3, 3), 100.0), torch.tensor([False, False, False]))
     algo = FedDistill()
-    state = algo.init_server(tiny_spec(("wide", "narrow", "wide")))
+    state = algo.init_server(member_spec(("wide", "narrow", "wide")))
     # Weights (sample counts) do not enter: the mean is over clients that have the class.
     out = algo.aggregate(state, [Weighted(0, 1.0, a), Weighted(1, 9.0, b), Weighted(2, 5.0, c)], 1)
     expected = torch.tensor([[2.0, 2.0, 1.0], [4.0, -2.0, 0.0], [0.0, 0.0, 0.0]])
@@ -59,7 +59,7 @@ def test_leave_one_out_average_hand_computed():
     """Jeong et al. Alg. 1: client i gets (F - F_i) / (M - 1), F the sum over the M clients."""
     algo = FedDistill()
     assert algo.average == "others"  # the paper's, by default
-    spec = tiny_spec(("wide", "narrow", "wide", "narrow"))  # client 3 does not upload
+    spec = member_spec(("wide", "narrow", "wide", "narrow"))  # client 3 does not upload
     state = algo.aggregate(algo.init_server(spec), _three_uploads(), 1)
     # class 0: F = [9, 6, 0], M = 3 -> A: [8, 3]/2, B: [6, 5]/2, C: [4, 4]/2.
     # class 1 (A, B hold it): A gets B's row, B gets A's, C (no class 1) the mean of both.
@@ -86,7 +86,7 @@ def test_leave_one_out_average_hand_computed():
 
 def test_leave_one_out_forgets_clients_absent_from_the_round():
     algo = FedDistill()
-    spec = tiny_spec(("wide", "narrow", "wide"))
+    spec = member_spec(("wide", "narrow", "wide"))
     state = algo.aggregate(algo.init_server(spec), _three_uploads(), 1)
     # Round 2: only client 1 uploads; the others' round-1 logits are not reused.
     state = algo.aggregate(state, _three_uploads()[1:2], 2)
@@ -151,7 +151,7 @@ def test_kl_variant_uses_softmax_probabilities():
 @torch.no_grad()
 def test_loss_lam_and_variants():
     torch.manual_seed(0)
-    model = tiny_model()
+    model = member_model()
     x = torch.randn(4, 1, 3, 4)
     y = torch.tensor([0, 1, 2, 0])
     msg = ClassLogits(torch.randn(3, 3), torch.tensor([True, False, True]))
@@ -168,9 +168,9 @@ def test_loss_lam_and_variants():
 
 def test_upload_is_eval_mode_class_mean():
     torch.manual_seed(0)
-    model = tiny_model()
+    model = member_model()
     model.encoder.append(nn.Dropout(0.5))  # eval mode must switch it off
-    data = tiny_data(0)
+    data = member_data(0)
     data.labels[data.rows("train")[data.targets("train") == 2]] = 1  # no class 2 left
     data._y.clear()
     model.train()
@@ -190,7 +190,7 @@ def test_upload_is_eval_mode_class_mean():
 
 def test_validate_upload_rejects_bad_shapes():
     algo = FedDistill()
-    state = algo.init_server(tiny_spec())
+    state = algo.init_server(member_spec())
     algo.validate_upload(state, ClassLogits(torch.zeros(3, 3), torch.ones(3, dtype=torch.bool)), 0)
     bad = [
         ClassLogits(torch.zeros(3, 4), torch.ones(3, dtype=torch.bool)),
@@ -212,7 +212,7 @@ def test_hyperparameters_are_checked():
 @pytest.mark.parametrize(("distill", "average"), [("mse", "others"), ("kl", "all")])
 def test_zoo_free_rounds_learn_the_global_logits(distill, average):
     algo = FedDistill(distill=distill, average=average)
-    spec = tiny_spec()
+    spec = member_spec()
     models, extras, data = make_clients(algo, spec)
     state = algo.init_server(spec)
     for t in (1, 2):

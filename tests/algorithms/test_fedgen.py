@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _gen_kt_toy import make_toy, numbers, run_toy, toy_model
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import WITH_PUBLIC, accuracy_and_loss, make_toy, run_toy, toy_model
 from torch import Tensor, nn
 
 from fedmosaic.algorithms.fedgen import (
@@ -132,7 +132,7 @@ def _same(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
 
 def test_generator_changes_and_round_two_starts_from_round_one():
     algo = FedGen(generator_steps=5)
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     uploads = _uploads(toy)
     state0 = algo.init_server(toy.spec)
     init = _state(state0.generator)
@@ -179,7 +179,7 @@ def test_generator_changes_and_round_two_starts_from_round_one():
 
 def test_run_updates_generator_every_round_and_clients_hold_it():
     algo = FedGen(generator_steps=5)
-    toy = run_toy(algo, rounds=2)
+    toy = run_toy(algo, WITH_PUBLIC, rounds=2)
     assert all(r["rejected"] == [] for r in toy.history.rounds)
     init = _state(algo.init_server(toy.spec).generator)
     final = _state(toy.state.generator)
@@ -193,7 +193,7 @@ def test_run_updates_generator_every_round_and_clients_hold_it():
 
 
 def _trained_message(algo: FedGen):
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     state = algo.aggregate(algo.init_server(toy.spec), _uploads(toy), 1)
     state = dataclasses.replace(state, label_probs=torch.tensor([0.2, 0.5, 0.3]))
     return toy, state
@@ -252,16 +252,16 @@ def test_client_term_vanishes_when_lam_zero_or_untrained():
 
 
 def test_gen_lam_zero_trains_exactly_like_lg_fedavg():
-    gen = run_toy(FedGen(gen_lam=0.0, generator_steps=3), rounds=3)
-    lg = run_toy(LGFedAvg(), rounds=3)
-    assert numbers(gen.history) == numbers(lg.history)
+    gen = run_toy(FedGen(gen_lam=0.0, generator_steps=3), WITH_PUBLIC, rounds=3)
+    lg = run_toy(LGFedAvg(), WITH_PUBLIC, rounds=3)
+    assert accuracy_and_loss(gen.history) == accuracy_and_loss(lg.history)
     assert all(torch.equal(gen.state.head[k], lg.state[k]) for k in lg.state)
     for a, b in zip(gen.models, lg.models):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     # With the term on, round 1 is still identical (no trained generator yet), round 2 is not.
-    on = run_toy(FedGen(gen_lam=1.0, generator_steps=3), rounds=2)
-    assert numbers(on.history)[0] == numbers(lg.history)[0]
-    assert numbers(on.history)[1] != numbers(lg.history)[1]
+    on = run_toy(FedGen(gen_lam=1.0, generator_steps=3), WITH_PUBLIC, rounds=2)
+    assert accuracy_and_loss(on.history)[0] == accuracy_and_loss(lg.history)[0]
+    assert accuracy_and_loss(on.history)[1] != accuracy_and_loss(lg.history)[1]
 
 
 # ---- validation and configuration ------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_gen_lam_zero_trains_exactly_like_lg_fedavg():
 
 def test_validate_upload_rejects_malformed():
     algo = FedGen(generator_steps=1)
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     state = algo.init_server(toy.spec)
     head = toy.models[0].part_state("head")
     good = torch.tensor([1, 2, 3])

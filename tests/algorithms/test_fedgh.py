@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from _handmade import run_handmade
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import nn
 
 from fedmosaic.algorithms._shared import SharedState

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _bnclient import BN_MEMBERS, bn_buffers, bn_data, bn_model, shifted_rad
-from _publicfed import SHAPE, C, run_fed, tiny_data, tiny_model
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import CLASS_MEANS, means_client, run_toy, toy_model
+from helpers.toyfed import NUM_CLASSES as C
 from torch import nn
 
 from fedmosaic.algorithms.fedhenn import (
@@ -33,7 +34,9 @@ from fedmosaic.core.training import TrainSettings
 
 
 def _spec(public=None, seed: int = 0) -> FederationSpec:
-    return FederationSpec(3, C, 4, SHAPE, ("a", "b", "a"), (8, 8, 8), seed, 3, tiny_model, public)
+    return FederationSpec(
+        3, C, 4, CLASS_MEANS.shape, ("a", "b", "a"), (8, 8, 8), seed, 3, toy_model, public
+    )
 
 
 def _reps(n=12, d=5, seed=0):
@@ -108,7 +111,7 @@ def test_eta_schedule_values():
     assert eta_at(0.001, "constant", 9) == pytest.approx(0.001)
     assert eta_at(0.001, "linear", 9) == pytest.approx(0.009)
     algo = FedHeNN(eta0=0.01, schedule="sqrt")
-    state = algo.init_server(_spec(torch.randn(30, *SHAPE)))
+    state = algo.init_server(_spec(torch.randn(30, *CLASS_MEANS.shape)))
     msg = algo.broadcast(state, 0, 9)
     assert msg.eta == pytest.approx(0.03) and msg.round_num == 9
     with pytest.raises(ValueError):
@@ -123,7 +126,7 @@ def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds(caplo
     assert not torch.equal(a, sample_rad(100, 20, seed=0, round_num=4))
     assert not torch.equal(a, sample_rad(100, 20, seed=1, round_num=3))
     assert sample_rad(10, 1000, 0, 1).numel() == 10  # capped to the public size
-    public = torch.randn(30, *SHAPE)
+    public = torch.randn(30, *CLASS_MEANS.shape)
     algo = FedHeNN(rad_size=8)
     state = algo.init_server(_spec(public))
     msg = algo.broadcast(state, 1, 2)
@@ -139,21 +142,21 @@ def test_rad_sampling_is_deterministic_per_round_and_differs_across_rounds(caplo
 def test_public_split_is_required():
     with pytest.raises(ConfigError, match="public_size"):
         FedHeNN().check(_spec(None))
-    FedHeNN().check(_spec(torch.zeros(2, *SHAPE)))
+    FedHeNN().check(_spec(torch.zeros(2, *CLASS_MEANS.shape)))
     with pytest.raises(ConfigError):
         FedHeNN().init_server(_spec(None))
 
 
 # ---- protocol ---------------------------------------------------------------------------------
 def test_round_one_has_no_alignment_and_aggregation_sets_the_target():
-    public = torch.randn(30, *SHAPE)
+    public = torch.randn(30, *CLASS_MEANS.shape)
     algo = FedHeNN(rad_size=6, eta0=0.1)
     state = algo.init_server(_spec(public))
     msg = algo.broadcast(state, 0, 1)
-    assert msg.rad.shape == (0, *SHAPE) and msg.kernel.shape == (0, 0)
+    assert msg.rad.shape == (0, *CLASS_MEANS.shape) and msg.kernel.shape == (0, 0)
     torch.manual_seed(0)
-    model = tiny_model()
-    x, y = torch.randn(5, *SHAPE), torch.tensor([0, 1, 2, 0, 1])
+    model = toy_model()
+    x, y = torch.randn(5, *CLASS_MEANS.shape), torch.tensor([0, 1, 2, 0, 1])
     assert torch.allclose(algo.loss(model, None, x, y, msg), F.cross_entropy(model(x), y))
     # Uploads of round 1 are kernels on round 1's RAD; K_bar is their uniform mean.
     k1, k2 = torch.rand(6, 6), torch.rand(6, 6)
@@ -174,9 +177,9 @@ def test_round_one_has_no_alignment_and_aggregation_sets_the_target():
 
 def test_alignment_uses_encoder_features_not_logits():
     torch.manual_seed(0)
-    model = tiny_model()
-    rad = torch.randn(10, *SHAPE)
-    x, y = torch.randn(5, *SHAPE), torch.tensor([0, 1, 2, 0, 1])
+    model = toy_model()
+    rad = torch.randn(10, *CLASS_MEANS.shape)
+    x, y = torch.randn(5, *CLASS_MEANS.shape), torch.tensor([0, 1, 2, 0, 1])
     ce = F.cross_entropy(model(x), y)
     with torch.no_grad():
         k_feat = kernel_matrix(model.features(rad))
@@ -204,15 +207,15 @@ def test_alignment_uses_encoder_features_not_logits():
 
 
 def test_upload_is_the_trained_models_kernel_on_the_new_rad_in_eval_mode():
-    data = tiny_data()
-    public = torch.randn(30, *SHAPE)
+    data = means_client()
+    public = torch.randn(30, *CLASS_MEANS.shape)
     algo = FedHeNN(rad_size=7, eta0=0.1)
     state = algo.init_server(_spec(public))
     k0 = torch.rand(7, 7)
     state = algo.aggregate(state, [Weighted(0, 1.0, HeNNUpload(k0 @ k0.T))], 1)
     msg = algo.broadcast(state, 0, 2)
     torch.manual_seed(0)
-    model = tiny_model()
+    model = toy_model()
     before = [p.detach().clone() for p in model.parameters()]
     out = client_ops.fit(
         algo,
@@ -236,7 +239,7 @@ def test_upload_is_the_trained_models_kernel_on_the_new_rad_in_eval_mode():
 
 def test_validate_upload_rejects_wrong_kernel_shape():
     algo = FedHeNN(rad_size=5)
-    state = algo.init_server(_spec(torch.randn(20, *SHAPE)))
+    state = algo.init_server(_spec(torch.randn(20, *CLASS_MEANS.shape)))
     algo.validate_upload(state, HeNNUpload(torch.zeros(5, 5)), 0)
     for bad in (torch.zeros(4, 4), torch.zeros(5, 6), torch.zeros(5), torch.zeros(5, 5).double()):
         with pytest.raises(PayloadError, match="kernel"):
@@ -304,7 +307,7 @@ def test_training_kernel_and_uploaded_kernel_are_the_same_map(family, member):
     [{"eta0": 0.1}, {"eta0": 0.1, "kernel": "rbf", "rad_batch": 8, "weighting": "samples"}],
 )
 def test_two_rounds_heterogeneous_toy_federation(kwargs):
-    fed = run_fed(FedHeNN(rad_size=16, **kwargs), rounds=3, public_size=24)
+    fed = run_toy(FedHeNN(rad_size=16, **kwargs), CLASS_MEANS, rounds=3, public_size=24)
     rounds = fed.history.rounds
     assert [r["round"] for r in rounds] == [1, 2, 3]
     for r in rounds:

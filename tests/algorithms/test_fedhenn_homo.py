@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _bnclient import BN_MEMBERS, bn_buffers, bn_data, bn_model, shifted_rad
-from _publicfed import SHAPE, C, run_fed, tiny_data, tiny_model
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import CLASS_MEANS, means_client, run_toy, toy_model
+from helpers.toyfed import NUM_CLASSES as C
 
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedavg import FedAvg
@@ -23,9 +24,9 @@ from fedmosaic.core.training import TrainSettings
 def _spec(public) -> FederationSpec:
     def build(i: int):
         torch.manual_seed(0)
-        return tiny_model()
+        return toy_model()
 
-    return FederationSpec(3, C, 4, SHAPE, ("a",) * 3, (8, 8, 8), 0, 2, build, public)
+    return FederationSpec(3, C, 4, CLASS_MEANS.shape, ("a",) * 3, (8, 8, 8), 0, 2, build, public)
 
 
 def _numbers(fed):
@@ -33,26 +34,26 @@ def _numbers(fed):
 
 
 def test_eta0_zero_is_fedavg_exactly():
-    avg = run_fed(FedAvg(), rounds=3, heterogeneous=False)
-    henn0 = run_fed(FedHeNNHomo(eta0=0.0, rad_size=8), rounds=3, heterogeneous=False)
+    avg = run_toy(FedAvg(), CLASS_MEANS, rounds=3, heterogeneous=False)
+    henn0 = run_toy(FedHeNNHomo(eta0=0.0, rad_size=8), CLASS_MEANS, rounds=3, heterogeneous=False)
     assert _numbers(avg) == _numbers(henn0)
     assert all(torch.equal(henn0.state.weights[k], v) for k, v in avg.state.items())
-    henn = run_fed(FedHeNNHomo(eta0=1.0, rad_size=8), rounds=3, heterogeneous=False)
+    henn = run_toy(FedHeNNHomo(eta0=1.0, rad_size=8), CLASS_MEANS, rounds=3, heterogeneous=False)
     assert _numbers(henn) != _numbers(avg)
     for r in henn.history.rounds:
         assert r["rejected"] == [] and math.isfinite(r["train_loss"])
 
 
 def test_global_kernel_is_the_received_models_and_starts_aligned():
-    public = torch.randn(20, *SHAPE)
+    public = torch.randn(20, *CLASS_MEANS.shape)
     algo = FedHeNNHomo(eta0=0.5, rad_size=10)
     spec = _spec(public)
     state = algo.init_server(spec)
     msg = algo.broadcast(state, 0, 4)
     assert msg.eta == pytest.approx(1.0)  # 0.5 * sqrt(4)
     torch.manual_seed(3)
-    model = tiny_model()  # different weights from the global model until it receives them
-    data = tiny_data()
+    model = toy_model()  # different weights from the global model until it receives them
+    data = means_client()
     extras = algo.init_client(model, spec, data)
     algo.receive(model, extras, msg)
     algo.before_fit(FitContext(model, extras, data, msg, TrainSettings(), torch.Generator(), 1))
@@ -61,7 +62,7 @@ def test_global_kernel_is_the_received_models_and_starts_aligned():
         want = kernel_matrix(global_model.features(msg.rad))
     assert torch.allclose(extras.k_global, want)
     # At the start of local training the model is the global model: the CKA term is 0.
-    x, y = torch.randn(6, *SHAPE), torch.tensor([0, 1, 2, 0, 1, 2])
+    x, y = torch.randn(6, *CLASS_MEANS.shape), torch.tensor([0, 1, 2, 0, 1, 2])
     model.train()
     ce = F.cross_entropy(model(x), y)
     assert torch.allclose(algo.loss(model, extras, x, y, msg), ce, atol=1e-5)
@@ -110,10 +111,13 @@ def test_batchnorm_statistics_untouched_and_one_mode_for_both_kernels(family, me
 
 
 def test_payloads_validation_and_config():
-    public = torch.randn(20, *SHAPE)
+    public = torch.randn(20, *CLASS_MEANS.shape)
     algo = FedHeNNHomo(rad_size=50)
     state = algo.init_server(_spec(public))
-    assert state.rad_size == 20 and algo.broadcast(state, 0, 1).rad.shape == (20, *SHAPE)
+    assert state.rad_size == 20 and algo.broadcast(state, 0, 1).rad.shape == (
+        20,
+        *CLASS_MEANS.shape,
+    )
     assert not FedHeNNHomo.supports_heterogeneous and FedHeNNHomo.Upload is SharedState
     good = SharedState({k: v.clone() for k, v in state.weights.items()})
     algo.validate_upload(state, good, 0)

@@ -2,8 +2,8 @@ import math
 
 import pytest
 import torch
-from _tiny_fed import fake_zoo, make_clients, run_round, tiny_spec  # noqa: F401 (fixture)
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import fake_zoo, make_clients, member_spec, run_round  # noqa: F401 (fixture)
 
 from fedmosaic.algorithms import build_algorithm
 from fedmosaic.algorithms.fedkd import (
@@ -157,7 +157,7 @@ def test_hyperparameters_are_checked():
 @pytest.mark.usefixtures("fake_zoo")
 def test_untrained_update_leaves_the_global_mentee_unchanged():
     algo = FedKD()
-    spec = tiny_spec(("wide", "narrow"), rounds=3)
+    spec = member_spec(("wide", "narrow"), rounds=3)
     models, extras, data = make_clients(algo, spec)
     state = algo.init_server(spec)
     assert state.energy == pytest.approx(0.95)
@@ -179,7 +179,7 @@ def test_untrained_update_leaves_the_global_mentee_unchanged():
 def test_zoo_free_rounds(upload_mode):
     # The wide member as mentee: its 64 x 12 layer is worth factoring on the wire.
     algo = FedKD(upload_mode=upload_mode, mentee_arch="wide")
-    spec = tiny_spec(("wide", "narrow"), rounds=2)
+    spec = member_spec(("wide", "narrow"), rounds=2)
     models, extras, data = make_clients(algo, spec)
     state = algo.init_server(spec)
     w_h = [e.W_h.weight.clone() for e in extras]
@@ -235,7 +235,7 @@ def test_mentee_is_built_with_the_clients_projection():
 def test_first_broadcast_is_the_full_mentee_by_default():
     # At T_start = 0.5 the wide member's random 64 x 12 layer is worth factoring (at 0.95 a random
     # matrix is not, and would be sent dense anyway).
-    spec = tiny_spec(("wide", "narrow"), rounds=3)
+    spec = member_spec(("wide", "narrow"), rounds=3)
     full = FedKD(mentee_arch="wide", T_start=0.5)
     assert full.first_broadcast == "full"  # PFLlib: the full model first
     state = full.init_server(spec)
@@ -254,7 +254,7 @@ def test_first_broadcast_is_the_full_mentee_by_default():
 
 
 def test_mentee_arch_must_be_a_member_or_in_the_zoo():
-    spec = tiny_spec(("wide", "narrow"), rounds=1)
+    spec = member_spec(("wide", "narrow"), rounds=1)
     FedKD(mentee_arch="wide").check(spec)  # one of the federation's members
     FedKD(mentee_arch="cnn1").check(spec)  # in the zoo
     with pytest.raises(ConfigError, match="algorithm.mentee_arch = 'nope'"):

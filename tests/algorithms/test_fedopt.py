@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedopt import FedAdagrad, FedAdam, FedAvgM, FedOptState, FedYogi

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _toyfed import make_toy, run_toy, settings
+from helpers.toyfed import make_toy, run_toy, settings
 
 from fedmosaic.algorithms._shared import SharedState
 from fedmosaic.algorithms.fedper import FedPer
@@ -69,7 +69,7 @@ def test_homogeneous_only():
 
 
 def test_rejects_heterogeneous_family():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import ConfigError, from_dict
 
@@ -78,7 +78,7 @@ def test_rejects_heterogeneous_family():
 
 
 def test_two_rounds_end_to_end_single_arch():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

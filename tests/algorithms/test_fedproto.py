@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _toyfed import make_toy, run_toy
+from helpers.toyfed import make_toy, run_toy
 from torch import nn
 
 from fedmosaic.algorithms import build_algorithm
@@ -240,7 +240,7 @@ def test_two_rounds_heterogeneous_toy_with_wire_check():
 
 
 def test_two_rounds_end_to_end_heterogeneous_family():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

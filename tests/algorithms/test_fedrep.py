@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _toyfed import make_toy, run_toy, settings
+from helpers.toyfed import make_toy, run_toy, settings
 
 from fedmosaic.algorithms import build_algorithm
 from fedmosaic.algorithms.fedrep import FedRep
@@ -96,7 +96,7 @@ def test_two_rounds_toy_with_wire_check():
 
 
 def test_rejects_heterogeneous_family():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
 
@@ -106,7 +106,7 @@ def test_rejects_heterogeneous_family():
 
 
 def test_two_rounds_end_to_end_single_arch():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _toyfed import make_toy, run_toy, settings
+from helpers.toyfed import make_toy, run_toy, settings
 from torch import nn
 
 from fedmosaic.algorithms.fedrod import (
@@ -127,7 +127,7 @@ def test_two_rounds_toy_with_wire_check():
 
 
 def test_rejects_heterogeneous_family():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
 
@@ -137,7 +137,7 @@ def test_rejects_heterogeneous_family():
 
 
 def test_two_rounds_end_to_end_single_arch():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _toyfed import TensorSource, make_toy
+from helpers.toyfed import TensorSource, make_toy
 from torch import nn
 
 from fedmosaic.algorithms import ALGORITHMS, build_algorithm
@@ -381,7 +381,7 @@ def zoo_or_skip() -> None:
 @pytest.mark.parametrize("name", ["fedseq_vanilla", "fedseq_anti"])
 def test_three_rounds_on_the_zoo_with_wire_check(name):
     zoo_or_skip()
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

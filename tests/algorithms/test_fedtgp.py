@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _publicfed import C, D, run_fed, tiny_data, tiny_model
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import CLASS_MEANS, means_client, run_toy, toy_model
+from helpers.toyfed import FEATURE_DIM as D
+from helpers.toyfed import NUM_CLASSES as C
 
 from fedmosaic.algorithms.fedtgp import (
     ClientPrototypes,
@@ -233,7 +235,7 @@ def test_alignment_loss_euclidean_and_mse_hand_computed():
 
 def test_client_loss_is_ce_plus_lam_times_alignment():
     torch.manual_seed(0)
-    model = tiny_model()
+    model = toy_model()
     x = torch.randn(5, 1, 2, 6)
     y = torch.tensor([0, 1, 2, 1, 0])
     protos = torch.randn(C, D)
@@ -265,8 +267,8 @@ def _hand_class_means(model, data):
 def test_upload_is_exact_class_means_without_counts():
     assert {f.name for f in dataclasses.fields(FedTGP.Upload)} == {"protos", "classes"}
     torch.manual_seed(0)
-    model = tiny_model()
-    data = tiny_data(classes=(0, 2))  # class 1 absent
+    model = toy_model()
+    data = means_client(classes=(0, 2))  # class 1 absent
     up = FedTGP().upload(model, torch.nn.Module(), data, None)
     assert up.classes.dtype == torch.int64 and up.classes.tolist() == [0, 2]
     # Only the |C_i| = 2 classes held are sent (the paper's K x |C_i| floats), no counts.
@@ -285,10 +287,10 @@ def _fit(algo, model, data, msg):
 
 
 def test_stale_prototypes_upload_the_model_before_training():
-    data = tiny_data()
+    data = means_client()
     msg = Prototypes(torch.zeros(C, D), torch.zeros(C, dtype=torch.bool))
     torch.manual_seed(1)
-    m_stale = tiny_model()
+    m_stale = toy_model()
     m_fresh = copy.deepcopy(m_stale)
     before = _hand_class_means(m_stale, data)
     stale = _fit(FedTGP(stale_prototypes=True), m_stale, data, msg)
@@ -301,7 +303,7 @@ def test_stale_prototypes_upload_the_model_before_training():
 
 def test_predict_nearest_prototype_and_head_fallback():
     torch.manual_seed(0)
-    model = tiny_model().eval()
+    model = toy_model().eval()
     x = torch.randn(6, 1, 2, 6)
     feats = model.features(x)
     protos = torch.stack([feats[0], feats[1] + 10, feats[2]])  # class 1 is far from everything
@@ -354,7 +356,7 @@ def test_validate_upload_rejects_wrong_shapes_and_dtypes():
     ],
 )
 def test_two_rounds_heterogeneous_toy_federation(kwargs):
-    fed = run_fed(FedTGP(server_epochs=5, **kwargs))
+    fed = run_toy(FedTGP(server_epochs=5, **kwargs), CLASS_MEANS)
     rounds = fed.history.rounds
     assert [r["round"] for r in rounds] == [1, 2]
     for r in rounds:

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny_fed import fake_zoo, make_clients, run_round, tiny_spec  # noqa: F401 (fixture)
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import fake_zoo, make_clients, member_spec, run_round  # noqa: F401 (fixture)
 
 from fedmosaic.algorithms import _distill, build_algorithm
 from fedmosaic.algorithms._shared import SharedState
@@ -94,7 +94,7 @@ def test_hyperparameters_are_checked():
 
 @pytest.mark.usefixtures("fake_zoo")
 def test_meme_is_smallest_member_and_server_init_deterministic():
-    spec = tiny_spec(("wide", "narrow", "wide"))
+    spec = member_spec(("wide", "narrow", "wide"))
     assert _distill.small_member("", spec) == "narrow"
     assert _distill.small_member("wide", spec) == "wide"
     torch.manual_seed(123)
@@ -110,7 +110,7 @@ def test_meme_is_smallest_member_and_server_init_deterministic():
 @pytest.mark.usefixtures("fake_zoo")
 def test_zoo_free_rounds_train_both_models_and_average_memes():
     algo = FML()
-    spec = tiny_spec(("wide", "narrow"))
+    spec = member_spec(("wide", "narrow"))
     models, extras, data = make_clients(algo, spec)
     state = algo.init_server(spec)
     personal0 = [m.state_dict()["head.weight"].clone() for m in models]

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _gen_kt_toy import make_toy, numbers, run_toy, toy_model
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
+from helpers.toyfed import WITH_PUBLIC, accuracy_and_loss, make_toy, run_toy, toy_model
 
 from fedmosaic.algorithms.ktpfl import (
     KTpFL,
@@ -164,7 +164,7 @@ def test_distillation_moves_predictions_toward_target():
         distill_batch_size=8,
         distill_reduction="batchmean",
     )
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     model = toy_model()
     x = toy.spec.public  # [16, 1, 3, 4]
     target = F.softmax(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)) * 2, 1)
@@ -190,7 +190,7 @@ def test_distillation_moves_predictions_toward_target():
 def test_distillation_uses_its_own_optimizer_not_the_private_one():
     """Private training with Adam must not turn the distillation step into Adam at 0.02."""
     algo = KTpFL(T=2.0, distill_epochs=1, distill_lr=0.05, distill_batch_size=16)
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     x = toy.spec.public  # [16, 1, 3, 4]: one distillation step with batch 16
     target = F.softmax(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)) * 2, 1)
     msg = KTpFLBroadcast(x, target, True)
@@ -214,20 +214,20 @@ def test_distillation_uses_its_own_optimizer_not_the_private_one():
 
 
 def test_distill_epochs_zero_trains_exactly_like_local():
-    kt = run_toy(KTpFL(distill_epochs=0), rounds=3)
-    loc = run_toy(Local(), rounds=3)
-    assert numbers(kt.history) == numbers(loc.history)
+    kt = run_toy(KTpFL(distill_epochs=0), WITH_PUBLIC, rounds=3)
+    loc = run_toy(Local(), WITH_PUBLIC, rounds=3)
+    assert accuracy_and_loss(kt.history) == accuracy_and_loss(loc.history)
     # With distillation, round 1 is still identical (no targets yet) and round 2 is not.
-    on = run_toy(KTpFL(distill_lr=0.5), rounds=2)
-    assert numbers(on.history)[0] == numbers(loc.history)[0]
-    assert numbers(on.history)[1] != numbers(loc.history)[1]
+    on = run_toy(KTpFL(distill_lr=0.5), WITH_PUBLIC, rounds=2)
+    assert accuracy_and_loss(on.history)[0] == accuracy_and_loss(loc.history)[0]
+    assert accuracy_and_loss(on.history)[1] != accuracy_and_loss(loc.history)[1]
 
 
 # ---- server side ----------------------------------------------------------------------------
 
 
 def test_run_learns_coefficients_on_the_simplex():
-    toy = run_toy(KTpFL(distill_lr=0.5), rounds=3)
+    toy = run_toy(KTpFL(distill_lr=0.5), WITH_PUBLIC, rounds=3)
     assert all(r["rejected"] == [] for r in toy.history.rounds)
     c = toy.state.coef
     assert torch.allclose(c.sum(1), torch.ones(3, dtype=torch.float64)) and bool((c >= 0).all())
@@ -242,7 +242,7 @@ def test_run_learns_coefficients_on_the_simplex():
 
 def test_partial_participation_keeps_last_known_predictions():
     algo = KTpFL()
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     state = algo.init_server(toy.spec)
     msg = algo.broadcast(state, 0, 1)
     assert not msg.has_target and float(msg.target.abs().sum()) == 0.0
@@ -269,7 +269,7 @@ def test_partial_participation_keeps_last_known_predictions():
 
 def test_public_subset_is_seeded_and_fixed():
     algo = KTpFL(public_batch=5)
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     a, b = algo.init_server(toy.spec), algo.init_server(toy.spec)
     assert a.public.shape == (5, 1, 3, 4) and torch.equal(a.public, b.public)
     rows = {tuple(r.flatten().tolist()) for r in toy.spec.public}
@@ -281,7 +281,7 @@ def test_public_subset_is_seeded_and_fixed():
 
 def test_validate_upload_rejects_malformed():
     algo = KTpFL()
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     state = algo.init_server(toy.spec)
     p = state.soft.shape[1]
     good = torch.full((p, 3), 1 / 3)
@@ -310,7 +310,7 @@ def test_config_requires_public_split():
     KTpFL().check(dataclasses.replace(spec, public=torch.zeros(50, 1, 4, 4)))
     with pytest.raises(ValueError, match="T"):
         KTpFL(T=0.0)
-    toy = make_toy(KTpFL(), public_size=0)
+    toy = make_toy(KTpFL(), WITH_PUBLIC, public_size=0)
     with pytest.raises(ValueError, match="public"):
         KTpFL().init_server(toy.spec)
 
@@ -355,7 +355,7 @@ def test_distillation_kl_mean_is_batchmean_over_C_hand_computed():
 
 
 def test_distillation_reduction_scales_the_sgd_step_by_C():
-    toy = make_toy(KTpFL())
+    toy = make_toy(KTpFL(), WITH_PUBLIC)
     x = toy.spec.public  # [16, 1, 3, 4]
     target = F.softmax(torch.randn(16, 3, generator=torch.Generator().manual_seed(1)) * 2, 1)
     msg = KTpFLBroadcast(x, target, True)
@@ -377,7 +377,7 @@ def test_distillation_reduction_scales_the_sgd_step_by_C():
 
 def test_distillation_uses_every_public_input_whatever_train_drop_last():
     algo = KTpFL(distill_batch_size=6)  # 16 public inputs: batches of 6, 6 and the last 4
-    toy = make_toy(algo)
+    toy = make_toy(algo, WITH_PUBLIC)
     x = toy.spec.public
     msg = KTpFLBroadcast(x, torch.full((16, 3), 1 / 3), True)
     model = toy_model()

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic import kernels
 from fedmosaic.algorithms import ALGORITHMS

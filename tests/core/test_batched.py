@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import round_numbers, tiny_raw
+from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.accel import batched, engaged
 from fedmosaic.algorithms import ALGORITHMS

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import round_numbers, tiny_raw
+from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.accel import batched
 from fedmosaic.config import from_dict

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.accel import batched
 from fedmosaic.config import from_dict

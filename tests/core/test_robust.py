@@ -240,7 +240,7 @@ def test_server_table_reaches_the_rule():
     ],
 )
 def test_a_rule_too_large_for_the_round_is_a_config_error(server, sizes, message):
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     data = {k: v for k, v in sizes.items() if k == "num_clients"}
     train = {k: v for k, v in sizes.items() if k != "num_clients"}
@@ -250,7 +250,7 @@ def test_a_rule_too_large_for_the_round_is_a_config_error(server, sizes, message
 
 
 def test_the_largest_allowed_values_are_accepted():
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from_dict(tiny_raw(server={"aggregator": "multi_krum", "f": 0}))  # 4 clients: f <= 0
     from_dict(tiny_raw(server={"aggregator": "krum", "f": 1}, data={"num_clients": 5}))
@@ -273,7 +273,7 @@ def test_fewer_contributions_than_the_rule_needs_are_said_once_per_round(caplog)
 
 
 def test_a_round_with_dropped_clients_keeps_going_and_says_what_it_did(caplog):
-    from conftest import tiny_raw
+    from helpers.experiments import tiny_raw
 
     from fedmosaic.core.rounds import run_rounds
     from fedmosaic.federation import build_federation

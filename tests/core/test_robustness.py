@@ -4,7 +4,7 @@ import dataclasses
 import logging
 
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.core.rounds import run_rounds

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import Tensor
 
 from fedmosaic.algorithms import ALGORITHMS

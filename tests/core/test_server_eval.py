@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic import api
 from fedmosaic.algorithms.fedavg import FedAvg

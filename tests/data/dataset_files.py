@@ -1,7 +1,7 @@
 """Writers for tiny dataset files in each real on-disk format, and an isolated search path.
 
-A plain helper module, not a conftest.py: the suite's root conftest is imported by name
-(``from conftest import tiny_raw``), and a second conftest.py would shadow it.
+A plain helper module imported by name (``from dataset_files import write_mnist``), not a
+conftest.py: fixtures live in conftest.py, what tests import lives in helper modules.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_capped
 from dataset_files import idx_bytes, isolate_search, write_cifar, write_idx, write_mnist, write_tiny
+from helpers.experiments import run_capped
 
 from fedmosaic.config import DataConfig
 from fedmosaic.data import DatasetError, load_dataset, read_idx

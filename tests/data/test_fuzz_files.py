@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_raw, write_toml
 from dataset_files import isolate_search, write_cifar, write_mnist, write_tiny
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic.cli import main
 

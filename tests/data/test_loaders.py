@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_capped
 from dataset_files import (
     isolate_search,
     write_cifar,
@@ -17,6 +16,7 @@ from dataset_files import (
     write_mnist,
     write_tiny,
 )
+from helpers.experiments import run_capped
 
 from fedmosaic.config import DataConfig
 from fedmosaic.core.registry import DATASETS

@@ -10,7 +10,7 @@ import json
 import logging
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 pytest.importorskip("flwr")
 

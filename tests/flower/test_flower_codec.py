@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import Tensor, nn
 
 pytest.importorskip("flwr")

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _flower_deploy import Deployment, flower_binaries_missing, make_node_key, make_tls
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 MISSING = flower_binaries_missing()
 pytestmark = [

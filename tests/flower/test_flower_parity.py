@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 pytest.importorskip("flwr")
 

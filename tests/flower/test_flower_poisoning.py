@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 pytest.importorskip("flwr")
 

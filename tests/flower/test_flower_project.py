@@ -6,7 +6,7 @@ import zipfile
 from io import BytesIO
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict, tomllib  # tomli on Python 3.10

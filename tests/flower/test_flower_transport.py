@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 pytest.importorskip("flwr")
 

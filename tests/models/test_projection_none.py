@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 from torch import nn
 
 from fedmosaic.config import ConfigError, from_dict

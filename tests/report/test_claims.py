@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fedmosaic.compare import load_suite
 from fedmosaic.report import claims
 from fedmosaic.report.claims import FAILS, HOLDS, INCONCLUSIVE, SMALLER, Comparison
+from fedmosaic.suite_runner import load_suite
 
 T975_2 = 4.302652729911275  # t_{0.975, 2}: three seeds
 ROOT = Path(__file__).resolve().parents[2]

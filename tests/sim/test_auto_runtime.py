@@ -9,7 +9,7 @@ default was serial on torch's own thread count: on a busy 2-core machine 12x slo
 from __future__ import annotations
 
 import pytest
-from conftest import numbers, tiny_raw
+from helpers.experiments import numbers, tiny_raw
 
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.cli import main

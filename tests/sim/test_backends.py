@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import numbers, tiny_raw
+from helpers.experiments import numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.config import from_dict

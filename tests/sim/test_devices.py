@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import round_numbers, tiny_raw
+from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment

@@ -9,7 +9,7 @@ import re
 import sys
 
 import pytest
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import numbers, run_until_round, tiny_raw, write_toml
+from helpers.experiments import numbers, run_until_round, tiny_raw, write_toml
 
 from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS

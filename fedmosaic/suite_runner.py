@@ -62,10 +62,10 @@ from fedmosaic.checkpoint import CheckpointError, config_hash, peek
 from fedmosaic.config import ConfigError, apply_overrides, from_dict, read_toml
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.federation import check_runs
-from fedmosaic.report.compare import write_report
 from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
 from fedmosaic.report.results import write_atomic
 from fedmosaic.report.suite import Cell, Method, Setting, Suite
+from fedmosaic.report.suite_report import write_report
 from fedmosaic.runfolder import FolderLock, RunFolder, Start
 
 __all__ = ["Cell", "Method", "Setting", "Suite", "build_cells", "load_suite", "run_suite"]

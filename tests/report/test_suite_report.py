@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 
-from fedmosaic import compare
+from fedmosaic import suite_runner
 from fedmosaic.cli import main
-from fedmosaic.compare import build_cells, load_suite
 from fedmosaic.config import ConfigError
-from fedmosaic.report.compare import (
+from fedmosaic.report.suite_report import (
     OPTIONAL_METRICS,
     aggregate,
     fmt,
@@ -25,6 +24,7 @@ from fedmosaic.report.compare import (
     summarize_grid,
     write_csv,
 )
+from fedmosaic.suite_runner import build_cells, load_suite
 
 SUITES = Path(__file__).resolve().parents[2] / "benchmarks" / "suites"
 
@@ -190,14 +190,16 @@ def test_compare_end_to_end_cached_and_report(tmp_path: Path, monkeypatch, capsy
     assert {"curves.png", "clients.png"} <= set(imgs) and any("prototypes" in r for r in imgs)
     assert all((out / r).is_file() for r in parser.refs), parser.refs
     # A second run reuses every cell (results cached by config hash) and rewrites the report.
-    monkeypatch.setattr(compare, "run_cell", lambda *a, **k: pytest.fail("re-ran a cached cell"))
+    monkeypatch.setattr(
+        suite_runner, "run_cell", lambda *a, **k: pytest.fail("re-ran a cached cell")
+    )
     capsys.readouterr()
     assert main(["compare", str(suite), "--out", str(out), "--quiet"]) == 0
     assert capsys.readouterr().out.count(": cached") == 4
     # A changed config is a different cell: it runs again.
     calls = []
     monkeypatch.setattr(
-        compare,
+        suite_runner,
         "run_cell",
         lambda out, cell, *a, **k: (
             calls.append(cell.key)
@@ -422,7 +424,7 @@ def test_run_metrics_report_the_papers_metric():
 
 
 def test_suite_paper_metric_is_checked_and_names_the_columns(tmp_path: Path):
-    from fedmosaic.report.compare import _columns
+    from fedmosaic.report.suite_report import _columns
 
     with pytest.raises(ConfigError, match="paper_metric must be weighted or unweighted"):
         load_suite(_suite(tmp_path, '[suite]\nmethods = ["local"]\npaper_metric = "micro"\n'))
@@ -492,8 +494,8 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
 
 
 def test_suites_ship_with_the_package_and_load_by_name():
-    from fedmosaic.compare import BUNDLED, bundled_suites
     from fedmosaic.config import tomllib  # tomli on Python 3.10
+    from fedmosaic.suite_runner import BUNDLED, bundled_suites
 
     assert BUNDLED.parent.name == "fedmosaic"  # inside the package: installed with it
     assert {"fedtgp_table10", "fedgh_table3", "layer_expansion"} <= set(bundled_suites())
@@ -611,7 +613,7 @@ def test_label_histogram_has_a_class_colour_key(num_classes: int, key: str):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from fedmosaic.report.compare import _stacked_label_bars
+    from fedmosaic.report.suite_report import _stacked_label_bars
 
     fig, ax = plt.subplots()
     counts = np.arange(3 * num_classes, dtype=float).reshape(3, num_classes)
@@ -668,7 +670,7 @@ def _mode_doc(acc: float, head: float | None, tuned: float | None = None) -> dic
 
 def test_every_accuracy_a_method_reports_has_a_column(tmp_path: Path):
     """FedProto's table showed only its nearest-prototype accuracy (75.3%), not its heads'."""
-    from fedmosaic.report.compare import _columns
+    from fedmosaic.report.suite_report import _columns
 
     suite = load_suite(_suite(tmp_path, '[suite]\nmethods = ["local", "fedproto"]\n'))
     cells = [
@@ -692,7 +694,7 @@ def test_every_accuracy_a_method_reports_has_a_column(tmp_path: Path):
 
 def test_grid_curves_show_the_after_fine_tune_point(monkeypatch):
     """FedBABU's headline (after fine-tuning) was missing from curves.png (7-26% curves only)."""
-    from fedmosaic.report import compare as rc
+    from fedmosaic.report import suite_report as rc
 
     figs: list[Any] = []
     monkeypatch.setattr(rc, "save_figure", lambda fig, path: figs.append(fig))
