@@ -37,8 +37,9 @@ from fedmosaic.federation import check_runs
 from fedmosaic.flower.project import write_app
 from fedmosaic.models import build_client_model, count_params, flops_per_image
 from fedmosaic.report.results import format_table, plot_curves
+from fedmosaic.report.suite import bundled_suites, load_suite
 from fedmosaic.runfolder import RunFolder, fs_error
-from fedmosaic.suite_runner import build_cells, bundled_suites, cell_status, load_suite, run_suite
+from fedmosaic.suite_runner import build_cells, cell_status, run_suite
 
 # The default job's baselines: its claim's (docs/results.md: Vanilla scheduling level with FedBABU
 # after fine-tuning, at about a third of its training compute) and the other schedule.

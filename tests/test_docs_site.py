@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmosaic.suite_runner import SUITE_KEYS
+from fedmosaic.report.suite import SUITE_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS_TOOLS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")

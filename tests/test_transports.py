@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_raw
+from helpers.experiments import tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.core.rounds import ClientStatesUnavailable, Transport

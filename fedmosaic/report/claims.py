@@ -81,8 +81,8 @@ import torch
 from fedmosaic.config import ConfigError
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models import build_client_model, family_members
+from fedmosaic.report.suite import load_suite
 from fedmosaic.report.suite_report import METRIC_KEYS, aggregate
-from fedmosaic.suite_runner import load_suite
 
 HOLDS = "holds"
 SMALLER = "holds but smaller"

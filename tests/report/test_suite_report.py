@@ -495,7 +495,7 @@ def test_report_has_vector_figures_budget_marker_and_what_ran(tmp_path: Path):
 
 def test_suites_ship_with_the_package_and_load_by_name():
     from fedmosaic.config import tomllib  # tomli on Python 3.10
-    from fedmosaic.suite_runner import BUNDLED, bundled_suites
+    from fedmosaic.report.suite import BUNDLED, bundled_suites
 
     assert BUNDLED.parent.name == "fedmosaic"  # inside the package: installed with it
     assert {"fedtgp_table10", "fedgh_table3", "layer_expansion"} <= set(bundled_suites())
