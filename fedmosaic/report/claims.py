@@ -78,8 +78,8 @@ from typing import Any
 
 import torch
 
+from fedmosaic.algorithms import ALGORITHMS  # importing the package registers every built-in
 from fedmosaic.config import ConfigError
-from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.models import build_client_model, family_members
 from fedmosaic.report.suite import load_suite
 from fedmosaic.report.suite_report import METRIC_KEYS, aggregate

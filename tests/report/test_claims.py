@@ -428,3 +428,21 @@ def test_a_cell_whose_model_cannot_be_rebuilt_is_one_line_not_a_traceback() -> N
     }
     with pytest.raises(ValueError, match="stored model config .* cannot be rebuilt"):
         claims.param_counts(doc)
+
+
+def test_claims_alone_sees_every_method_default():
+    """In a fresh process that imports only the claims module, a cell without a hyperparameter
+    compares at the method's default: the registry is filled by claims' own imports (a cell's
+    ``distance`` read as None made FedTGP vs FedProto "not comparable")."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fedmosaic.report import claims; "
+        "print(claims._algo_value({'algorithm': {'name': 'fedtgp'}}, 'distance'), "
+        "claims._algo_value({'algorithm': {'name': 'fedproto'}}, 'lam'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["euclidean", "1.0"]
