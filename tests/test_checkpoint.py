@@ -129,11 +129,11 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch)
     path = _good(tmp_path)
     before = path.read_bytes()
 
-    def half_write(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
+    def half_write(spool, out, metadata):
+        out.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck, "save_file", half_write)
+    monkeypatch.setattr(ck.Spool, "write_file", half_write)
     with pytest.raises(OSError, match="disk full"):
         ck.write_checkpoint(path, {"version": ck.VERSION, "round": 4}, {"a": torch.zeros(1)})
     assert path.read_bytes() == before
@@ -156,13 +156,13 @@ def test_a_write_never_touches_another_writers_temporary(tmp_path: Path, monkeyp
         killed = tmp_path / f"{ck.FILENAME}.tmp-{dead.pid}-4567cdef"  # its writer was killed
         killed.write_bytes(b"half")
         seen = []
-        real = ck.save_file
+        real = ck.Spool.write_file
 
-        def spy(tensors, filename, metadata=None):
-            seen.append(Path(filename).name)
-            return real(tensors, filename, metadata=metadata)
+        def spy(spool, out, metadata):
+            seen.append(Path(out.name).name)
+            return real(spool, out, metadata)
 
-        monkeypatch.setattr(ck, "save_file", spy)
+        monkeypatch.setattr(ck.Spool, "write_file", spy)
         for r in (5, 6):
             ck.write_checkpoint(path, {"version": ck.VERSION, "round": r}, {"a": torch.zeros(1)})
         assert ck.read_checkpoint(path).meta["round"] == 6
