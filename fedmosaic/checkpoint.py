@@ -336,6 +336,7 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _CHUNK = 1 << 24  # bytes per read when hashing or copying the spool (bounds the write's memory)
 
 
@@ -416,6 +417,50 @@ class Spool:
 
     def close(self) -> None:
         self.fh.close()
+
+
+class TensorFile:
+    """A checkpoint's tensors read one at a time with plain file reads (no memory map: pages of a
+    mapped file count as the process's resident memory while it is open, so reading every client
+    through one would hold the whole file). The header was validated by :func:`read_header`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        try:
+            (n,) = struct.unpack("<Q", self.fh.read(8))
+            table = json.loads(self.fh.read(n))
+        except Exception:
+            self.fh.close()
+            raise
+        table.pop("__metadata__", None)
+        self.base = 8 + n
+        self.table: dict[str, dict[str, Any]] = table
+
+    def keys(self) -> list[str]:
+        return list(self.table)
+
+    def get_tensor(self, key: str) -> Tensor:
+        e = self.table[key]
+        dtype = _TORCH_DTYPES[e["dtype"]]
+        shape = [int(d) for d in e["shape"]]
+        start, end = (int(x) for x in e["data_offsets"])
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        self.fh.seek(self.base + start)
+        data = bytearray(end - start)
+        if self.fh.readinto(data) != len(data):
+            raise CheckpointError(f"{self.path}: truncated tensor {key!r}")
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.fh.close()
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def write_checkpoint(
@@ -553,8 +598,8 @@ def scan_file(path: str | Path) -> tuple[dict[str, Any], CheckpointError | None]
     nonfinite: CheckpointError | None = None
     too_big: CheckpointError | None = None
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            for key in sorted(fh.keys()):  # noqa: SIM118
+        with TensorFile(path) as fh:
+            for key in sorted(fh.keys()):
                 t = fh.get_tensor(key)
                 h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
                 flat = t.reshape(-1).contiguous()
@@ -588,12 +633,12 @@ class Reader(Sequence[ClientState]):
     """An open checkpoint: its non-client tensors (``tensors``: server state, RNG) in memory and
     each client's ``(model, extras)`` state dicts read from the file when indexed."""
 
-    def __init__(self, fh: Any, num_clients: int) -> None:
+    def __init__(self, fh: TensorFile, num_clients: int) -> None:
         self.fh = fh
         self.n = num_clients
         self.tensors: dict[str, Tensor] = {}
         self.keys: list[list[str]] = [[] for _ in range(num_clients)]
-        for k in fh.keys():  # noqa: SIM118 - safetensors' handle has no __iter__
+        for k in fh.keys():
             if k.startswith("client/"):
                 self.keys[int(k.split("/", 2)[1])].append(k)
             else:
@@ -688,7 +733,7 @@ class Checkpointer:
             return None
         meta = self.verify()
         try:
-            with safe_open(str(self.path), framework="pt") as fh:
+            with TensorFile(self.path) as fh:
                 reader = Reader(fh, meta["num_clients"])
                 tensors = reader.tensors
                 state = restore_tree(meta["server_state"], tensors, template)
