@@ -53,7 +53,7 @@ from fedmosaic.checkpoint import (
     CheckpointError,
     check_meta,
     for_models,
-    read_checkpoint,
+    verify_file,
 )
 from fedmosaic.config import (
     Config,
@@ -298,7 +298,7 @@ def load_run(
         )
     # Digest first: a missing, truncated or forged file is a CheckpointError naming it, before
     # anything of its config is used.
-    meta = check_meta(read_checkpoint(file).meta, file, full=True)
+    meta = check_meta(verify_file(file), file, full=True)
     stored = meta["config"].get("plugins", [])
     if not isinstance(stored, list) or not all(isinstance(s, str) for s in stored):
         raise CheckpointError(f"{file}: corrupt checkpoint metadata (plugins = {stored!r})")

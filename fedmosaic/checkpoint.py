@@ -18,6 +18,11 @@ time with the path of the offending value.
 
 Writes go to a temporary file that is read back and verified before it replaces the previous
 checkpoint (write-then-rename), so a crash or a full disk never destroys the last good one.
+They stream: each client's tensors go to an anonymous spool file as the transport hands them
+over (one client at a time), the header is computed from what was spooled, and the file is the
+header followed by the spool's bytes; verifying and resuming read one tensor (one client) at a
+time. The file is a standard safetensors file, the same format as before (files written by
+earlier versions load unchanged).
 """
 
 from __future__ import annotations
@@ -28,16 +33,18 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
-from collections.abc import Callable, Sequence
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, overload
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 import fedmosaic
@@ -316,22 +323,174 @@ class Loaded:
     tensors: dict[str, Tensor]
 
 
-def write_checkpoint(path: Path, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+# safetensors' dtype names (the file format's), by torch dtype
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+_CHUNK = 1 << 24  # bytes per read when hashing or copying the spool (bounds the write's memory)
+
+
+@dataclass
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class Spool:
+    """Tensors written to an anonymous temporary file as they come (one client at a time), with
+    their dtypes, shapes and byte ranges: what a checkpoint's header is computed from. The file
+    has no name (removed by the OS when closed or when the process dies)."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.fh: IO[bytes] = tempfile.TemporaryFile(dir=folder)
+        self.entries: dict[str, _Entry] = {}
+        self.size = 0
+
+    def add(self, key: str, t: Tensor) -> None:
+        if key in self.entries:
+            raise CheckpointError(f"tensor {key!r} written twice")
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{key}: unsupported tensor dtype {t.dtype}")
+        flat = t.reshape(-1)
+        data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        self.fh.write(data)
+        self.entries[key] = _Entry(t.dtype, tuple(t.shape), self.size, self.size + len(data))
+        self.size += len(data)
+
+    def add_all(self, tensors: Mapping[str, Tensor]) -> None:
+        for k, v in tensors.items():
+            self.add(k, v)
+
+    def _chunks(self, start: int, end: int) -> Iterator[bytes]:
+        self.fh.seek(start)
+        while start < end:
+            data = self.fh.read(min(_CHUNK, end - start))
+            if not data:
+                raise CheckpointError("the checkpoint spool is shorter than written (disk full?)")
+            start += len(data)
+            yield data
+
+    def digest(self, meta_json: str) -> str:
+        """:func:`_digest` over the spooled tensors, read back one chunk at a time."""
+        self.fh.flush()
+        h = hashlib.sha256(meta_json.encode())
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            h.update(f"{key}|{e.dtype}|{e.shape}|".encode())
+            for data in self._chunks(e.start, e.end):
+                h.update(data)
+        return h.hexdigest()
+
+    def header(self, metadata: dict[str, str]) -> bytes:
+        """The safetensors header (length prefix and JSON, padded to 8 bytes as safetensors
+        pads it) for the spooled tensors in spool order."""
+        table: dict[str, Any] = {"__metadata__": metadata}
+        for key, e in self.entries.items():
+            table[key] = {
+                "dtype": _ST_DTYPES[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [e.start, e.end],
+            }
+        blob = json.dumps(table, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        return struct.pack("<Q", len(blob)) + blob
+
+    def write_file(self, out: IO[bytes], metadata: dict[str, str]) -> None:
+        out.write(self.header(metadata))
+        self.fh.flush()
+        self.fh.seek(0)
+        shutil.copyfileobj(self.fh, out, _CHUNK)
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorFile:
+    """A checkpoint's tensors read one at a time with plain file reads (no memory map: pages of a
+    mapped file count as the process's resident memory while it is open, so reading every client
+    through one would hold the whole file). The header was validated by :func:`read_header`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fh = open(path, "rb")  # noqa: SIM115 - closed by close() / the with block
+        try:
+            (n,) = struct.unpack("<Q", self.fh.read(8))
+            table = json.loads(self.fh.read(n))
+        except Exception:
+            self.fh.close()
+            raise
+        table.pop("__metadata__", None)
+        self.base = 8 + n
+        self.table: dict[str, dict[str, Any]] = table
+
+    def keys(self) -> list[str]:
+        return list(self.table)
+
+    def get_tensor(self, key: str) -> Tensor:
+        e = self.table[key]
+        dtype = _TORCH_DTYPES[e["dtype"]]
+        shape = [int(d) for d in e["shape"]]
+        start, end = (int(x) for x in e["data_offsets"])
+        if end == start:
+            return torch.empty(shape, dtype=dtype)
+        self.fh.seek(self.base + start)
+        data = bytearray(end - start)
+        if self.fh.readinto(data) != len(data):
+            raise CheckpointError(f"{self.path}: truncated tensor {key!r}")
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def close(self) -> None:
+        self.fh.close()
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_checkpoint(
+    path: Path, meta: dict[str, Any], tensors: Mapping[str, Tensor] | Spool
+) -> None:
     """Write-then-rename: the previous checkpoint stays until the new one is verified on disk.
     The temporary is this write's own (``temp_path``): another process's write in progress is
     never touched, and one killed mid-write leaves its temporary to the run folder's lock
-    (``runfolder``), which removes a dead writer's temporaries."""
+    (``runfolder``), which removes a dead writer's temporaries. ``tensors``: a dict, or a
+    :class:`Spool` the caller filled (clients streamed; closed here)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
-    header = {"format": FORMAT, "meta": meta_json, "digest": _digest(meta_json, tensors)}
+    if isinstance(tensors, Spool):
+        spool = tensors
+    else:
+        spool = Spool(path.parent)
+        spool.add_all(tensors)
+    try:
+        meta_json = json.dumps(meta, allow_nan=True, separators=(",", ":"))
+        header = {"format": FORMAT, "meta": meta_json, "digest": spool.digest(meta_json)}
 
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp), metadata=header)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        read_checkpoint(tmp)  # verify before it replaces anything
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as fh:
+                spool.write_file(fh, header)
+                fh.flush()
+                os.fsync(fh.fileno())
+            verify_file(tmp)  # verify before it replaces anything (one tensor at a time)
 
-    replace_all([(write_temp(path, write), path)])
+        replace_all([(write_temp(path, write), path)])
+    finally:
+        spool.close()
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -397,8 +556,23 @@ def peek(path: str | Path) -> dict[str, Any]:
     return check_meta(meta, path)
 
 
+def _meta_of(path: Path, header: dict[str, str]) -> dict[str, Any]:
+    try:
+        meta = json.loads(header["meta"])
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: corrupt checkpoint metadata ({exc})") from exc
+    return check_meta(meta, path)
+
+
+def _check_finite(path: Path, key: str, t: Tensor) -> None:
+    # a NaN weight would resume silently into a NaN run
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{path}: tensor {key!r} has NaN or infinite values")
+
+
 def read_checkpoint(path: str | Path) -> Loaded:
-    """Load and verify (digest over metadata and every tensor byte)."""
+    """Load and verify (digest over metadata and every tensor byte): every tensor in memory
+    (the resume path reads one client at a time instead: :func:`verify_file`, :class:`Reader`)."""
     path = Path(path)
     header = read_header(path)
     try:
@@ -408,15 +582,88 @@ def read_checkpoint(path: str | Path) -> Loaded:
         raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from exc
     if _digest(header["meta"], tensors) != header.get("digest"):
         raise CheckpointError(f"{path}: corrupt checkpoint (digest mismatch)")
-    try:
-        meta = json.loads(header["meta"])
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: corrupt checkpoint metadata ({exc})") from exc
-    check_meta(meta, path)
-    for key, t in tensors.items():  # a NaN weight would resume silently into a NaN run
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{path}: tensor {key!r} has NaN or infinite values")
+    meta = _meta_of(path, header)
+    for key, t in tensors.items():
+        _check_finite(path, key, t)
     return Loaded(meta, tensors)
+
+
+def scan_file(path: str | Path) -> tuple[dict[str, Any], CheckpointError | None]:
+    """:func:`read_checkpoint`'s checks holding one tensor at a time: the shape-checked metadata,
+    and :func:`check_magnitudes`' error if any (left to the caller: it comes after the config
+    check). Errors come in read_checkpoint's order (digest, metadata, then NaN values)."""
+    path = Path(path)
+    header = read_header(path)
+    h = hashlib.sha256(header["meta"].encode())
+    nonfinite: CheckpointError | None = None
+    too_big: CheckpointError | None = None
+    try:
+        with TensorFile(path) as fh:
+            for key in sorted(fh.keys()):
+                t = fh.get_tensor(key)
+                h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+                flat = t.reshape(-1).contiguous()
+                h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+                if nonfinite is None:
+                    try:
+                        _check_finite(path, key, t)
+                    except CheckpointError as exc:
+                        nonfinite = exc
+                if too_big is None:
+                    try:
+                        check_magnitudes(path, {key: t})
+                    except CheckpointError as exc:
+                        too_big = exc
+    except Exception as exc:
+        raise CheckpointError(f"{path}: corrupt checkpoint ({exc})") from exc
+    if h.hexdigest() != header.get("digest"):
+        raise CheckpointError(f"{path}: corrupt checkpoint (digest mismatch)")
+    meta = _meta_of(path, header)
+    if nonfinite is not None:
+        raise nonfinite
+    return meta, too_big
+
+
+def verify_file(path: str | Path) -> dict[str, Any]:
+    """:func:`read_checkpoint`'s checks, one tensor in memory at a time; the metadata."""
+    return scan_file(path)[0]
+
+
+class Reader(Sequence[ClientState]):
+    """An open checkpoint: its non-client tensors (``tensors``: server state, RNG) in memory and
+    each client's ``(model, extras)`` state dicts read from the file when indexed."""
+
+    def __init__(self, fh: TensorFile, num_clients: int) -> None:
+        self.fh = fh
+        self.n = num_clients
+        self.tensors: dict[str, Tensor] = {}
+        self.keys: list[list[str]] = [[] for _ in range(num_clients)]
+        for k in fh.keys():
+            if k.startswith("client/"):
+                self.keys[int(k.split("/", 2)[1])].append(k)
+            else:
+                self.tensors[k] = fh.get_tensor(k)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, cid: int) -> ClientState: ...
+
+    @overload
+    def __getitem__(self, cid: slice) -> list[ClientState]: ...
+
+    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
+        if isinstance(cid, slice):
+            return [self[i] for i in range(self.n)[cid]]
+        if not 0 <= cid < self.n:
+            raise IndexError(cid)
+        model: dict[str, Tensor] = {}
+        extras: dict[str, Tensor] = {}
+        for k in self.keys[cid]:
+            _, _, part, key = k.split("/", 3)
+            (model if part == "model" else extras)[key] = self.fh.get_tensor(k)
+        return model, extras
 
 
 # No trained weight comes near this: a value whose square overflows float32 (1.8e19) turns
@@ -438,15 +685,16 @@ def check_magnitudes(path: str | Path, tensors: dict[str, Tensor]) -> None:
 
 
 # ---- the round-loop hook -----------------------------------------------------------------------------
-ClientStates = Callable[[], list[ClientState]]
+ClientStates = Callable[[], Iterable[ClientState]]
 LoadClientStates = Callable[[Sequence[ClientState]], None]
 
 
 class Checkpointer:
     """Saves every ``every`` rounds (and after the last round); restores on ``resume``.
 
-    ``get_clients`` returns each client's ``(model state_dict, extras state_dict)``;
-    ``set_clients`` loads them back. Implements ``core.rounds.RoundCheckpoint``.
+    ``get_clients`` returns each client's ``(model state_dict, extras state_dict)`` in client
+    order (an iterable: the writer copies one client at a time, so a lazy one never holds the
+    population); ``set_clients`` loads them back from a sequence read from the file as indexed. Implements ``core.rounds.RoundCheckpoint``.
     """
 
     def __init__(
@@ -483,18 +731,13 @@ class Checkpointer:
         if not self.path.exists():
             log.warning("no checkpoint at %s: starting from round 1", self.path)
             return None
-        meta, tensors = self.verify()
+        meta = self.verify()
         try:
-            state = restore_tree(meta["server_state"], tensors, template)
-            # One pass over the tensors: ``client/<cid>/<model|extras>/<key>``.
-            clients: list[tuple[dict[str, Tensor], dict[str, Tensor]]] = [
-                ({}, {}) for _ in range(meta["num_clients"])
-            ]
-            for k, v in tensors.items():
-                if k.startswith("client/"):
-                    _, cid, part, key = k.split("/", 3)
-                    clients[int(cid)][0 if part == "model" else 1][key] = v
-            self.set_clients(clients)
+            with TensorFile(self.path) as fh:
+                reader = Reader(fh, meta["num_clients"])
+                tensors = reader.tensors
+                state = restore_tree(meta["server_state"], tensors, template)
+                self.set_clients(reader)  # one client read at a time, as the transport indexes
             history = history_from_json(meta["history"])
             last_eval = _from_evals(meta["last_eval"])
             restore_rng(meta["rng"], tensors)
@@ -506,13 +749,15 @@ class Checkpointer:
         log.info("resumed from %s after round %d", self.path, self.restored_round)
         return self.restored_round, state, history, last_eval
 
-    def verify(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    def verify(self) -> dict[str, Any]:
         """Read and check the checkpoint against this run (digest, shape, config, round and
-        client count) without changing anything: callers check before they touch ``--out``."""
-        loaded = read_checkpoint(self.path)
-        meta = check_meta(loaded.meta, self.path, full=True)
+        client count) without changing anything: callers check before they touch ``--out``.
+        One tensor in memory at a time; the checked metadata."""
+        meta, too_big = scan_file(self.path)
+        meta = check_meta(meta, self.path, full=True)
         self._check_config(meta)
-        check_magnitudes(self.path, loaded.tensors)
+        if too_big is not None:
+            raise too_big
         if meta["round"] > self.last_round:
             raise CheckpointError(
                 f"{self.path}: checkpoint after round {meta['round']}, but this run has "
@@ -523,7 +768,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"{self.path}: checkpoint of {meta['num_clients']} clients, this run has {want}"
             )
-        return meta, loaded.tensors
+        return meta
 
     def _check_config(self, meta: dict[str, Any]) -> None:
         mine = config_fingerprint(self.config)
@@ -568,25 +813,34 @@ class Checkpointer:
     ) -> None:
         tensors: dict[str, Tensor] = {}
         tree = flatten_tree(state, tensors, "server")
-        clients = self.get_clients()
-        for cid, (model, extras) in enumerate(clients):
-            for k, v in model.items():
-                tensors[f"client/{cid}/model/{k}"] = v.detach().to("cpu").contiguous().clone()
-            for k, v in extras.items():
-                tensors[f"client/{cid}/extras/{k}"] = v.detach().to("cpu").contiguous().clone()
+        rng = capture_rng(tensors)
+        spool = Spool(self.path.parent)
+        try:
+            spool.add_all(tensors)
+            num_clients = 0
+            for cid, (model, extras) in enumerate(self.get_clients()):
+                # copied into the spool, then dropped: one client's tensors in memory at a time
+                for k, v in model.items():
+                    spool.add(f"client/{cid}/model/{k}", v)
+                for k, v in extras.items():
+                    spool.add(f"client/{cid}/extras/{k}", v)
+                num_clients = cid + 1
+        except BaseException:
+            spool.close()
+            raise
         meta = {
             "version": VERSION,
             "library": fedmosaic.__version__,
             "round": round_num,
             "config": self.config,
             "config_hash": config_hash(self.config),
-            "num_clients": len(clients),
+            "num_clients": num_clients,
             "server_state": tree,
             "history": history_to_json(history),
             "last_eval": _evals(last_eval),
-            "rng": capture_rng(tensors),
+            "rng": rng,
         }
-        write_checkpoint(self.path, meta, tensors)
+        write_checkpoint(self.path, meta, spool)
 
 
 def for_federation(
@@ -607,7 +861,7 @@ def for_federation(
         Path(checkpoint_dir) / FILENAME,
         every,
         fed.cfg.to_dict(),
-        lambda: list(transport.client_states()),
+        transport.client_states,
         transport.load_client_states,
         resume=resume,
         last_round=fed.plan.rounds,
@@ -625,8 +879,8 @@ def for_models(
     """A reader of the checkpoint file ``path`` (checked against ``config``) into client modules
     built in this process (``api.load_run``: no transport, no run)."""
 
-    def get_clients() -> list[tuple[dict, dict]]:
-        return [(m.state_dict(), e.state_dict()) for m, e in zip(models, extras)]
+    def get_clients() -> Iterator[tuple[dict, dict]]:
+        return ((m.state_dict(), e.state_dict()) for m, e in zip(models, extras))
 
     def set_clients(states: Sequence[tuple[dict, dict]]) -> None:
         if len(states) != len(models):

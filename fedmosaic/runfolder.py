@@ -295,7 +295,7 @@ class RunFolder:
             checker = Checkpointer(
                 verify, 0, cfg.to_dict(), lambda: [], lambda s: None, resume=True, extend=extend
             )
-            keep = int(checker.verify()[0]["round"])
+            keep = int(checker.verify()["round"])
         return Start(keep=keep, source=source)
 
     def run(

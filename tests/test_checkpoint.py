@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.checkpoint import CheckpointError, flatten_tree, restore_tree
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
+from fedmosaic.core.rounds import History
 from fedmosaic.experiment import run_experiment
 
 # Small images keep the models (and so the checkpoints) small: cnn1 on 16x16 is ~0.6M params.
@@ -129,11 +132,11 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch)
     path = _good(tmp_path)
     before = path.read_bytes()
 
-    def half_write(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
+    def half_write(spool, out, metadata):
+        out.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck, "save_file", half_write)
+    monkeypatch.setattr(ck.Spool, "write_file", half_write)
     with pytest.raises(OSError, match="disk full"):
         ck.write_checkpoint(path, {"version": ck.VERSION, "round": 4}, {"a": torch.zeros(1)})
     assert path.read_bytes() == before
@@ -156,13 +159,13 @@ def test_a_write_never_touches_another_writers_temporary(tmp_path: Path, monkeyp
         killed = tmp_path / f"{ck.FILENAME}.tmp-{dead.pid}-4567cdef"  # its writer was killed
         killed.write_bytes(b"half")
         seen = []
-        real = ck.save_file
+        real = ck.Spool.write_file
 
-        def spy(tensors, filename, metadata=None):
-            seen.append(Path(filename).name)
-            return real(tensors, filename, metadata=metadata)
+        def spy(spool, out, metadata):
+            seen.append(Path(out.name).name)
+            return real(spool, out, metadata)
 
-        monkeypatch.setattr(ck, "save_file", spy)
+        monkeypatch.setattr(ck.Spool, "write_file", spy)
         for r in (5, 6):
             ck.write_checkpoint(path, {"version": ck.VERSION, "round": r}, {"a": torch.zeros(1)})
         assert ck.read_checkpoint(path).meta["round"] == 6
@@ -345,3 +348,65 @@ def test_committed_cells_keep_their_config_hashes() -> None:
         load_suite("fedgh_table3"), converged=True, methods=["fedgh"], seeds=[0], check=False
     )
     assert cell.hash == config_hash(doc["config"])
+
+
+class _CountedClients(Sequence[ck.ClientState]):
+    """A population whose clients are built when indexed (as an offloaded store reads them),
+    counting at each read how many client-sized tensors (the reads' or copies of them) are
+    alive in the process."""
+
+    def __init__(self, n: int, numel: int) -> None:
+        self.n, self.numel = n, numel
+        self.most = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, cid):  # type: ignore[override]
+        if not 0 <= cid < self.n:
+            raise IndexError(cid)
+        gc.collect()
+        alive = sum(
+            1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == self.numel
+        )
+        self.most = max(self.most, alive)
+        return {"w": torch.full((self.numel,), float(cid))}, {"b": torch.tensor([cid])}
+
+
+def test_a_checkpoint_is_written_and_read_one_client_at_a_time(tmp_path: Path):
+    """The writer keeps no client's tensors after spooling them (at most the client being copied
+    and the next one, as the loop moves on), and a resume hands the clients over as read."""
+    clients = _CountedClients(40, 12345)
+    path = tmp_path / ck.FILENAME
+    cfg = {"train": {"rounds": 1}, "data": {"num_clients": 40}}
+    saver = ck.Checkpointer(path, 1, cfg, lambda: clients, lambda s: None)
+    saver.save(1, {"w": torch.ones(3)}, History(rounds=[{"round": 1}]), [])
+    assert clients.most <= 2, clients.most  # gathering every client first would reach 40
+    got: list[Any] = []
+
+    def set_clients(states: Sequence[ck.ClientState]) -> None:
+        assert not isinstance(states, list)  # a reader, not the population in memory
+        assert len(states) == 40
+        for model, extras in states:
+            got.append((float(model["w"][0]), int(extras["b"][0]), model["w"].numel()))
+
+    loader = ck.Checkpointer(path, 1, cfg, lambda: [], set_clients, resume=True)
+    loader.restore({"w": torch.zeros(3)})
+    assert got == [(float(c), c, 12345) for c in range(40)]
+
+
+def test_a_checkpoint_written_whole_by_safetensors_still_loads(tmp_path: Path):
+    """Files written before streaming (safetensors' ``save_file``, one dict) verify and read as
+    before; the streamed file holds the same tensors under the same digest."""
+    tensors = {"client/0/model/w": torch.arange(6.0).reshape(2, 3), "rng/x": torch.arange(3)}
+    meta = {"version": ck.VERSION, "round": 2}
+    meta_json = json.dumps(meta, separators=(",", ":"))
+    header = {"format": ck.FORMAT, "meta": meta_json, "digest": ck._digest(meta_json, tensors)}
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata=header)
+    new = tmp_path / "new.safetensors"
+    ck.write_checkpoint(new, meta, tensors)
+    assert ck.verify_file(old) == ck.verify_file(new) == meta
+    assert ck.read_header(old)["digest"] == ck.read_header(new)["digest"]
+    a, b = ck.read_checkpoint(old).tensors, ck.read_checkpoint(new).tensors
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

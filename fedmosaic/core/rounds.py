@@ -87,8 +87,9 @@ class Transport(Protocol):
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None: ...
 
     def client_states(self) -> Sequence[ClientState]:
-        """Every client's state, in client order (read before :meth:`close`); raises
-        :class:`ClientStatesUnavailable` where the clients' state is out of reach."""
+        """Every client's state, in client order (read before :meth:`close`), possibly lazy:
+        read when indexed, so a reader going client by client (a checkpoint) never holds the
+        population; raises :class:`ClientStatesUnavailable` where the state is out of reach."""
         ...
 
     def load_client_states(self, states: Sequence[ClientState]) -> None:

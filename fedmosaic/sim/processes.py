@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -482,26 +482,38 @@ class ProcessTransport:
         """Report each fit's clients as their uploads arrive (the progress bar's per-client line)."""
         self._on_client = on_client
 
-    def client_states(self) -> list[ClientState]:
-        groups = self._place(range(self.num_clients), self.eval_costs)
+    def client_states(self) -> Sequence[ClientState]:
+        """Every client's (model, extras) state dicts, fetched from the workers
+        ``STATE_BATCH`` clients at a time as the sequence is read (a checkpoint writer holds one
+        batch, not the population); valid until :meth:`close`."""
+        return _WorkerStates(self)
+
+    def _fetch_states(self, cids: Sequence[int]) -> dict[int, ClientState]:
+        groups = self._place(cids, self.eval_costs)
         got: dict[int, ClientState] = {}
         for part in self._call(
             {w: ("states", {"cids": g}) for w, g in enumerate(groups) if g}
         ).values():
             got.update(part)
-        return [got[c] for c in range(self.num_clients)]
+        return got
 
     def load_client_states(self, states: Sequence[ClientState]) -> None:
         if len(states) != self.num_clients:
             raise ValueError(f"checkpoint has {len(states)} clients, this run {self.num_clients}")
         groups = self._place(range(self.num_clients), self.fit_costs)
-        self._call(
-            {
-                w: ("set_states", {"states": {c: states[c] for c in g}, "offload": self.offload})
-                for w, g in enumerate(groups)
-                if g
-            }
-        )
+        worker_of = {c: w for w, g in enumerate(groups) for c in g}
+        # the same placement as one call, sent STATE_BATCH clients at a time (a lazy ``states``,
+        # a checkpoint being read, is then never in memory whole)
+        for lo in range(0, self.num_clients, STATE_BATCH):
+            batch: dict[int, dict[int, ClientState]] = {}
+            for c in range(lo, min(lo + STATE_BATCH, self.num_clients)):
+                batch.setdefault(worker_of[c], {})[c] = states[c]
+            self._call(
+                {
+                    w: ("set_states", {"states": part, "offload": self.offload})
+                    for w, part in batch.items()
+                }
+            )
         for w, g in enumerate(groups):
             for cid in g:
                 if self.offload:
@@ -535,3 +547,36 @@ class ProcessTransport:
         self.procs, self.conns = [], []
         self.store.close()
         Path(self._images_path).unlink(missing_ok=True)
+
+
+STATE_BATCH = 32  # clients per fetch or load of client states (bounds a checkpoint's memory)
+
+
+class _WorkerStates(Sequence[ClientState]):
+    """The workers' clients' state dicts, fetched a batch at a time when indexed (in order: one
+    fetch per ``STATE_BATCH`` clients; only the current batch is kept)."""
+
+    def __init__(self, transport: ProcessTransport) -> None:
+        self.transport = transport
+        self.n = transport.num_clients
+        self.batch: dict[int, ClientState] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, cid: int) -> ClientState: ...
+
+    @overload
+    def __getitem__(self, cid: slice) -> list[ClientState]: ...
+
+    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
+        if isinstance(cid, slice):
+            return [self[i] for i in range(self.n)[cid]]
+        if not 0 <= cid < self.n:
+            raise IndexError(cid)
+        if cid not in self.batch:
+            lo = cid - cid % STATE_BATCH
+            self.batch = {}  # the previous batch is dropped before the next arrives
+            self.batch = self.transport._fetch_states(range(lo, min(lo + STATE_BATCH, self.n)))
+        return self.batch[cid]
