@@ -123,7 +123,7 @@ def test_every_method_config_is_valid(harness: ModuleType) -> None:
     for setting in harness.SETTINGS:
         setup = harness.Setup(setting=setting, rounds=3)
         for name, method in harness.HTFLLIB.items():
-            cfg = from_dict(setup.fedmosaic_config(method.algorithm))
+            cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
             assert cfg.algorithm["name"] == method.algorithm["name"], name
             assert cfg.data.val_fraction == 0.0 and cfg.train.drop_last
             assert "-algo" in method.ref_args

@@ -10,9 +10,9 @@ Steps (one method, one setting, one seed)::
 
 The reference checkout is the user's (see README.md); nothing of it is copied here and nothing is
 downloaded. Rows are exported as the float32 tensors fedmosaic feeds its models (``normalize =
-"half"``: ``x / 255`` then ``(x - 0.5) / 0.5``), which is also what HtFLlib's own dataset generator
-writes for FMNIST (``ToTensor`` + ``Normalize([0.5], [0.5])``), so the reference reads exactly the
-values fedmosaic trains on.
+"half"``: ``x / 255`` then ``(x - 0.5) / 0.5``), which is also what the FMNIST generator HtFLlib
+points to (PFLlib's ``generate_FashionMNIST.py``: ``ToTensor`` + ``Normalize([0.5], [0.5])``)
+writes, so the reference reads exactly the values fedmosaic trains on.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Method:
     algorithm: dict[str, Any]  # fedmosaic [algorithm] table
     ref_args: list[str]  # the reference main.py's -algo and method arguments
     notes: str = ""
+    plugins: tuple[str, ...] = ()  # fedmosaic plugin files (diagnostic variants)
 
 
 # HtFLlib (commit with the HCNNs8 group) <-> fedmosaic. Hyperparameters as FedTGP's Table 10
@@ -57,6 +58,13 @@ HTFLLIB: dict[str, Method] = {
         {"name": "fedproto", "lam": 0.1},
         ["-algo", "FedProto", "-lam", "0.1"],
         "both: MSELoss term, plain mean over holders, nearest global prototype over all classes",
+    ),
+    # diagnostic: FedProto uploading the reference's training-time prototypes (variants.py)
+    "fedproto_train_protos": Method(
+        {"name": "fedproto_train_protos", "lam": 0.1},
+        ["-algo", "FedProto", "-lam", "0.1"],
+        "fedmosaic FedProto with the reference's training-time local prototypes",
+        (str(HERE / "variants.py"),),
     ),
     "fedtgp": Method(
         {
@@ -87,10 +95,13 @@ class Setup:
     local_epochs: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def fedmosaic_config(self, algorithm: dict[str, Any]) -> dict[str, Any]:
+    def fedmosaic_config(
+        self, algorithm: dict[str, Any], plugins: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         """The fedmosaic config (as a dict for ``fedmosaic.config.from_dict``)."""
         return {
             "seed": self.seed,
+            "plugins": list(plugins),
             "data": {
                 "dataset": "fmnist",
                 "num_clients": self.num_clients,
@@ -197,7 +208,7 @@ def read_export(dest: Path, split: str, cid: int) -> tuple[np.ndarray, np.ndarra
 
 _ROUND = re.compile(r"^-+Round number: (\d+)-+$")
 _CLIENT = re.compile(r"^Client (\d+): Acc: ([-+0-9.eE]+|nan)")
-_AVG = re.compile(r"^Averaged Test Accurancy: ([0-9.]+)")
+_AVG = re.compile(r"^Averaged Test Accur(?:an)?cy: ([0-9.]+)")
 
 
 def parse_reference_log(text: str, test_sizes: list[int]) -> list[dict[str, Any]]:
@@ -285,7 +296,7 @@ def run_fedmosaic(setup: Setup, method: Method) -> tuple[list[dict[str, Any]], f
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment
 
-    cfg = from_dict(setup.fedmosaic_config(method.algorithm))
+    cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
     start = time.perf_counter()
     doc = run_experiment(cfg, progress=False)
     keep = ("round", "acc_weighted", "acc_mean", "acc_head_weighted", "acc_head_mean")
@@ -316,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "method": a.method,
         "setting": a.setting,
-        "setup": setup.fedmosaic_config(method.algorithm),
+        "setup": setup.fedmosaic_config(method.algorithm, method.plugins),
         "reference": {"library": "HtFLlib", "path": str(a.ref)},
         "notes": method.notes,
         "train_sizes": config["train_sizes"],
