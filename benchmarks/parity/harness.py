@@ -255,12 +255,9 @@ def parse_reference_log(text: str, test_sizes: list[int]) -> list[dict[str, Any]
 # ------------------------------------------------------------------------------------- the sides
 
 
-def run_reference(
-    ref: Path, python: str, setup: Setup, method: Method, log: Path, threads: int = 1
-) -> tuple[list[str], float]:
-    """Run the reference's ``system/main.py`` (unchanged, through the launch shim) on CPU; its
-    stdout goes to ``log``. Returns the command and the wall time."""
-    cmd = [
+def _ref_command(python: str, setup: Setup, method: Method) -> list[str]:
+    """The reference launch: its ``main.py`` arguments for ``setup`` and ``method``."""
+    return [
         python,
         str(HERE / "launch_shim.py"),
         "-data", setup.name,
@@ -278,6 +275,14 @@ def run_reference(
         "-t", "1",
         *method.ref_args,
     ]  # fmt: skip
+
+
+def run_reference(
+    ref: Path, python: str, setup: Setup, method: Method, log: Path, threads: int = 1
+) -> tuple[list[str], float]:
+    """Run the reference's ``system/main.py`` (unchanged, through the launch shim) on CPU; its
+    stdout goes to ``log``. Returns the command and the wall time."""
+    cmd = _ref_command(python, setup, method)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     env.pop("PYTHONPATH", None)  # the reference's venv, not ours
     # It torch.save()s whole modules between rounds and loads them back with torch.load's pre-2.6
@@ -316,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--skip", choices=["reference", "fedmosaic"], help="run one side only")
+    p.add_argument(
+        "--reference-from",
+        type=Path,
+        help="take the reference side from this earlier result (same split and reference "
+        "arguments, e.g. a diagnostic variant of fedmosaic's method) instead of running it",
+    )
     a = p.parse_args(argv)
     setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed)
     method = HTFLLIB[a.method]
@@ -336,7 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     commit = a.ref / "COMMIT"
     if commit.exists():
         doc["reference"]["commit"] = commit.read_text().strip()
-    if a.skip != "reference":
+    if a.reference_from:
+        earlier = json.loads(a.reference_from.read_text())
+        same = earlier["setup"]["data"] == doc["setup"]["data"]
+        same &= earlier["reference"]["command"][2:] == _ref_command("", setup, method)[2:]
+        if not same:
+            raise SystemExit(f"{a.reference_from}: another split or other reference arguments")
+        doc["reference"] = {**earlier["reference"], "from": str(a.reference_from)}
+    elif a.skip != "reference":
         log = a.out / f"{stem}.ref.log"
         cmd, secs = run_reference(a.ref, a.ref_python, setup, method, log)
         doc["reference"].update(
