@@ -306,6 +306,10 @@ def run_fedmosaic(setup: Setup, method: Method) -> tuple[list[dict[str, Any]], f
     doc = run_experiment(cfg, progress=False)
     keep = ("round", "acc_weighted", "acc_mean", "acc_head_weighted", "acc_head_mean")
     rounds = [{k: r[k] for k in keep if k in r} for r in doc["rounds"] if "acc_weighted" in r]
+    # the last round's per-client accuracies, as the reference log has them for every round
+    rounds[-1]["client_acc"] = [
+        c["acc"] for c in sorted(doc["clients"], key=lambda c: c["client_id"])
+    ]
     return rounds, time.perf_counter() - start
 
 
