@@ -1,0 +1,379 @@
+"""Parity harness: one fedmosaic federation run by fedmosaic and by a reference library's own code.
+
+Steps (one method, one setting, one seed)::
+
+    export   fedmosaic's per-client train/test rows -> <ref>/dataset/<name>/{train,test}/<cid>.npz
+    launch   <ref>/system/main.py, unchanged, in the reference's venv, on CPU (via launch_shim.py)
+    read     the reference's per-round per-client test accuracy from its stdout
+    run      fedmosaic on the same config (serial backend, one thread)
+    write    <out>/<method>_<setting>_s<seed>.json: both curves, both metrics, the commands
+
+The reference checkout is the user's (see README.md); nothing of it is copied here and nothing is
+downloaded. Rows are exported as the float32 tensors fedmosaic feeds its models (``normalize =
+"half"``: ``x / 255`` then ``(x - 0.5) / 0.5``), which is also what the FMNIST generator HtFLlib
+points to (PFLlib's ``generate_FashionMNIST.py``: ``ToTensor`` + ``Normalize([0.5], [0.5])``)
+writes, so the reference reads exactly the values fedmosaic trains on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+# setting name -> fedmosaic data keys (FedTGP Table 10's two label skews)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "dir01": {"partition": "dirichlet", "alpha": 0.1},
+    "pat2": {"partition": "pathological", "classes_per_client": 2},
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method on both sides: fedmosaic's algorithm table and the reference's arguments."""
+
+    algorithm: dict[str, Any]  # fedmosaic [algorithm] table
+    ref_args: list[str]  # the reference main.py's -algo and method arguments
+    notes: str = ""
+    plugins: tuple[str, ...] = ()  # fedmosaic plugin files (diagnostic variants)
+
+
+# HtFLlib (commit with the HCNNs8 group) <-> fedmosaic. Hyperparameters as FedTGP's Table 10
+# (benchmarks/suites/fedtgp_table10.toml): lambda 0.1 for FedProto/FedTGP, tau 100, 100 server epochs.
+HTFLLIB: dict[str, Method] = {
+    "local": Method({"name": "local"}, ["-algo", "Local"]),
+    "lg_fedavg": Method({"name": "lg_fedavg"}, ["-algo", "LG-FedAvg"]),
+    "fedproto": Method(
+        {"name": "fedproto", "lam": 0.1},
+        ["-algo", "FedProto", "-lam", "0.1"],
+        "both: MSELoss term, plain mean over holders, nearest global prototype over all classes",
+    ),
+    # diagnostic: FedProto uploading the reference's training-time prototypes (variants.py)
+    "fedproto_train_protos": Method(
+        {"name": "fedproto_train_protos", "lam": 0.1},
+        ["-algo", "FedProto", "-lam", "0.1"],
+        "fedmosaic FedProto with the reference's training-time local prototypes",
+        (str(HERE / "variants.py"),),
+    ),
+    "fedtgp": Method(
+        {
+            "name": "fedtgp",
+            "distance": "mse",
+            "lam": 0.1,
+            "tau": 100.0,
+            "server_epochs": 100,
+            "stale_prototypes": True,
+        },
+        ["-algo", "FedTGP", "-lam", "0.1", "-mart", "100", "-se", "100"],
+        "fedmosaic's code form (MSELoss, stale prototypes) with lambda 0.1",
+    ),
+}
+
+
+@dataclass
+class Setup:
+    """The shared experiment: data split, model group, training hyperparameters."""
+
+    setting: str = "dir01"
+    subsample: float = 0.05
+    num_clients: int = 20
+    rounds: int = 40
+    seed: int = 0
+    batch_size: int = 10
+    lr: float = 0.01
+    local_epochs: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fedmosaic_config(
+        self, algorithm: dict[str, Any], plugins: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """The fedmosaic config (as a dict for ``fedmosaic.config.from_dict``)."""
+        return {
+            "seed": self.seed,
+            "plugins": list(plugins),
+            "data": {
+                "dataset": "fmnist",
+                "num_clients": self.num_clients,
+                "split": "pool_75_25",
+                "val_fraction": 0.0,
+                "subsample": self.subsample,
+                "normalize": "half",
+                **SETTINGS[self.setting],
+            },
+            # HtFLlib's HCNNs8 = htfe8-gray member for member (client i gets member i mod 8); its
+            # feature layer is 512-d, so the parameter-free pool is the identity, as in HtFLlib
+            "model": {"family": "htfe8-gray", "feature_dim": 512, "projection": "pool"},
+            "train": {
+                "rounds": self.rounds,
+                "participation": 1.0,
+                "local_epochs": self.local_epochs,
+                "batch_size": self.batch_size,
+                "drop_last": True,  # HtFLlib's train loader drops the ragged last batch
+                "lr": self.lr,
+                "optimizer": "sgd",
+                "eval_every": 1,
+            },
+            "sim": {"backend": "serial", "threads": 1},
+            "algorithm": dict(algorithm),
+        }
+
+    @property
+    def name(self) -> str:
+        """The dataset folder name in the reference checkout (one per split)."""
+        sub = f"{self.subsample:g}".replace(".", "p")
+        return f"parity_fmnist_{self.setting}_{sub}_n{self.num_clients}_s{self.seed}"
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+def build_split(setup: Setup) -> Any:
+    """fedmosaic's federated data for ``setup`` (the rows its clients hold)."""
+    from fedmosaic.config import from_dict
+    from fedmosaic.data.federated import build_federated_data
+
+    cfg = from_dict(setup.fedmosaic_config({"name": "local"}))
+    return build_federated_data(cfg.data, cfg.seed)
+
+
+def export(fd: Any, dest: Path, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``fd``'s clients in the PFLlib/HtFLlib layout under ``dest`` (= ``<ref>/dataset/<name>``).
+
+    ``train/<cid>.npz`` and ``test/<cid>.npz`` hold ``data = {"x": float32 [N, C, H, W], "y":
+    int64 [N]}`` (what the reference's ``read_data`` loads) in fedmosaic's row order, plus ``rows``
+    (int64 [N], fedmosaic's dataset indices; the reference ignores it) so an export can be checked.
+    ``config.json`` records the split as the reference's generators do. Returns that config.
+    """
+    if fd.num_clients and any(cs.val.numel() for cs in fd.clients):
+        raise ValueError(
+            "export needs data.val_fraction = 0: the reference has no validation split"
+        )
+    sizes: dict[str, list[int]] = {"train": [], "test": []}
+    for split in ("train", "test"):
+        (dest / split).mkdir(parents=True, exist_ok=True)
+        for cid, cs in enumerate(fd.clients):
+            rows = cs.get(split)
+            x = fd.batch(rows).numpy().astype(np.float32)
+            y = fd.labels[rows].numpy().astype(np.int64)
+            _atomic_npz(dest / split / f"{cid}.npz", data={"x": x, "y": y}, rows=rows.numpy())
+            sizes[split].append(int(rows.numel()))
+    hist = fd.label_histograms("all")
+    config = {
+        "num_clients": fd.num_clients,
+        "num_classes": fd.num_classes,
+        "Size of samples for labels in clients": [
+            [[c, int(n)] for c, n in enumerate(row) if n] for row in hist
+        ],
+        "train_sizes": sizes["train"],
+        "test_sizes": sizes["test"],
+        "normalize": {"mean": fd.mean.tolist(), "std": fd.std.tolist()},
+        "exported_by": "fedmosaic benchmarks/parity",
+        **(extra_config or {}),
+    }
+    tmp = dest / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    os.replace(tmp, dest / "config.json")
+    return config
+
+
+def _atomic_npz(path: Path, **arrays: Any) -> None:
+    """Write an ``.npz`` under a temporary name, then rename: a reference run reading the same
+    split (it re-reads its files every round) never sees a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    os.replace(tmp, path)
+
+
+def read_export(dest: Path, split: str, cid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, y, rows)`` of one exported client file, read as the reference reads it."""
+    with open(dest / split / f"{cid}.npz", "rb") as f:
+        z = np.load(f, allow_pickle=True)
+        data = z["data"].tolist()
+        return np.asarray(data["x"]), np.asarray(data["y"]), z["rows"]
+
+
+# ------------------------------------------------------------------------------------ read back
+
+_ROUND = re.compile(r"^-+Round number: (\d+)-+$")
+_CLIENT = re.compile(r"^Client (\d+): Acc: ([-+0-9.eE]+|nan)")
+_AVG = re.compile(r"^Averaged Test Accur(?:an)?cy: ([0-9.]+)")
+
+
+def parse_reference_log(text: str, test_sizes: list[int]) -> list[dict[str, Any]]:
+    """Per-round accuracies from HtFLlib's/PFLlib's stdout.
+
+    Their server prints ``-----Round number: r-----`` *before* training round ``r`` (so it is the
+    accuracy after ``r`` rounds; ``r = 0`` is the initial models), then one ``Client <id>: Acc:
+    <correct/n>`` line per client and ``Averaged Test Accurancy`` (correct / total over clients, 4
+    decimals). ``acc_weighted`` is recomputed at full precision from the client lines and the exported
+    test sizes; ``acc_printed`` keeps the printed value as a check. ``acc_mean`` is the plain mean of
+    the per-client accuracies.
+    """
+    out: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if m := _ROUND.match(line):
+            cur = {"round": int(m.group(1)), "client_acc": {}}
+        elif cur is not None and (m := _CLIENT.match(line)):
+            cur["client_acc"][int(m.group(1))] = float(m.group(2))
+        elif cur is not None and (m := _AVG.match(line)):
+            accs = cur.pop("client_acc")
+            ids = sorted(accs)
+            if ids != list(range(len(test_sizes))):
+                raise ValueError(
+                    f"round {cur['round']}: client lines {ids}, expected 0..{len(test_sizes) - 1}"
+                )
+            n = np.asarray(test_sizes, dtype=np.float64)
+            a = np.asarray([accs[i] for i in ids], dtype=np.float64)
+            cur["acc_weighted"] = float((a * n).sum() / n.sum())
+            cur["acc_mean"] = float(a.mean())
+            cur["acc_printed"] = float(m.group(1))
+            if abs(cur["acc_printed"] - cur["acc_weighted"]) > 5e-5 + 1e-9:  # printed: 4 decimals
+                raise ValueError(
+                    f"round {cur['round']}: printed accuracy {cur['acc_printed']} but the client "
+                    f"lines weighted by the exported test sizes give {cur['acc_weighted']:.6f}"
+                )
+            cur["client_acc"] = a.tolist()
+            out.append(cur)
+            cur = None
+    return out
+
+
+# ------------------------------------------------------------------------------------- the sides
+
+
+def _ref_command(python: str, setup: Setup, method: Method) -> list[str]:
+    """The reference launch: its ``main.py`` arguments for ``setup`` and ``method``."""
+    return [
+        python,
+        str(HERE / "launch_shim.py"),
+        "-data", setup.name,
+        "-m", "HCNNs8",
+        "-ncl", "10",
+        "-dev", "cpu",
+        "-nc", str(setup.num_clients),
+        "-jr", "1",
+        "-lbs", str(setup.batch_size),
+        "-lr", str(setup.lr),
+        "-ls", str(setup.local_epochs),
+        "-gr", str(setup.rounds),
+        "-fd", "512",
+        "-eg", "1",
+        "-t", "1",
+        *method.ref_args,
+    ]  # fmt: skip
+
+
+def run_reference(
+    ref: Path, python: str, setup: Setup, method: Method, log: Path, threads: int = 1
+) -> tuple[list[str], float]:
+    """Run the reference's ``system/main.py`` (unchanged, through the launch shim) on CPU; its
+    stdout goes to ``log``. Returns the command and the wall time."""
+    cmd = _ref_command(python, setup, method)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env.pop("PYTHONPATH", None)  # the reference's venv, not ours
+    # It torch.save()s whole modules between rounds and loads them back with torch.load's pre-2.6
+    # default (weights_only=False); our pinned torch 2.13 needs this switch to keep that default
+    env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ref / "system", stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"reference run failed (exit {proc.returncode}); see {log}")
+    return cmd, time.perf_counter() - start
+
+
+def run_fedmosaic(setup: Setup, method: Method) -> tuple[list[dict[str, Any]], float]:
+    """fedmosaic's per-round records (``round`` = rounds trained so far) and the wall time."""
+    from fedmosaic.config import from_dict
+    from fedmosaic.experiment import run_experiment
+
+    cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
+    start = time.perf_counter()
+    doc = run_experiment(cfg, progress=False)
+    keep = ("round", "acc_weighted", "acc_mean", "acc_head_weighted", "acc_head_mean")
+    rounds = [{k: r[k] for k in keep if k in r} for r in doc["rounds"] if "acc_weighted" in r]
+    # the last round's per-client accuracies, as the reference log has them for every round
+    rounds[-1]["client_acc"] = [
+        c["acc"] for c in sorted(doc["clients"], key=lambda c: c["client_id"])
+    ]
+    return rounds, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("method", choices=sorted(HTFLLIB))
+    p.add_argument("--ref", type=Path, required=True, help="HtFLlib checkout (has system/main.py)")
+    p.add_argument("--ref-python", default=os.environ.get("PARITY_REF_PYTHON", sys.executable))
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="dir01")
+    p.add_argument("--subsample", type=float, default=0.05)
+    p.add_argument("--clients", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--skip", choices=["reference", "fedmosaic"], help="run one side only")
+    p.add_argument(
+        "--reference-from",
+        type=Path,
+        help="take the reference side from this earlier result (same split and reference "
+        "arguments, e.g. a diagnostic variant of fedmosaic's method) instead of running it",
+    )
+    a = p.parse_args(argv)
+    setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed)
+    method = HTFLLIB[a.method]
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{a.method}_{a.setting}_s{a.seed}"
+    dest = a.ref / "dataset" / setup.name
+    fd = build_split(setup)
+    config = export(fd, dest, {"fedmosaic_data": setup.fedmosaic_config({})["data"]})
+    doc: dict[str, Any] = {
+        "method": a.method,
+        "setting": a.setting,
+        "setup": setup.fedmosaic_config(method.algorithm, method.plugins),
+        "reference": {"library": "HtFLlib", "path": str(a.ref)},
+        "notes": method.notes,
+        "train_sizes": config["train_sizes"],
+        "test_sizes": config["test_sizes"],
+    }
+    commit = a.ref / "COMMIT"
+    if commit.exists():
+        doc["reference"]["commit"] = commit.read_text().strip()
+    if a.reference_from:
+        earlier = json.loads(a.reference_from.read_text())
+        same = earlier["setup"]["data"] == doc["setup"]["data"]
+        same &= earlier["reference"]["command"][2:] == _ref_command("", setup, method)[2:]
+        if not same:
+            raise SystemExit(f"{a.reference_from}: another split or other reference arguments")
+        doc["reference"] = {**earlier["reference"], "from": str(a.reference_from)}
+    elif a.skip != "reference":
+        log = a.out / f"{stem}.ref.log"
+        cmd, secs = run_reference(a.ref, a.ref_python, setup, method, log)
+        doc["reference"].update(
+            command=cmd,
+            seconds=round(secs, 1),
+            rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
+        )
+    if a.skip != "fedmosaic":
+        rounds, secs = run_fedmosaic(setup, method)
+        doc["fedmosaic"] = {"seconds": round(secs, 1), "rounds": rounds}
+    path = a.out / f"{stem}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

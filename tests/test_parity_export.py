@@ -1,0 +1,129 @@
+"""The parity harness (benchmarks/parity/) without a reference checkout: its export writes exactly
+the clients' rows in the reference's layout, its reader parses the reference's stdout, and its
+configs are valid fedmosaic configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+from fedmosaic.config import DataConfig, from_dict
+from fedmosaic.data.federated import build_federated_data
+
+HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "parity" / "harness.py"
+
+
+@pytest.fixture(scope="module")
+def harness() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("parity_harness", HARNESS)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny() -> DataConfig:
+    return DataConfig(
+        dataset="synthetic",
+        synthetic_size=240,
+        synthetic_classes=4,
+        synthetic_shape=[1, 6, 6],
+        partition="dirichlet",
+        alpha=0.5,
+        num_clients=5,
+        min_size=5,
+    )
+
+
+def test_export_writes_exactly_the_clients_rows(harness: ModuleType, tmp_path: Path) -> None:
+    fd = build_federated_data(_tiny(), seed=3)
+    dest = tmp_path / "dataset" / "tiny"
+    config = harness.export(fd, dest)
+    assert sorted(p.name for p in (dest / "train").iterdir()) == [f"{i}.npz" for i in range(5)]
+    for split in ("train", "test"):
+        for cid, cs in enumerate(fd.clients):
+            x, y, rows = harness.read_export(dest, split, cid)
+            want = cs.get(split)
+            assert rows.dtype == np.int64 and np.array_equal(rows, want.numpy())
+            assert y.dtype == np.int64 and np.array_equal(y, fd.labels[want].numpy())
+            # the very float32 values fedmosaic's clients are fed (normalize = "half")
+            assert x.dtype == np.float32 and x.shape == (len(want), 1, 6, 6)
+            assert torch.equal(torch.from_numpy(x), fd.batch(want))
+            assert x.min() >= -1.0 and x.max() <= 1.0
+    on_disk = json.loads((dest / "config.json").read_text())
+    assert on_disk == config
+    assert config["train_sizes"] == [int(cs.train.numel()) for cs in fd.clients]
+    assert config["test_sizes"] == [int(cs.test.numel()) for cs in fd.clients]
+    assert not list(dest.rglob("*.tmp"))  # written atomically: no temporary file left
+
+
+def test_export_refuses_a_validation_split(harness: ModuleType, tmp_path: Path) -> None:
+    cfg = _tiny()
+    cfg.val_fraction = 0.2
+    with pytest.raises(ValueError, match="val_fraction"):
+        harness.export(build_federated_data(cfg, seed=0), tmp_path / "d")
+
+
+FAKE_LOG = """\
+parity launch shim: stand-ins for ['torchvision']
+-------------Round number: 0-------------
+
+Evaluate heterogeneous models
+Client 0: Acc: 0.0, AUC: 0
+Client 1: Acc: 0.0, AUC: 0
+Client 2: Acc: 0.0, AUC: 0
+Averaged Test Accurancy: 0.0000
+Std Test Accurancy: 0.0000
+-------------------------------------------------- 1.5
+
+-------------Round number: 1-------------
+
+Evaluate heterogeneous models
+Client 0: Acc: 0.5, AUC: 0.9
+Client 1: Acc: 1.0, AUC: 1.0
+Client 2: Acc: 0.25, AUC: 0.7
+Averaged Test Accurancy: 0.3636
+Std Test Accurancy: 0.3118
+"""
+
+
+def test_reader_parses_the_reference_stdout(harness: ModuleType) -> None:
+    rounds = harness.parse_reference_log(FAKE_LOG, test_sizes=[2, 1, 8])
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert rounds[0]["acc_weighted"] == 0.0 and rounds[0]["acc_mean"] == 0.0
+    r1 = rounds[1]
+    assert r1["client_acc"] == [0.5, 1.0, 0.25]
+    assert r1["acc_weighted"] == pytest.approx((1 + 1 + 2) / 11)
+    assert r1["acc_mean"] == pytest.approx(1.75 / 3)
+    assert r1["acc_printed"] == 0.3636
+
+
+def test_reader_rejects_a_missing_client(harness: ModuleType) -> None:
+    broken = FAKE_LOG.replace("Client 1: Acc: 1.0, AUC: 1.0\n", "")
+    with pytest.raises(ValueError, match="client lines"):
+        harness.parse_reference_log(broken, test_sizes=[2, 1, 8])
+
+
+def test_reader_rejects_other_test_sizes(harness: ModuleType) -> None:
+    # the printed correct/total disagrees with the client lines weighted by these sizes: the log
+    # is not a run on this export
+    with pytest.raises(ValueError, match="printed"):
+        harness.parse_reference_log(FAKE_LOG, test_sizes=[1, 1, 1])
+
+
+def test_every_method_config_is_valid(harness: ModuleType) -> None:
+    for setting in harness.SETTINGS:
+        setup = harness.Setup(setting=setting, rounds=3)
+        for name, method in harness.HTFLLIB.items():
+            cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
+            assert cfg.algorithm["name"] == method.algorithm["name"], name
+            assert cfg.data.val_fraction == 0.0 and cfg.train.drop_last
+            assert "-algo" in method.ref_args
