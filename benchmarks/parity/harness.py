@@ -342,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "method": a.method,
         "setting": a.setting,
-        "setup": setup.fedmosaic_config(method.algorithm, method.plugins),
-        "reference": {"library": "HtFLlib", "path": str(a.ref)},
+        # plugin files recorded relative to the repository (no machine path in the record)
+        "setup": setup.fedmosaic_config(
+            method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
+        ),
+        "reference": {"library": "HtFLlib", "checkout": a.ref.name},  # no machine path
         "notes": method.notes,
         "train_sizes": config["train_sizes"],
         "test_sizes": config["test_sizes"],
@@ -362,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         log = a.out / f"{stem}.ref.log"
         cmd, secs = run_reference(a.ref, a.ref_python, setup, method, log)
         doc["reference"].update(
-            command=cmd,
+            # as run, without this machine's paths: the venv's python and the shim in this repo
+            command=["<ref-python>", "benchmarks/parity/launch_shim.py", *cmd[2:]],
             seconds=round(secs, 1),
             rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
         )
