@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 import fedmosaic
 from fedmosaic.core.errors import ConfigError
-from fedmosaic.core.rounds import ClientState, EvalResult, History, Transport
+from fedmosaic.core.rounds import ClientState, EvalResult, History, LazyClientStates, Transport
 from fedmosaic.federation import Federation
 from fedmosaic.report.results import replace_all, write_temp
 
@@ -629,7 +629,7 @@ def verify_file(path: str | Path) -> dict[str, Any]:
     return scan_file(path)[0]
 
 
-class Reader(Sequence[ClientState]):
+class Reader(LazyClientStates):
     """An open checkpoint: its non-client tensors (``tensors``: server state, RNG) in memory and
     each client's ``(model, extras)`` state dicts read from the file when indexed."""
 
@@ -644,20 +644,7 @@ class Reader(Sequence[ClientState]):
             else:
                 self.tensors[k] = fh.get_tensor(k)
 
-    def __len__(self) -> int:
-        return self.n
-
-    @overload
-    def __getitem__(self, cid: int) -> ClientState: ...
-
-    @overload
-    def __getitem__(self, cid: slice) -> list[ClientState]: ...
-
-    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
-        if isinstance(cid, slice):
-            return [self[i] for i in range(self.n)[cid]]
-        if not 0 <= cid < self.n:
-            raise IndexError(cid)
+    def get(self, cid: int) -> ClientState:
         model: dict[str, Tensor] = {}
         extras: dict[str, Tensor] = {}
         for k in self.keys[cid]:

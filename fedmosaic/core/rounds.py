@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 import torch
@@ -63,6 +63,34 @@ class EvalResult:
 
 ClientState = tuple[dict[str, Tensor], dict[str, Tensor]]  # a client's (model, extras) state dicts
 ClientProgress = Callable[[int, int], None]  # (clients done, clients in the fit)
+
+
+class LazyClientStates(Sequence[ClientState]):
+    """Every client's state, fetched only when indexed (a checkpoint's file, a state store, the
+    workers): the length, bounds and slices written once; a subclass says how to get one."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, cid: int) -> ClientState: ...
+
+    @overload
+    def __getitem__(self, cid: slice) -> list[ClientState]: ...
+
+    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
+        if isinstance(cid, slice):
+            return [self[i] for i in range(self.n)[cid]]
+        if not 0 <= cid < self.n:
+            raise IndexError(cid)
+        return self.get(cid)
+
+    def get(self, cid: int) -> ClientState:
+        """Client ``cid``'s (model, extras) state dicts, ``0 <= cid < len(self)``."""
+        raise NotImplementedError
 
 
 class ClientStatesUnavailable(RuntimeError):

@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -57,7 +57,13 @@ import fedmosaic
 from fedmosaic.config import from_dict
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.payload import Payload, PayloadError, decode
-from fedmosaic.core.rounds import ClientProgress, ClientState, EvalResult, FitResult
+from fedmosaic.core.rounds import (
+    ClientProgress,
+    ClientState,
+    EvalResult,
+    FitResult,
+    LazyClientStates,
+)
 from fedmosaic.data.datasets import ImageDataset
 from fedmosaic.data.federated import FederatedData
 from fedmosaic.federation import build_federation, make_client
@@ -552,7 +558,7 @@ class ProcessTransport:
 STATE_BATCH = 32  # clients per fetch or load of client states (bounds a checkpoint's memory)
 
 
-class _WorkerStates(Sequence[ClientState]):
+class _WorkerStates(LazyClientStates):
     """The workers' clients' state dicts, fetched a batch at a time when indexed (in order: one
     fetch per ``STATE_BATCH`` clients; only the current batch is kept)."""
 
@@ -561,20 +567,7 @@ class _WorkerStates(Sequence[ClientState]):
         self.n = transport.num_clients
         self.batch: dict[int, ClientState] = {}
 
-    def __len__(self) -> int:
-        return self.n
-
-    @overload
-    def __getitem__(self, cid: int) -> ClientState: ...
-
-    @overload
-    def __getitem__(self, cid: slice) -> list[ClientState]: ...
-
-    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
-        if isinstance(cid, slice):
-            return [self[i] for i in range(self.n)[cid]]
-        if not 0 <= cid < self.n:
-            raise IndexError(cid)
+    def get(self, cid: int) -> ClientState:
         if cid not in self.batch:
             lo = cid - cid % STATE_BATCH
             self.batch = {}  # the previous batch is dropped before the next arrives

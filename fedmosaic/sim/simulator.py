@@ -26,7 +26,6 @@ With ``train.batched_clients`` on, the round's clients of one model layout train
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import overload
 
 from torch import nn
 
@@ -36,7 +35,13 @@ from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
-from fedmosaic.core.rounds import ClientProgress, ClientState, EvalResult, FitResult
+from fedmosaic.core.rounds import (
+    ClientProgress,
+    ClientState,
+    EvalResult,
+    FitResult,
+    LazyClientStates,
+)
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.sim.common import EvalCache, MessageTable
 from fedmosaic.sim.host import ClientHost
@@ -264,24 +269,11 @@ class SimTransport:
             self.host.store.close()
 
 
-class _StoredStates(Sequence[ClientState]):
+class _StoredStates(LazyClientStates):
     """Offloaded clients' state dicts, each read from the store (copied) when indexed."""
 
     def __init__(self, host: ClientHost, n: int) -> None:
         self.host, self.n = host, n
 
-    def __len__(self) -> int:
-        return self.n
-
-    @overload
-    def __getitem__(self, cid: int) -> ClientState: ...
-
-    @overload
-    def __getitem__(self, cid: slice) -> list[ClientState]: ...
-
-    def __getitem__(self, cid: int | slice) -> ClientState | list[ClientState]:
-        if isinstance(cid, slice):
-            return [self[i] for i in range(self.n)[cid]]
-        if not 0 <= cid < self.n:
-            raise IndexError(cid)
+    def get(self, cid: int) -> ClientState:
         return self.host.state_dicts([cid])[cid]
