@@ -47,6 +47,12 @@ class Method:
     ref_args: list[str]  # the reference main.py's -algo and method arguments
     notes: str = ""
     plugins: tuple[str, ...] = ()  # fedmosaic plugin files (diagnostic variants)
+    # fedmosaic options that reproduce the reference where fedmosaic differs on purpose: name ->
+    # keys merged over ``algorithm``; each is run on the fedmosaic side too and should track it
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the fedmosaic metric that evaluates the model the reference evaluates ("acc" unless the
+    # reference evaluates another model than the paper, e.g. FedGH's global header)
+    ref_mode: str = "acc"
 
 
 # HtFLlib (commit with the HCNNs8 group) <-> fedmosaic. Hyperparameters as FedTGP's Table 10
@@ -77,6 +83,51 @@ HTFLLIB: dict[str, Method] = {
         },
         ["-algo", "FedTGP", "-lam", "0.1", "-mart", "100", "-se", "100"],
         "fedmosaic's code form (MSELoss, stale prototypes) with lambda 0.1",
+    ),
+    # FedGH: one server epoch at the paper's eta_g = 0.01 on both sides (HtFLlib's -se default is
+    # 100). HtFLlib evaluates each client right after it received the global header, i.e.
+    # fedmosaic's acc_global; fedmosaic's acc (the paper's) is the locally trained head.
+    "fedgh": Method(
+        {"name": "fedgh", "eta_g": 0.01, "server_epochs": 1},
+        ["-algo", "FedGH", "-slr", "0.01", "-se", "1"],
+        "reference evaluates encoder + global header (fedmosaic acc_global); its server step "
+        "pools all (LAR, label) pairs into shuffled batches of 10",
+        variants={"server_batch_10": {"server_batch_size": 10}},
+        ref_mode="acc_global",
+    ),
+    "feddistill": Method(
+        {"name": "feddistill", "lam": 1.0},
+        ["-algo", "FedDistill", "-lam", "1"],
+        "fedmosaic default: the paper's MSE to the leave-one-out mean; the reference: soft-target "
+        "CE to the mean over all holders",
+        variants={"htfllib_form": {"distill": "kl", "average": "all"}},
+    ),
+    "fml": Method(
+        {"name": "fml", "alpha": 0.5, "beta": 0.5},
+        ["-algo", "FML", "-al", "0.5", "-bt", "0.5"],
+        "both alpha = beta = 0.5 (HtFLlib's defaults 1.0 switch the KL terms off); the reference's "
+        "KLDivLoss 'mean' is 1/C of fedmosaic's batchmean",
+        variants={"meme_cnn1": {"meme_arch": "cnn1"}},
+    ),
+    "fedkd": Method(
+        {"name": "fedkd", "T_start": 0.95, "T_end": 0.98},
+        ["-algo", "FedKD", "-mlr", "0.01", "-Ts", "0.95", "-Te", "0.98"],
+        "fedmosaic default uploads the SVD-compressed update (paper); the reference the compressed "
+        "mentee itself",
+        variants={"htfllib_form": {"upload_mode": "state", "mentee_arch": "cnn1"}},
+    ),
+    "fedgen": Method(
+        {
+            "name": "fedgen",
+            "noise_dim": 32,
+            "generator_lr": 0.1,
+            "hidden_dim": 512,
+            "generator_steps": 100,
+        },
+        ["-algo", "FedGen", "-nd", "32", "-glr", "0.1", "-hd", "512", "-se", "100"],
+        "fedmosaic trains a persistent generator with the diversity term; the reference's "
+        "generator is never updated (train_generator trains a copy it does not save)",
+        variants={"no_diversity": {"eta": 0.0}},
     ),
 }
 
@@ -296,21 +347,37 @@ def run_reference(
     return cmd, time.perf_counter() - start
 
 
-def run_fedmosaic(setup: Setup, method: Method) -> tuple[list[dict[str, Any]], float]:
-    """fedmosaic's per-round records (``round`` = rounds trained so far) and the wall time."""
+def _kept(key: str) -> bool:
+    """Round-record keys a parity result keeps: every test-accuracy mode, both metrics."""
+    return key == "round" or (key.startswith("acc") and key.endswith(("_weighted", "_mean")))
+
+
+def run_fedmosaic(
+    setup: Setup, method: Method, algorithm: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], float]:
+    """fedmosaic's per-round records (``round`` = rounds trained so far) and the wall time;
+    ``algorithm`` replaces the method's table (a variant)."""
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment
 
-    cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
+    cfg = from_dict(setup.fedmosaic_config(algorithm or method.algorithm, method.plugins))
     start = time.perf_counter()
     doc = run_experiment(cfg, progress=False)
-    keep = ("round", "acc_weighted", "acc_mean", "acc_head_weighted", "acc_head_mean")
-    rounds = [{k: r[k] for k in keep if k in r} for r in doc["rounds"] if "acc_weighted" in r]
+    rounds = [
+        {k: v for k, v in r.items() if _kept(k)} for r in doc["rounds"] if "acc_weighted" in r
+    ]
     # the last round's per-client accuracies, as the reference log has them for every round
     rounds[-1]["client_acc"] = [
         c["acc"] for c in sorted(doc["clients"], key=lambda c: c["client_id"])
     ]
     return rounds, time.perf_counter() - start
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Replace ``path`` atomically (a reader never sees half a result)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--skip", choices=["reference", "fedmosaic"], help="run one side only")
+    p.add_argument(
+        "--skip",
+        choices=["reference", "fedmosaic", "variants"],
+        action="append",
+        default=[],
+        help="leave out a side or the fedmosaic variants (repeatable)",
+    )
     p.add_argument(
         "--reference-from",
         type=Path,
@@ -348,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "reference": {"library": "HtFLlib", "checkout": a.ref.name},  # no machine path
         "notes": method.notes,
+        "ref_mode": method.ref_mode,
         "train_sizes": config["train_sizes"],
         "test_sizes": config["test_sizes"],
     }
@@ -361,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         if not same:
             raise SystemExit(f"{a.reference_from}: another split or other reference arguments")
         doc["reference"] = {**earlier["reference"], "from": str(a.reference_from)}
-    elif a.skip != "reference":
+    elif "reference" not in a.skip:
         log = a.out / f"{stem}.ref.log"
         cmd, secs = run_reference(a.ref, a.ref_python, setup, method, log)
         doc["reference"].update(
@@ -370,11 +444,23 @@ def main(argv: list[str] | None = None) -> int:
             seconds=round(secs, 1),
             rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
         )
-    if a.skip != "fedmosaic":
+    path = a.out / f"{stem}.json"
+    _write_json(path, doc)  # after each side: a later failure keeps what finished
+    if "fedmosaic" not in a.skip:
         rounds, secs = run_fedmosaic(setup, method)
         doc["fedmosaic"] = {"seconds": round(secs, 1), "rounds": rounds}
-    path = a.out / f"{stem}.json"
-    path.write_text(json.dumps(doc, indent=1))
+        _write_json(path, doc)
+    if "variants" not in a.skip and method.variants:
+        doc["variants"] = {}
+        for name, keys in method.variants.items():
+            algorithm = {**method.algorithm, **keys}
+            rounds, secs = run_fedmosaic(setup, method, algorithm)
+            doc["variants"][name] = {
+                "algorithm": algorithm,
+                "seconds": round(secs, 1),
+                "rounds": rounds,
+            }
+            _write_json(path, doc)
     print(path)
     return 0
 
