@@ -4,7 +4,9 @@ configs are valid fedmosaic configs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import sys
 from pathlib import Path
@@ -119,11 +121,78 @@ def test_reader_rejects_other_test_sizes(harness: ModuleType) -> None:
         harness.parse_reference_log(FAKE_LOG, test_sizes=[1, 1, 1])
 
 
+# PFLlib's spelling ("Accuracy"), per-client lines printed by the launch shim, and FedBABU's
+# evaluation after fine-tuning (no round number)
+PFLLIB_LOG = """\
+-------------Round number: 2-------------
+
+Evaluate global model
+Client 0: Acc: 0.5
+Client 1: Acc: 1.0
+Averaged Train Loss: 1.2345
+Averaged Test Accuracy: 0.6667
+Averaged Test AUC: 0.9000
+
+-------------Evaluate fine-tuned personalized models-------------
+Client 0: Acc: 1.0
+Client 1: Acc: 0.0
+Averaged Train Loss: 0.1000
+Averaged Test Accuracy: 0.6667
+"""
+
+
+def test_reader_parses_pfllib_and_its_finetuned_evaluation(harness: ModuleType) -> None:
+    rounds = harness.parse_reference_log(PFLLIB_LOG, test_sizes=[4, 2])
+    assert [(r["round"], r.get("finetuned", False)) for r in rounds] == [(2, False), (2, True)]
+    assert rounds[0]["acc_weighted"] == pytest.approx(4 / 6)
+    assert rounds[0]["acc_mean"] == pytest.approx(0.75)
+    assert rounds[1]["client_acc"] == [1.0, 0.0] and rounds[1]["acc_mean"] == 0.5
+
+
 def test_every_method_config_is_valid(harness: ModuleType) -> None:
-    for setting in harness.SETTINGS:
-        setup = harness.Setup(setting=setting, rounds=3)
-        for name, method in harness.HTFLLIB.items():
-            cfg = from_dict(setup.fedmosaic_config(method.algorithm, method.plugins))
-            assert cfg.algorithm["name"] == method.algorithm["name"], name
-            assert cfg.data.val_fraction == 0.0 and cfg.train.drop_last
-            assert "-algo" in method.ref_args
+    for lib_key, lib in harness.LIBRARIES.items():
+        for setting in harness.SETTINGS:
+            setup = harness.Setup(setting=setting, rounds=3, library=lib_key)
+            assert setup.name.startswith(lib.dataset_prefix)
+            for name, method in lib.methods.items():
+                variants = [{**method.algorithm, **v} for v in method.variants.values()]
+                for algorithm in [method.algorithm, *variants]:
+                    cfg = from_dict(setup.fedmosaic_config(algorithm, method.plugins))
+                    assert cfg.algorithm["name"] == method.algorithm["name"], name
+                    assert cfg.model.family == lib.model["family"]
+                    assert cfg.data.val_fraction == 0.0 and cfg.train.drop_last
+                assert "-algo" in method.ref_args
+                command = harness._ref_command("py", setup, method)
+                assert command[command.index("-m") + 1] == lib.model_args[1]
+    # PFLlib builds the 28x28 FedAvgCNN only for dataset names containing "MNIST"
+    assert "MNIST" in harness.Setup(library="pfllib").name
+
+
+def test_shim_prints_client_accuracies_without_changing_the_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a stand-in for the reference's flcore.servers.serverbase (cwd = its system/)
+    pkg = tmp_path / "flcore" / "servers"
+    pkg.mkdir(parents=True)
+    (tmp_path / "flcore" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "serverbase.py").write_text(
+        "class Server:\n"
+        "    def test_metrics(self):\n"
+        "        return [3, 5], [4, 2], [1.0, 2.0], [0.5, 0.5]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for mod in ("flcore", "flcore.servers", "flcore.servers.serverbase"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    spec = importlib.util.spec_from_file_location("parity_shim", HARNESS.parent / "launch_shim.py")
+    assert spec is not None and spec.loader is not None
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    shim.print_client_accuracies()
+    from flcore.servers import serverbase  # type: ignore[import-not-found]
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        stats = serverbase.Server().test_metrics()
+    assert stats == ([3, 5], [4, 2], [1.0, 2.0], [0.5, 0.5])
+    assert out.getvalue() == "Client 3: Acc: 0.25\nClient 5: Acc: 1.0\n"

@@ -132,6 +132,64 @@ HTFLLIB: dict[str, Method] = {
 }
 
 
+# PFLlib (FedAvgCNN, one architecture) <-> fedmosaic ``fedavgcnn``: methods that share whole
+# models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
+# server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
+PFLLIB: dict[str, Method] = {
+    "fedavg": Method({"name": "fedavg"}, ["-algo", "FedAvg"], "both evaluate the global model"),
+    "fedprox": Method(
+        {"name": "fedprox", "mu": 0.01},
+        ["-algo", "FedProx", "-mu", "0.01"],
+        "both: mu/2 ||w - w_global||^2 (PFLlib adds mu (w - w_global) to the gradient)",
+    ),
+    "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"]),
+    "fedrep": Method({"name": "fedrep", "head_epochs": 1}, ["-algo", "FedRep", "-pls", "1"]),
+    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"]),
+    "fedbabu": Method(
+        {"name": "fedbabu", "finetune_epochs": 5, "finetune_part": "all"},
+        ["-algo", "FedBABU", "-fte", "5"],
+        "both fine-tune the whole model for 5 epochs after the last round",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Library:
+    """A reference library: its launch arguments, model, methods and how it reports."""
+
+    name: str
+    model_args: tuple[str, ...]  # main.py's model arguments
+    model: dict[str, Any]  # the fedmosaic [model] table that builds the same networks
+    dataset_prefix: str  # exported dataset folder name prefix
+    methods: dict[str, Method]
+    print_clients: bool = False  # the shim prints per-client accuracies (the library does not)
+    stem_prefix: str = ""  # result file name prefix
+
+
+LIBRARIES: dict[str, Library] = {
+    # HtFLlib's HCNNs8 = htfe8-gray member for member (client i gets member i mod 8); its feature
+    # layer is 512-d, so the parameter-free pool is the identity, as in HtFLlib
+    "htfllib": Library(
+        "HtFLlib",
+        ("-m", "HCNNs8"),
+        {"family": "htfe8-gray", "feature_dim": 512, "projection": "pool"},
+        "parity_fmnist",
+        HTFLLIB,
+    ),
+    # PFLlib's "-m CNN" is FedAvgCNN with the 1024-d flatten only when "MNIST" is in the dataset
+    # name (main.py), hence the upper-case prefix; fedavgcnn's fc1 is 512-d (pool = identity)
+    "pfllib": Library(
+        "PFLlib",
+        ("-m", "CNN"),
+        {"family": "fedavgcnn", "feature_dim": 512, "projection": "pool"},
+        "parity_FMNIST",
+        PFLLIB,
+        print_clients=True,
+        stem_prefix="pfllib_",
+    ),
+}
+
+
 @dataclass
 class Setup:
     """The shared experiment: data split, model group, training hyperparameters."""
@@ -144,6 +202,7 @@ class Setup:
     batch_size: int = 10
     lr: float = 0.01
     local_epochs: int = 1
+    library: str = "htfllib"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def fedmosaic_config(
@@ -162,15 +221,13 @@ class Setup:
                 "normalize": "half",
                 **SETTINGS[self.setting],
             },
-            # HtFLlib's HCNNs8 = htfe8-gray member for member (client i gets member i mod 8); its
-            # feature layer is 512-d, so the parameter-free pool is the identity, as in HtFLlib
-            "model": {"family": "htfe8-gray", "feature_dim": 512, "projection": "pool"},
+            "model": dict(LIBRARIES[self.library].model),
             "train": {
                 "rounds": self.rounds,
                 "participation": 1.0,
                 "local_epochs": self.local_epochs,
                 "batch_size": self.batch_size,
-                "drop_last": True,  # HtFLlib's train loader drops the ragged last batch
+                "drop_last": True,  # both references' train loaders drop the ragged last batch
                 "lr": self.lr,
                 "optimizer": "sgd",
                 "eval_every": 1,
@@ -183,7 +240,8 @@ class Setup:
     def name(self) -> str:
         """The dataset folder name in the reference checkout (one per split)."""
         sub = f"{self.subsample:g}".replace(".", "p")
-        return f"parity_fmnist_{self.setting}_{sub}_n{self.num_clients}_s{self.seed}"
+        prefix = LIBRARIES[self.library].dataset_prefix
+        return f"{prefix}_{self.setting}_{sub}_n{self.num_clients}_s{self.seed}"
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -259,14 +317,17 @@ def read_export(dest: Path, split: str, cid: int) -> tuple[np.ndarray, np.ndarra
 
 _ROUND = re.compile(r"^-+Round number: (\d+)-+$")
 _CLIENT = re.compile(r"^Client (\d+): Acc: ([-+0-9.eE]+|nan)")
-_AVG = re.compile(r"^Averaged Test Accur(?:an)?cy: ([0-9.]+)")
+_AVG = re.compile(r"^Averaged Test Accur(?:an|a)cy: ([0-9.]+)")
+# PFLlib's FedBABU evaluates once more after every client fine-tuned (no round number)
+_FINETUNED = re.compile(r"^-+Evaluate fine-tuned personalized models-+$")
 
 
 def parse_reference_log(text: str, test_sizes: list[int]) -> list[dict[str, Any]]:
     """Per-round accuracies from HtFLlib's/PFLlib's stdout.
 
     Their server prints ``-----Round number: r-----`` *before* training round ``r`` (so it is the
-    accuracy after ``r`` rounds; ``r = 0`` is the initial models), then one ``Client <id>: Acc:
+    accuracy after ``r`` rounds; ``r = 0`` is the initial models; PFLlib's FedBABU adds one
+    ``finetuned`` record after its fine-tuning), then one ``Client <id>: Acc:
     <correct/n>`` line per client and ``Averaged Test Accurancy`` (correct / total over clients, 4
     decimals). ``acc_weighted`` is recomputed at full precision from the client lines and the exported
     test sizes; ``acc_printed`` keeps the printed value as a check. ``acc_mean`` is the plain mean of
@@ -278,6 +339,9 @@ def parse_reference_log(text: str, test_sizes: list[int]) -> list[dict[str, Any]
         line = line.strip()
         if m := _ROUND.match(line):
             cur = {"round": int(m.group(1)), "client_acc": {}}
+        elif _FINETUNED.match(line):
+            last = out[-1]["round"] if out else 0
+            cur = {"round": last, "finetuned": True, "client_acc": {}}
         elif cur is not None and (m := _CLIENT.match(line)):
             cur["client_acc"][int(m.group(1))] = float(m.group(2))
         elif cur is not None and (m := _AVG.match(line)):
@@ -312,7 +376,7 @@ def _ref_command(python: str, setup: Setup, method: Method) -> list[str]:
         python,
         str(HERE / "launch_shim.py"),
         "-data", setup.name,
-        "-m", "HCNNs8",
+        *LIBRARIES[setup.library].model_args,
         "-ncl", "10",
         "-dev", "cpu",
         "-nc", str(setup.num_clients),
@@ -339,6 +403,8 @@ def run_reference(
     # It torch.save()s whole modules between rounds and loads them back with torch.load's pre-2.6
     # default (weights_only=False); our pinned torch 2.13 needs this switch to keep that default
     env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    if LIBRARIES[setup.library].print_clients:
+        env["PARITY_PRINT_CLIENTS"] = "1"
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ref / "system", stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -370,6 +436,10 @@ def run_fedmosaic(
     rounds[-1]["client_acc"] = [
         c["acc"] for c in sorted(doc["clients"], key=lambda c: c["client_id"])
     ]
+    tuned = doc["summary"].get("after_finetune")
+    if tuned:  # the method's local fine-tuning after the last round (FedBABU)
+        rec = {k: v for k, v in tuned.items() if _kept(k)}
+        rounds.append({"round": rounds[-1]["round"], "finetuned": True, **rec})
     return rounds, time.perf_counter() - start
 
 
@@ -382,8 +452,11 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("method", choices=sorted(HTFLLIB))
-    p.add_argument("--ref", type=Path, required=True, help="HtFLlib checkout (has system/main.py)")
+    p.add_argument("method", help="a key of the library's table (HTFLLIB, PFLLIB)")
+    p.add_argument("--library", choices=sorted(LIBRARIES), default="htfllib")
+    p.add_argument(
+        "--ref", type=Path, required=True, help="the library's checkout (has system/main.py)"
+    )
     p.add_argument("--ref-python", default=os.environ.get("PARITY_REF_PYTHON", sys.executable))
     p.add_argument("--setting", choices=sorted(SETTINGS), default="dir01")
     p.add_argument("--subsample", type=float, default=0.05)
@@ -405,10 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         "arguments, e.g. a diagnostic variant of fedmosaic's method) instead of running it",
     )
     a = p.parse_args(argv)
-    setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed)
-    method = HTFLLIB[a.method]
+    lib = LIBRARIES[a.library]
+    if a.method not in lib.methods:
+        p.error(f"{lib.name} methods: {', '.join(sorted(lib.methods))}")
+    setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed, library=a.library)
+    method = lib.methods[a.method]
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{a.method}_{a.setting}_s{a.seed}"
+    stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
     dest = a.ref / "dataset" / setup.name
     fd = build_split(setup)
     config = export(fd, dest, {"fedmosaic_data": setup.fedmosaic_config({})["data"]})
@@ -419,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         "setup": setup.fedmosaic_config(
             method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
         ),
-        "reference": {"library": "HtFLlib", "checkout": a.ref.name},  # no machine path
+        "library": a.library,
+        "reference": {"library": lib.name, "checkout": a.ref.name},  # no machine path
         "notes": method.notes,
         "ref_mode": method.ref_mode,
         "train_sizes": config["train_sizes"],

@@ -2,9 +2,12 @@
 of optional packages that the run never uses.
 
 HtFLlib's ``main.py`` imports every server, FedKTL's included (StyleGAN / Stable Diffusion
-packages), and ``models.py`` imports ``torchvision`` for model groups we do not run. Where such an
+packages), and ``models.py`` imports ``torchvision`` for model groups we do not run; PFLlib's
+imports ``cvxpy`` for FedPAC. Where such an
 import fails, an empty stand-in module is registered that raises if anything in it is *used*, so a
-run that needed it fails loudly instead of silently changing. Usage (the reference's venv)::
+run that needed it fails loudly instead of silently changing. With ``PARITY_PRINT_CLIENTS=1`` it
+also prints the per-client test accuracies PFLlib computes but does not print (read-only, see
+``print_client_accuracies``). Usage (the reference's venv)::
 
     cd <ref>/system && <ref-venv>/bin/python <this file> -data ... -algo FedProto ...
 """
@@ -12,6 +15,7 @@ run that needed it fails loudly instead of silently changing. Usage (the referen
 from __future__ import annotations
 
 import importlib
+import os
 import runpy
 import sys
 import types
@@ -19,6 +23,7 @@ from typing import Any
 
 OPTIONAL = [
     "torchvision",
+    "cvxpy",  # PFLlib's FedPAC server (imported by its main.py, not run here)
     "flcore.servers.serverktl_stylegan_xl",
     "flcore.servers.serverktl_stylegan_3",
     "flcore.servers.serverktl_stable_diffusion",
@@ -51,8 +56,31 @@ def install_stand_ins() -> list[str]:
     return missing
 
 
+def print_client_accuracies() -> None:
+    """Print each client's test accuracy as HtFLlib does (``Client <id>: Acc: <correct/n>``).
+
+    PFLlib's ``Server.evaluate`` prints only the weighted mean; the per-client figures it computes
+    in ``Server.test_metrics`` are printed here from that method's own return value, which is
+    passed on unchanged (the run is not altered: same calls, same order, same random draws).
+    """
+    from flcore.servers import serverbase  # the reference's module (cwd = its system/)
+
+    original = serverbase.Server.test_metrics
+
+    def test_metrics(self: Any) -> Any:
+        stats = original(self)
+        ids, num_samples, tot_correct = stats[0], stats[1], stats[2]
+        for cid, n, correct in zip(ids, num_samples, tot_correct):
+            print(f"Client {cid}: Acc: {correct * 1.0 / n}")
+        return stats
+
+    serverbase.Server.test_metrics = test_metrics
+
+
 if __name__ == "__main__":
     stood_in = install_stand_ins()
+    if os.environ.get("PARITY_PRINT_CLIENTS") == "1":
+        print_client_accuracies()
     print(f"parity launch shim: stand-ins for {stood_in or 'nothing'}", flush=True)
     sys.argv = ["main.py", *sys.argv[1:]]
     runpy.run_path("main.py", run_name="__main__")
