@@ -1,8 +1,12 @@
 """Tables and figures of parity runs: ``python benchmarks/parity/report.py [results dir] [--fig DIR]``.
 
-Prints one markdown table per run (both sides, both metrics, at rounds 5/10/20/40 and the last) and
-writes ``<fig>/<run>.png``: the two sides' curves (weighted test accuracy solid, client mean dashed).
-Round ``r`` is the accuracy after ``r`` rounds of training on both sides.
+Prints a summary table over all runs (mean over the last five rounds, both metrics), then per run
+one markdown table per metric (weighted, client mean) at rounds 5/10/20/40 and the last, with
+every fedmosaic series beside the reference: fedmosaic's default (``acc``), the metric that
+evaluates the model the reference evaluates (where it differs, e.g. FedGH's ``acc_global``) and
+each variant (the fedmosaic options that reproduce the reference). Writes ``<fig>/<run>.png``: the
+curves (weighted solid, client mean dashed). Round ``r`` is the accuracy after ``r`` rounds of
+training on both sides; a method's evaluation after local fine-tuning (FedBABU) is its own row.
 """
 
 from __future__ import annotations
@@ -14,37 +18,101 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 AT = (5, 10, 20, 40)
+LAST = 5  # the summary averages the last LAST rounds (single rounds of some methods swing)
 
 
 def by_round(rounds: list[dict[str, Any]], key: str) -> dict[int, float]:
-    return {int(r["round"]): float(r[key]) for r in rounds if key in r}
+    """``round -> value`` of the per-round records (the fine-tuned record left out)."""
+    return {int(r["round"]): float(r[key]) for r in rounds if key in r and not r.get("finetuned")}
 
 
-def table(doc: dict[str, Any]) -> str:
-    """Markdown rows: round, reference weighted/mean, fedmosaic weighted/mean, gap (points)."""
-    ref, fm = doc["reference"]["rounds"], doc["fedmosaic"]["rounds"]
-    rw, rm = by_round(ref, "acc_weighted"), by_round(ref, "acc_mean")
-    fw, fmn = by_round(fm, "acc_weighted"), by_round(fm, "acc_mean")
-    last = max(set(rw) & set(fw))
-    lines = [
-        "| round | HtFLlib weighted | fedmosaic weighted | gap | HtFLlib client mean | "
-        "fedmosaic client mean | gap |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in [a for a in AT if a < last] + [last]:
-        if r not in rw or r not in fw:
-            continue
-        lines.append(
-            f"| {r}{' (final)' if r == last else ''} | {100 * rw[r]:.2f} | {100 * fw[r]:.2f} | "
-            f"{100 * (fw[r] - rw[r]):+.2f} | {100 * rm[r]:.2f} | {100 * fmn[r]:.2f} | "
-            f"{100 * (fmn[r] - rm[r]):+.2f} |"
+def finetuned(rounds: list[dict[str, Any]], key: str) -> float | None:
+    """The value after the method's local fine-tuning, if it has one."""
+    for r in rounds:
+        if r.get("finetuned") and key in r:
+            return float(r[key])
+    return None
+
+
+def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
+    """fedmosaic's series of a run: ``(label, rounds, metric prefix)``."""
+    fm = doc["fedmosaic"]["rounds"]
+    mode = doc.get("ref_mode", "acc")
+    out = [("fedmosaic", fm, "acc")]
+    if mode != "acc":
+        out.append((f"fedmosaic {mode}", fm, mode))
+    for name, var in doc.get("variants", {}).items():
+        out.append(
+            (f"fedmosaic {name}" + (f" {mode}" if mode != "acc" else ""), var["rounds"], mode)
         )
-    lines.append(
-        f"\nMean gap over rounds 1-{last} (weighted): "
-        f"{100 * sum(fw[r] - rw[r] for r in range(1, last + 1)) / last:+.2f} points; "
-        f"wall time HtFLlib {doc['reference'].get('seconds', '?')} s, "
-        f"fedmosaic {doc['fedmosaic'].get('seconds', '?')} s."
+    return out
+
+
+def _ref_name(doc: dict[str, Any]) -> str:
+    return str(doc["reference"].get("library", "reference"))
+
+
+def table(doc: dict[str, Any], metric: str = "weighted") -> str:
+    """Markdown rows: round, the reference, every fedmosaic series and its gap (points)."""
+    suffix = "_weighted" if metric == "weighted" else "_mean"
+    ref = by_round(doc["reference"]["rounds"], "acc" + suffix)
+    cols = [(label, by_round(rounds, mode + suffix)) for label, rounds, mode in series(doc)]
+    last = max(set(ref).intersection(*(set(c) for _, c in cols)))
+    head = f"| round | {_ref_name(doc)} {metric} |" + "".join(
+        f" {label} | gap |" for label, _ in cols
     )
+    lines = [head, "|---|---|" + "---|---|" * len(cols)]
+    for r in [a for a in AT if a < last] + [last]:
+        if r not in ref or any(r not in c for _, c in cols):
+            continue
+        row = f"| {r}{' (final)' if r == last else ''} | {100 * ref[r]:.2f} |"
+        row += "".join(f" {100 * c[r]:.2f} | {100 * (c[r] - ref[r]):+.2f} |" for _, c in cols)
+        lines.append(row)
+    ref_ft = finetuned(doc["reference"]["rounds"], "acc" + suffix)
+    if ref_ft is not None:
+        vals = [finetuned(rounds, mode + suffix) for _, rounds, mode in series(doc)]
+        row = f"| after fine-tuning | {100 * ref_ft:.2f} |"
+        row += "".join(
+            f" {100 * v:.2f} | {100 * (v - ref_ft):+.2f} |" if v is not None else " - | - |"
+            for v in vals
+        )
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def last_mean(values: dict[int, float], last: int, n: int = LAST) -> float:
+    """Mean over rounds ``last - n + 1 .. last`` (those present)."""
+    keep = [values[r] for r in range(last - n + 1, last + 1) if r in values]
+    return sum(keep) / len(keep)
+
+
+def summary(docs: list[dict[str, Any]]) -> str:
+    """One row per run and fedmosaic series: last-5 means, their gaps, the largest round gap."""
+    lines = [
+        f"| method | setting | seed | reference | rounds | series | reference, last {LAST} | "
+        f"fedmosaic, last {LAST} | gap, last {LAST} (weighted / client mean) | "
+        "largest gap in a round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for doc in docs:
+        rw = by_round(doc["reference"]["rounds"], "acc_weighted")
+        rm = by_round(doc["reference"]["rounds"], "acc_mean")
+        for label, rounds, mode in series(doc):
+            fw, fmn = by_round(rounds, mode + "_weighted"), by_round(rounds, mode + "_mean")
+            common = sorted(set(rw) & set(fw) - {0})
+            if not common:
+                continue
+            last = common[-1]
+            gw = last_mean(fw, last) - last_mean(rw, last)
+            gm = last_mean(fmn, last) - last_mean(rm, last)
+            worst = max(common, key=lambda r: abs(fw[r] - rw[r]))
+            lines.append(
+                f"| {doc['method']} | {doc['setting']} | {doc['setup']['seed']} | {_ref_name(doc)} | "
+                f"{last} | {label} | "
+                f"{100 * last_mean(rw, last):.2f} | {100 * last_mean(fw, last):.2f} | "
+                f"{100 * gw:+.2f} / {100 * gm:+.2f} | "
+                f"{100 * abs(fw[worst] - rw[worst]):.2f} (round {worst}) |"
+            )
     return "\n".join(lines)
 
 
@@ -55,28 +123,32 @@ def figure(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for side, color in (("reference", "tab:orange"), ("fedmosaic", "tab:blue")):
-        rounds = doc[side]["rounds"]
-        label = "HtFLlib" if side == "reference" else "fedmosaic"
-        for key, style in (("acc_weighted", "-"), ("acc_mean", "--")):
-            pts = sorted(by_round(rounds, key).items())
-            pts = [(r, a) for r, a in pts if r >= 1]
+    curves = [(_ref_name(doc), doc["reference"]["rounds"], "acc")] + series(doc)
+    colors = ["tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:red", "tab:brown"]
+    for (label, rounds, mode), color in zip(curves, colors):
+        for suffix, style in (("_weighted", "-"), ("_mean", "--")):
+            pts = [(r, a) for r, a in sorted(by_round(rounds, mode + suffix).items()) if r >= 1]
             ax.plot(
                 [r for r, _ in pts],
                 [100 * a for _, a in pts],
                 style,
                 color=color,
-                label=f"{label} ({'weighted' if key == 'acc_weighted' else 'client mean'})",
+                label=f"{label} ({'weighted' if suffix == '_weighted' else 'client mean'})",
             )
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(f"{doc['method']} ({doc['setting']}, seed {doc['setup']['seed']})")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def complete(doc: dict[str, Any]) -> bool:
+    """Both sides finished (a run writes its result after each side)."""
+    return "rounds" in doc.get("reference", {}) and "fedmosaic" in doc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,11 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("results", type=Path, nargs="?", default=HERE / "results")
     p.add_argument("--fig", type=Path, help="write one PNG per run here")
     a = p.parse_args(argv)
-    for path in sorted(a.results.glob("*.json")):
-        doc = json.loads(path.read_text())
-        if "reference" not in doc or "fedmosaic" not in doc or "rounds" not in doc["reference"]:
-            continue
-        print(f"### {doc['method']} ({doc['setting']})\n\n{table(doc)}\n")
+    runs = [(path, json.loads(path.read_text())) for path in sorted(a.results.glob("*.json"))]
+    runs = [(path, doc) for path, doc in runs if complete(doc)]
+    print(f"## Summary\n\n{summary([doc for _, doc in runs])}\n")
+    for path, doc in runs:
+        walls = f"wall time {_ref_name(doc)} {doc['reference'].get('seconds', '?')} s, fedmosaic "
+        walls += f"{doc['fedmosaic'].get('seconds', '?')} s"
+        print(f"### {doc['method']} ({doc['setting']}, {path.stem})\n")
+        print(f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}.\n")
         if a.fig:
             figure(doc, a.fig / f"{path.stem}.png")
 
