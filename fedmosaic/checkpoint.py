@@ -67,7 +67,11 @@ NEUTRAL_KEYS = ("sim.progress", "sim.wandb", "sim.offload_clients")
 # configs recorded without them: at that value they are left out of the fingerprint, so stored
 # checkpoints and compare cells (docs/results) keep their hashes. The peer guard at its default
 # changes no number where it drops nothing (tests/test_peer_guard.py: bitwise the guard off).
-LATER_KEYS: dict[str, Any] = {"server.peer_factor": 10.0}
+LATER_KEYS: dict[str, Any] = {
+    "server.peer_factor": 10.0,
+    "train.shuffle": True,
+    "model.init": "client",
+}
 
 
 class CheckpointError(ValueError):

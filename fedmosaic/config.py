@@ -83,6 +83,10 @@ class ModelConfig:
     # linear (learnable) | pool (HtFLlib's parameter-free average pool) | none (the encoder's own
     # width: only for `local`, which compares no features, e.g. Local on FedHeNN's own networks)
     projection: str = "linear"
+    # initial weights: client (each client from its own seeded stream) | architecture (clients of
+    # one architecture start identical, as HtFLlib's torch.manual_seed(0) before every client's
+    # model gives them; client i starts as client i mod the family's size does)
+    init: str = "client"
 
 
 @dataclass
@@ -96,6 +100,9 @@ class TrainConfig:
     # drop each epoch's ragged last batch (PFLlib/HtFLlib, FedClassAvg's code); false = every
     # example every epoch (FedHeNN, FedGH's authors, FedBABU, layer expansion)
     drop_last: bool = False
+    # a new example order per client and epoch (the papers, PFLlib); false = the same order every
+    # epoch, the client's rows in dataset order (HtFLlib's train loader, shuffle=False)
+    shuffle: bool = True
     # plain SGD: update Linear weights inside their backward (faster, same maths; ``.grad`` of
     # those weights is then never filled, so losses that differentiate twice (gradient
     # penalties, torch.autograd.grad(..., create_graph=True), gradient hooks) need it off).
@@ -204,6 +211,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.normalize": ("half", "dataset"),
     "data.emnist_split": ("letters", "balanced"),
     "model.projection": ("linear", "pool", "none"),
+    "model.init": ("client", "architecture"),
     "train.optimizer": ("sgd", "adam"),
     "train.precision": ("fp32", "bf16"),
     "sim.backend": ("auto", "serial", "processes"),

@@ -72,8 +72,11 @@ def model_builder(cfg: ExperimentConfig, data: FederatedData) -> Callable[[int],
     projection = model_projection(cfg)
 
     def build(client_id: int) -> ClientModel:
-        # Each client's initial weights come from its own stream: same seed, same model.
-        seeding.seed_torch(cfg.seed, 0, client_id, "init")
+        # Each client's initial weights come from its own stream: same seed, same model. With
+        # model.init = "architecture", clients of one member share the stream of the first client
+        # holding it (client i mod the family's size), so they start identical.
+        key = client_id % len(members) if cfg.model.init == "architecture" else client_id
+        seeding.seed_torch(cfg.seed, 0, key, "init")
         return build_client_model(
             members[client_id % len(members)],
             data.input_shape,

@@ -334,6 +334,24 @@ def test_a_later_key_at_its_old_behaviour_keeps_stored_hashes() -> None:
     assert config_hash(cfg) != config_hash(old)
 
 
+@pytest.mark.parametrize(
+    ("section", "key", "other"), [("train", "shuffle", False), ("model", "init", "architecture")]
+)
+def test_the_reference_pipeline_options_keep_stored_hashes_at_their_defaults(
+    section: str, key: str, other: object
+) -> None:
+    """``train.shuffle`` and ``model.init`` came after the committed cells: at their defaults a
+    config hashes as one recorded without them; the reference's pipeline is another config."""
+    from fedmosaic.checkpoint import config_hash
+
+    cfg = from_dict(tiny_raw()).to_dict()
+    old = json.loads(json.dumps(cfg))
+    del old[section][key]
+    assert config_hash(cfg) == config_hash(old)
+    cfg[section][key] = other
+    assert config_hash(cfg) != config_hash(old)
+
+
 def test_committed_cells_keep_their_config_hashes() -> None:
     """A committed cell's config, rebuilt by today's code, hashes as the stored one (else
     ``compare`` would run every committed cell again)."""

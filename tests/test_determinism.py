@@ -1,3 +1,4 @@
+import torch
 from helpers.experiments import round_numbers, tiny_raw
 
 from fedmosaic.config import from_dict
@@ -27,3 +28,26 @@ def test_partial_participation_records_participants():
     doc = run_experiment(from_dict(raw), progress=False)
     for r in doc["rounds"]:
         assert len(r["participants"]) == 2 and r["num_sampled"] == 2
+
+
+def test_architecture_init_starts_clients_of_one_member_identical():
+    """``model.init = "architecture"`` (HtFLlib's seed 0 before every client's model): clients
+    holding the same family member start from the same weights, other members differ; the
+    default gives every client its own initial weights."""
+    from fedmosaic.data.federated import build_federated_data
+    from fedmosaic.federation import model_builder
+
+    def states(init: str) -> list[dict]:
+        raw = tiny_raw(model={"family": "htfe2", "init": init}, algorithm={"name": "local"})
+        cfg = from_dict(raw)
+        build = model_builder(cfg, build_federated_data(cfg.data, cfg.seed))
+        return [build(cid).state_dict() for cid in range(4)]
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    shared = states("architecture")
+    assert same(shared[0], shared[2]) and same(shared[1], shared[3])  # members i mod 2
+    own = states("client")
+    assert same(own[0], shared[0]) and same(own[1], shared[1])  # clients 0, 1: their own stream
+    assert not same(own[0], own[2]) and not same(own[1], own[3])

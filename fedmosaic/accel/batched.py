@@ -363,7 +363,9 @@ def _train(
             for c in clients:
                 steps: list[Tensor] = []
                 for _ in range(phase.epochs):
-                    steps += batch_order(c.data.num_train, s.batch_size, c.gen, s.drop_last)
+                    steps += batch_order(
+                        c.data.num_train, s.batch_size, c.gen, s.drop_last, s.shuffle
+                    )
                 plans.append(steps)
             opt = _StackedOptimizer(s, {n: stacked[n] for n in trainable})
 

@@ -32,6 +32,7 @@ class TrainSettings:
     fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (accel.fused)
     # (``from_config`` resolves the config's "auto" against the algorithm's ``acceleration``)
     drop_last: bool = False  # drop each epoch's ragged last batch (PFLlib/HtFLlib loaders)
+    shuffle: bool = True  # false: the same order every epoch (HtFLlib's train loader)
     batched_clients: bool | str = "auto"  # see ``batched_enabled``
     precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
 
@@ -55,6 +56,7 @@ class TrainSettings:
             device=t.device,
             fused_sgd=fused,
             drop_last=t.drop_last,
+            shuffle=t.shuffle,
             batched_clients=t.batched_clients,
             precision=t.precision,
         )
@@ -137,9 +139,13 @@ def unfreeze_all(model: nn.Module, extras: nn.Module) -> None:
 
 
 def batch_order(
-    n: int, batch_size: int, gen: torch.Generator, drop_last: bool = False
+    n: int, batch_size: int, gen: torch.Generator, drop_last: bool = False, shuffle: bool = True
 ) -> list[Tensor]:
     """Shuffled minibatches of positions ``0..n-1``: every example once per epoch.
+
+    ``shuffle = False`` keeps positions in order every epoch and draws nothing from ``gen``
+    (HtFLlib's ``DataLoader(shuffle=False)``; with ``drop_last`` the same tail is left out every
+    epoch).
 
     ``drop_last`` (PFLlib/HtFLlib's loaders, FedClassAvg's code) drops the ragged tail, except when
     the client has fewer than ``batch_size`` examples: then its data is one batch (dropping it
@@ -147,7 +153,7 @@ def batch_order(
     train on one example, and a one-example step is what the papers' loaders would not take either
     (one example of a client per epoch at most).
     """
-    perm = torch.randperm(n, generator=gen)
+    perm = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
     if n < batch_size:
         return [perm] if n >= 2 else []
     if drop_last:
@@ -252,7 +258,7 @@ def train_epochs(
     plain_sgd = isinstance(opt, torch.optim.SGD) and s.momentum == 0 and s.weight_decay == 0
     with fast if fast is not None else contextlib.nullcontext():
         for _ in range(epochs):
-            for pos in batch_order(n, s.batch_size, gen, s.drop_last):
+            for pos in batch_order(n, s.batch_size, gen, s.drop_last, s.shuffle):
                 x, y = sample(pos)
                 if fast is not None:
                     loss = fast.loss(loss_fn, x, y, first=stats.steps == 0)

@@ -42,6 +42,24 @@ def test_a_single_example_tail_is_dropped_and_small_clients_train_once():
     assert batch_order(1, 8, torch.Generator().manual_seed(0)) == []
 
 
+def test_without_shuffle_every_epoch_takes_the_rows_in_order_and_draws_nothing():
+    gen = torch.Generator().manual_seed(0)
+    before = gen.get_state()
+    batches = batch_order(22, 8, gen, drop_last=True, shuffle=False)
+    assert [b.tolist() for b in batches] == [list(range(8)), list(range(8, 16))]
+    assert torch.equal(gen.get_state(), before)  # the same tail (16..21) is left out every epoch
+    assert batch_order(22, 8, gen, shuffle=False)[-1].tolist() == list(range(16, 22))
+    assert torch.equal(gen.get_state(), before)
+
+
+def test_shuffle_reaches_the_training_settings_and_is_checked():
+    cfg = from_dict(tiny_raw(train={"shuffle": False}))
+    assert TrainSettings.from_config(cfg.train).shuffle is False
+    assert TrainSettings.from_config(from_dict(tiny_raw()).train).shuffle is True
+    with pytest.raises(ConfigError, match="train.shuffle"):
+        from_dict(tiny_raw(train={"shuffle": "no"}))
+
+
 def test_drop_last_reaches_the_training_settings():
     cfg = from_dict(tiny_raw(train={"drop_last": True}))
     assert TrainSettings.from_config(cfg.train).drop_last is True
