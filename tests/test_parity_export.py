@@ -164,6 +164,10 @@ def test_every_method_config_is_valid(harness: ModuleType) -> None:
                 assert "-algo" in method.ref_args
                 command = harness._ref_command("py", setup, method)
                 assert command[command.index("-m") + 1] == lib.model_args[1]
+    pipeline = harness.HTFLLIB["fedproto"].variants["pipeline"]
+    cfg = from_dict(harness.Setup().fedmosaic_config({"name": "fedproto", **pipeline}))
+    assert cfg.train.shuffle is False and cfg.model.init == "architecture"
+    assert "train.shuffle" not in cfg.algorithm
     # PFLlib builds the 28x28 FedAvgCNN only for dataset names containing "MNIST"
     assert "MNIST" in harness.Setup(library="pfllib").name
 

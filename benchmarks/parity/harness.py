@@ -48,7 +48,8 @@ class Method:
     notes: str = ""
     plugins: tuple[str, ...] = ()  # fedmosaic plugin files (diagnostic variants)
     # fedmosaic options that reproduce the reference where fedmosaic differs on purpose: name ->
-    # keys merged over ``algorithm``; each is run on the fedmosaic side too and should track it
+    # keys merged over ``algorithm`` (dotted keys set config keys: ``"train.shuffle"``); each is
+    # run on the fedmosaic side too and should track it
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     # the fedmosaic metric that evaluates the model the reference evaluates ("acc" unless the
     # reference evaluates another model than the paper, e.g. FedGH's global header)
@@ -57,13 +58,20 @@ class Method:
 
 # HtFLlib (commit with the HCNNs8 group) <-> fedmosaic. Hyperparameters as FedTGP's Table 10
 # (benchmarks/suites/fedtgp_table10.toml): lambda 0.1 for FedProto/FedTGP, tau 100, 100 server epochs.
+# HtFLlib's pipeline: its train loader never shuffles, and every client's model is built right
+# after torch.manual_seed(0), so clients of one architecture start identical
+PIPELINE: dict[str, Any] = {"train.shuffle": False, "model.init": "architecture"}
+
 HTFLLIB: dict[str, Method] = {
-    "local": Method({"name": "local"}, ["-algo", "Local"]),
-    "lg_fedavg": Method({"name": "lg_fedavg"}, ["-algo", "LG-FedAvg"]),
+    "local": Method({"name": "local"}, ["-algo", "Local"], variants={"pipeline": PIPELINE}),
+    "lg_fedavg": Method(
+        {"name": "lg_fedavg"}, ["-algo", "LG-FedAvg"], variants={"pipeline": PIPELINE}
+    ),
     "fedproto": Method(
         {"name": "fedproto", "lam": 0.1},
         ["-algo", "FedProto", "-lam", "0.1"],
         "both: MSELoss term, plain mean over holders, nearest global prototype over all classes",
+        variants={"pipeline": PIPELINE},
     ),
     # diagnostic: FedProto uploading the reference's training-time prototypes (variants.py)
     "fedproto_train_protos": Method(
@@ -208,8 +216,14 @@ class Setup:
     def fedmosaic_config(
         self, algorithm: dict[str, Any], plugins: tuple[str, ...] = ()
     ) -> dict[str, Any]:
-        """The fedmosaic config (as a dict for ``fedmosaic.config.from_dict``)."""
-        return {
+        """The fedmosaic config (as a dict for ``fedmosaic.config.from_dict``).
+
+        Keys of ``algorithm`` with a dot (``"train.shuffle"``) set that config key instead (a
+        variant's pipeline options).
+        """
+        algorithm = dict(algorithm)
+        dotted = {k: algorithm.pop(k) for k in list(algorithm) if "." in k}
+        cfg = {
             "seed": self.seed,
             "plugins": list(plugins),
             "data": {
@@ -233,8 +247,12 @@ class Setup:
                 "eval_every": 1,
             },
             "sim": {"backend": "serial", "threads": 1},
-            "algorithm": dict(algorithm),
+            "algorithm": algorithm,
         }
+        for key, value in dotted.items():
+            section, name = key.split(".")
+            cfg[section][name] = value
+        return cfg
 
     @property
     def name(self) -> str:
@@ -469,7 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=["reference", "fedmosaic", "variants"],
         action="append",
         default=[],
-        help="leave out a side or the fedmosaic variants (repeatable)",
+        help="leave out a side or the fedmosaic variants (repeatable); a side left out is kept "
+        "from an earlier result of the same run, if there is one",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="run only these of the method's variants (repeatable; default: all)",
     )
     p.add_argument(
         "--reference-from",
@@ -522,14 +547,25 @@ def main(argv: list[str] | None = None) -> int:
             rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
         )
     path = a.out / f"{stem}.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    if earlier.get("setup") == doc["setup"]:  # the same run: keep what is not run again
+        for side in ("reference", "fedmosaic"):
+            if side in a.skip and side in earlier and not a.reference_from:
+                doc[side] = earlier[side]
+        doc["variants"] = earlier.get("variants", {})
     _write_json(path, doc)  # after each side: a later failure keeps what finished
     if "fedmosaic" not in a.skip:
         rounds, secs = run_fedmosaic(setup, method)
         doc["fedmosaic"] = {"seconds": round(secs, 1), "rounds": rounds}
         _write_json(path, doc)
+    unknown = set(a.variant) - set(method.variants)
+    if unknown:
+        raise SystemExit(f"{a.method} has no variant {sorted(unknown)}: {sorted(method.variants)}")
     if "variants" not in a.skip and method.variants:
-        doc["variants"] = {}
+        doc.setdefault("variants", {})
         for name, keys in method.variants.items():
+            if a.variant and name not in a.variant:
+                continue
             algorithm = {**method.algorithm, **keys}
             rounds, secs = run_fedmosaic(setup, method, algorithm)
             doc["variants"][name] = {
