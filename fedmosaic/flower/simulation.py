@@ -64,7 +64,9 @@ class SimulationOptions:
             value = rc.get(key, SIMULATION_CONFIG[key][0])
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok or not low <= value <= top:
-                raise ConfigError(f"run config {key} = {value!r} must be a number in [{low}, {top}]")
+                raise ConfigError(
+                    f"run config {key} = {value!r} must be a number in [{low}, {top}]"
+                )
             return float(value)
 
         cpus = num("client-num-cpus", 0.0, 1024.0)
