@@ -13,6 +13,7 @@ before the round loop sees the reply), so ``results.json`` says which Ray nodes 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -25,10 +26,12 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation as flwr_run_simulation
 
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.flower.app import client_app, run_server
 from fedmosaic.flower.settings import RUN_CONFIG, experiment_from_run_config
+from fedmosaic.report.results import write_results
 
 RAY_NODE = "fedmosaic.ray-node"  # reply record: the Ray node whose actor ran the ClientApp
 
@@ -169,10 +172,10 @@ def run_simulation(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """Run the experiment of ``run_config`` (``experiment`` JSON and the app's keys, plus
     ``SIMULATION_CONFIG``'s) on Flower's Ray runtime; returns the ``results.json`` document,
     also written to ``results-dir`` with ``flower.simulation`` saying where the clients ran."""
-    import flwr.simulation
-
-    from fedmosaic.report.results import write_results
-
+    if importlib.util.find_spec("ray") is None:  # Flower would exit the process instead
+        raise ConfigError(
+            "Flower's simulation runtime needs ray: pip install 'fedmosaic[flower-simulation]'"
+        )
     unknown = sorted(set(run_config) - set(RUN_CONFIG) - set(SIMULATION_CONFIG))
     if unknown:
         raise ConfigError(f"unknown run config keys {unknown}")
@@ -194,7 +197,7 @@ def run_simulation(run_config: Mapping[str, Any]) -> dict[str, Any]:
         tally.append(_RayTally(grid))
         done["doc"] = run_server(tally[0], app_config)
 
-    flwr.simulation.run_simulation(
+    flwr_run_simulation(
         server_app=server,
         client_app=_RayClientApp(app_config),
         num_supernodes=cfg.data.num_clients,
