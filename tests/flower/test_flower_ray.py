@@ -9,6 +9,7 @@ own, fails here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers.experiments import tiny_raw
+from helpers.experiments import tiny_raw, write_toml
 
 pytest.importorskip("flwr")
 pytest.importorskip(
@@ -32,12 +33,16 @@ pytest.importorskip(
 
 from test_flower_parity import assert_same_numbers  # noqa: E402
 
-from fedmosaic.config import from_dict  # noqa: E402
+from fedmosaic.cli import main  # noqa: E402
+from fedmosaic.config import ConfigError, from_dict  # noqa: E402
 from fedmosaic.experiment import run_experiment  # noqa: E402
-from fedmosaic.flower.simulation import run_simulation, simulation_run_config  # noqa: E402
+from fedmosaic.flower.simulation import (  # noqa: E402
+    SimulationOptions,
+    run_simulation,
+    simulation_run_config,
+)
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # click/typer, imported by flwr
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # ray's accelerator env var notice
 ]
@@ -171,26 +176,63 @@ def ray_cluster() -> Iterator[RayCluster]:
         assert left == [], f"Ray processes still running after teardown: {left}"
 
 
+def _run_on_cluster(cluster: RayCluster, raw: dict, out: Path, via_cli: bool) -> dict:
+    if not via_cli:
+        extra = {"ray-address": cluster.address, "client-num-cpus": 1}
+        return run_simulation(simulation_run_config(from_dict(raw), out, extra))
+    toml = write_toml(out.parent / "experiment.toml", raw)
+    argv = ["flower", "simulate", str(toml), "--out", str(out)]
+    argv += ["--run-config", f"ray-address={cluster.address}", "--run-config", "client-num-cpus=1"]
+    assert main(argv) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    "algorithm, family",
-    [("fedtgp", "fedhenn5"), ("fedavg", "fedhenn_cnn1")],
-    ids=["fedtgp-heterogeneous", "fedavg"],
+    "algorithm, family, via_cli",
+    [("fedtgp", "fedhenn5", False), ("fedavg", "fedhenn_cnn1", True)],
+    ids=["fedtgp-heterogeneous", "fedavg-cli"],
 )
-def test_ray_cluster_gives_the_simulators_numbers(ray_cluster, tmp_path, algorithm, family):
+def test_ray_cluster_gives_the_simulators_numbers(
+    ray_cluster, tmp_path, algorithm, family, via_cli
+):
     raw = tiny_raw(algorithm={"name": algorithm}, model={"family": family}, train={"rounds": 2})
-    cfg = from_dict(raw)
     nodes = ray_cluster.node_ids()
     assert len(nodes) == 2
-    rc = simulation_run_config(
-        cfg, tmp_path / "results", {"ray-address": ray_cluster.address, "client-num-cpus": 1}
-    )
-    flower = run_simulation(rc)
-    sim = run_experiment(cfg, progress=False)
+    flower = _run_on_cluster(ray_cluster, raw, tmp_path / "results", via_cli)
+    sim = run_experiment(from_dict(raw), progress=False)
+    if via_cli:  # compared with what the CLI wrote: JSON's string keys
+        sim = json.loads(json.dumps(sim))
     assert_same_numbers(sim, flower)
 
     ran = flower["flower"]["simulation"]
     assert set(ran["ray_nodes"]) == nodes, "the run did not join this cluster"
     assert set(ran["messages_per_ray_node"]) == nodes, ran["messages_per_ray_node"]
-    # every message answered by some node: 4 handshakes, 2 x 4 fits, 2 x 4 evaluations
-    assert sum(ran["messages_per_ray_node"].values()) == 4 + 2 * 4 + 2 * 4
-    assert (tmp_path / "results" / "results.json").exists()
+    # every message answered on the cluster: 4 handshakes, 2 rounds x 4 fits and 4 evaluations
+    assert sum(ran["messages_per_ray_node"].values()) == 4 + 2 * (4 + 4)
+
+
+@pytest.mark.parametrize(
+    "run_config, device, error",
+    [
+        ({"client-num-cpus": 0}, "cpu", "client-num-cpus must be > 0"),
+        ({"client-num-gpus": -1}, "cpu", "client-num-gpus"),
+        ({"ray-address": "auto", "ray-num-cpus": 2}, "cpu", "local Ray instance only"),
+        ({}, "cuda", "client-num-gpus > 0"),
+        ({"client-num-gpus": 0.5}, "cuda:1", "use 'cuda'"),
+    ],
+)
+def test_simulation_options_refuse_what_ray_would_not_run(run_config, device, error):
+    raw = tiny_raw(train={"device": device})
+    rc = simulation_run_config(from_dict(raw), "unused", run_config)
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        SimulationOptions.from_run_config(rc).check(from_dict(raw))
+
+
+def test_backend_config_joins_a_cluster_or_sizes_a_local_instance():
+    joined = SimulationOptions(client_num_cpus=2, client_num_gpus=0.25, ray_address="10.0.0.1:6379")
+    assert joined.backend_config() == {
+        "init_args": {"address": "10.0.0.1:6379"},
+        "client_resources": {"num_cpus": 2, "num_gpus": 0.25},
+    }
+    assert SimulationOptions(ray_num_cpus=3).backend_config()["init_args"] == {"num_cpus": 3}
