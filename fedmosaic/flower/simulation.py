@@ -145,14 +145,19 @@ class _RayTally:
         self.messages: Counter[str] = Counter()
         self.nodes: dict[str, str] = {}  # alive Ray node id -> its IP, when the first reply came
 
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
+    def __getattr__(self, name: str) -> Any:  # the rest of the Grid API, unchanged
+        return getattr(self.grid, name)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self.grid.pull_messages(message_ids))
+        return self._count(self.grid.pull_messages(message_ids))
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._count(self.grid.send_and_receive(messages, timeout=timeout))
+
+    def _count(self, received: Iterable[Message]) -> list[Message]:
+        replies = list(received)
         for reply in replies:
             if reply.has_content() and RAY_NODE in reply.content.config_records:
                 record = reply.content.config_records.pop(RAY_NODE)
