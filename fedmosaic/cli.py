@@ -478,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--png", metavar="PATH", help="also save a plot of the histograms")
     pa.set_defaults(func=cmd_partition)
 
-    fl = command("flower", "deploy on Flower (see docs/flower.md)")
+    fl = command(
+        "flower", "deploy on Flower, or run on its Ray simulation runtime (docs/flower.md)"
+    )
     fl_sub = fl.add_subparsers(dest="flower_command", required=True, metavar="COMMAND")
     app_help = "write a Flower app folder that flwr run accepts"
     fa = fl_sub.add_parser("app", help=app_help, description=app_help)
