@@ -267,18 +267,38 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 def cmd_flower_app(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
-    run_config = {}
-    for item in args.run_config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--run-config {item!r} must look like key=value")
-        run_config[key.strip()] = parse_value(value.strip())
+    run_config = _run_config_items(args.run_config)
     out = write_app(
         cfg, args.out, args.superlink, args.insecure, args.root_certificates, run_config
     )
     print(f"Flower app written to {out}/ (see {out}/README.md)")
     print(f"  FLWR_HOME={out.resolve()}/.flwr flwr run {out} fedmosaic --stream")
     return 0
+
+
+def cmd_flower_simulate(args: argparse.Namespace) -> int:
+    # flwr and ray are optional extras: imported only by this command
+    from fedmosaic.flower.simulation import run_simulation, simulation_run_config
+
+    # Flower prints through its own handler; passed on to ours too, every line came twice
+    logging.getLogger("flwr").propagate = False
+    cfg = _load(args.config, args.set)
+    extra = _run_config_items(args.run_config)
+    doc = run_simulation(simulation_run_config(cfg, args.out, extra))
+    print(format_table([doc]))
+    print(f"\nresults written to {args.out}/")
+    return 0
+
+
+def _run_config_items(items: list[str]) -> dict[str, Any]:
+    """``--run-config KEY=VALUE`` items (values parsed as TOML literals)."""
+    run_config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--run-config {item!r} must look like key=value")
+        run_config[key.strip()] = parse_value(value.strip())
+    return run_config
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -458,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--png", metavar="PATH", help="also save a plot of the histograms")
     pa.set_defaults(func=cmd_partition)
 
-    fl = command("flower", "deploy on Flower (see docs/flower.md)")
+    fl = command(
+        "flower", "deploy on Flower, or run on its Ray simulation runtime (docs/flower.md)"
+    )
     fl_sub = fl.add_subparsers(dest="flower_command", required=True, metavar="COMMAND")
     app_help = "write a Flower app folder that flwr run accepts"
     fa = fl_sub.add_parser("app", help=app_help, description=app_help)
@@ -480,6 +502,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _plugin_option(fa)
     fa.set_defaults(func=cmd_flower_app)
+    sim_help = "run on Flower's simulation runtime (Ray): a local instance or a cluster"
+    fs = fl_sub.add_parser("simulate", help=sim_help, description=sim_help)
+    fs.add_argument("config", help="experiment TOML")
+    fs.add_argument("--out", required=True, help="results folder (results.json, server.log)")
+    fs.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
+    )
+    fs.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run config, e.g. client-num-cpus=2 client-num-gpus=0.25 ray-address=auto "
+        "(see docs/flower.md)",
+    )
+    _plugin_option(fs)
+    fs.set_defaults(func=cmd_flower_simulate)
     return p
 
 

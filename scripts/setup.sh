@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian machine: Fashion-MNIST (Debian package, when root with apt),
 # a virtual environment in .venv, PyTorch 2.13.0 (CPU wheel, pinned in constraints.txt) and
-# fedmosaic with its dev tools.
+# fedmosaic with its dev tools, Flower and Flower's Ray simulation runtime.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,11 +49,12 @@ fi
 STAMP=.venv/.fedmosaic-installed
 WANT=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,docs] into .venv"
+  echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,flower-simulation,docs] into .venv"
   # torch first and pinned exactly (constraints.txt): any looser spec would pull GBs of CUDA
   # wheels; the package metadata only asks for a range.
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,docs]"
+  # flower-simulation: ray, for the test of Flower's simulation runtime on a two-node Ray cluster
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,flower-simulation,docs]"
   echo "$WANT" > "$STAMP"
 fi
 

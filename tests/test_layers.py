@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "fedmosaic"
 # Third-party packages that are optional extras (or need a compiler): imported where used, so the
 # package works without them.
 OPTIONAL = {"flwr", "matplotlib", "wandb", "tensorboard", "pyarrow", "PIL", "sklearn", "scipy"}
+OPTIONAL.add("ray")  # the flower-simulation extra (Flower's Ray runtime)
 
 # Function-level imports of other kinds, each with its reason. Anything else is hoisted.
 ALLOWED_LAZY: dict[tuple[str, str], str] = {
@@ -30,6 +31,8 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("fedmosaic.flower.app", "*"): "per-message ClientApp processes",
     # the public API's in-memory Flower run needs the optional flower extra (flwr)
     ("fedmosaic.api", "*"): "flower extra",
+    # `fedmosaic flower simulate` needs the optional flower-simulation extra (flwr, ray)
+    ("fedmosaic.cli", "fedmosaic.flower.simulation"): "flower-simulation extra",
     # the native kernels' builder (torch.utils.cpp_extension) is only reached when compiling
     ("fedmosaic.kernels", "torch"): "compiler toolchain only when building",
     # numpy moved numpy.core to numpy._core in 2.0: the pickle allow-list takes whichever exists
