@@ -71,7 +71,12 @@ HTFLLIB: dict[str, Method] = {
         {"name": "fedproto", "lam": 0.1},
         ["-algo", "FedProto", "-lam", "0.1"],
         "both: MSELoss term, plain mean over holders, nearest global prototype over all classes",
-        variants={"pipeline": PIPELINE},
+        variants={
+            "pipeline": PIPELINE,
+            # the two halves of the pipeline, one at a time (which one the gap comes from)
+            "no_shuffle": {"train.shuffle": False},
+            "arch_init": {"model.init": "architecture"},
+        },
     ),
     # diagnostic: FedProto uploading the reference's training-time prototypes (variants.py)
     "fedproto_train_protos": Method(
