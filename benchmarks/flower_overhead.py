@@ -2,13 +2,18 @@
 
     .venv/bin/python benchmarks/flower_overhead.py                 # simulator vs in-memory Grid
     .venv/bin/python benchmarks/flower_overhead.py --deploy        # + real SuperLink/SuperNodes
+    .venv/bin/python benchmarks/flower_overhead.py --deploy --flower-supernode   # + Flower's own
 
-Three runs of one config (synthetic 1x28x28 images, 4 clients, FedProto on the five FedHeNN CNNs
-by default): the serial simulator; the Flower ServerApp/ClientApp code over the in-memory Grid
-(codec, wire serialization, client state save/restore in ``context.state``, one model rebuild
-per message); and, with ``--deploy``, real processes on 127.0.0.1 (insecure loopback: a
-``flower-superlink``, one ``flower-supernode`` per client, ``flwr run``). Round 1 includes
-warm-up, so the table reports the mean of rounds 2.. as well.
+Runs of one config (synthetic 1x28x28 images, 4 clients, FedProto on the five FedHeNN CNNs by
+default): the serial simulator; the Flower ServerApp/ClientApp code over the in-memory Grid
+(codec, wire serialization, client state save/restore in ``context.state``); and, with
+``--deploy``, real processes on 127.0.0.1 (insecure loopback: a ``flower-superlink``, one
+SuperNode per client, ``flwr run``), the SuperNodes started with ``python -m
+fedmosaic.flower.node`` (one long-running ClientApp process each, polling capped at
+``--poll-interval``); ``--flower-supernode`` also runs plain ``flower-supernode`` (a new
+ClientApp process per message, Flower's 3 s idle polling): the before. Round 1 includes
+warm-up, so the table reports the mean of rounds 2.. as well, and every run must end with the
+simulator's accuracies (checked).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ def per_round(doc: dict) -> dict:
         "bytes_up": statistics.mean(r["bytes_up"] for r in doc["rounds"]),
         "bytes_down": statistics.mean(r["bytes_down"] for r in doc["rounds"]),
         "acc": doc["rounds"][-1].get("acc_weighted"),
+        "accs": tuple(r.get("acc_weighted") for r in doc["rounds"]),
     }
 
 
@@ -68,19 +74,20 @@ def run_local_grid(raw: dict, out: Path) -> dict:
     return run_server(grid, rc)
 
 
-def run_deployment(raw: dict, root: Path) -> dict:
+def run_deployment(raw: dict, root: Path, long_running: bool, poll_interval: float) -> dict:
     from _flower_deploy import Deployment
 
     from fedmosaic.config import from_dict
     from fedmosaic.flower.project import write_app
 
-    d = Deployment(root)
+    d = Deployment(root, long_running=long_running)
     try:
         d.start_superlink()
         d.write_connection()
         n = raw["data"]["num_clients"]
+        poll = ["--poll-interval", str(poll_interval)] if long_running else []
         for i in range(n):
-            d.start_supernode(f"node{i}", f"partition-id={i} num-partitions={n}")
+            d.start_supernode(f"node{i}", f"partition-id={i} num-partitions={n}", extra=poll)
         app = write_app(from_dict(raw), root / "app", d.address, insecure=True)
         run = d.flwr("run", str(app), "test")
         if run.returncode:
@@ -103,6 +110,12 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--deploy", action="store_true", help="also run real Flower processes")
+    p.add_argument(
+        "--flower-supernode",
+        action="store_true",
+        help="with --deploy: also run Flower's own flower-supernode (the old mode)",
+    )
+    p.add_argument("--poll-interval", type=float, default=0.1, help="fedmosaic.flower.node's")
     args = p.parse_args()
     torch.set_num_threads(1)
     raw = experiment(args)
@@ -111,7 +124,14 @@ def main() -> None:
         rows["simulator"] = per_round(run_simulator(raw))
         rows["flower, in-memory Grid"] = per_round(run_local_grid(raw, Path(tmp) / "local"))
         if args.deploy:
-            rows["flower, real processes"] = per_round(run_deployment(raw, Path(tmp) / "deploy"))
+            doc = run_deployment(raw, Path(tmp) / "deploy", True, args.poll_interval)
+            rows["flower, fedmosaic node"] = per_round(doc)
+        if args.deploy and args.flower_supernode:
+            doc = run_deployment(raw, Path(tmp) / "old", False, args.poll_interval)
+            rows["flower, flower-supernode"] = per_round(doc)
+    accs = {name: r["accs"] for name, r in rows.items()}  # every round, bitwise
+    if len(set(accs.values())) != 1:
+        raise SystemExit(f"the runtimes disagree: {accs}")
     base = rows["simulator"]["later_rounds_s"]
     print(
         f"{args.algorithm} on {args.family}, {args.clients} clients, {args.rounds} rounds "
