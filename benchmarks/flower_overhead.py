@@ -11,7 +11,9 @@ default): the serial simulator; the Flower ServerApp/ClientApp code over the in-
 SuperNode per client, ``flwr run``), the SuperNodes started with ``python -m
 fedmosaic.flower.node`` (one long-running ClientApp process each, polling capped at
 ``--poll-interval``); ``--flower-supernode`` also runs plain ``flower-supernode`` (a new
-ClientApp process per message, Flower's 3 s idle polling): the before. Round 1 includes
+ClientApp process per message, Flower's 3 s idle polling): the before. The SuperLink keeps its
+state in memory (``--superlink-db``: in an SQLite file, as a production SuperLink would, which
+adds its writes to every request). Round 1 includes
 warm-up, so the table reports the mean of rounds 2.. as well, and every run must end with the
 simulator's accuracies (checked).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -74,7 +77,9 @@ def run_local_grid(raw: dict, out: Path) -> dict:
     return run_server(grid, rc)
 
 
-def run_deployment(raw: dict, root: Path, long_running: bool, poll_interval: float) -> dict:
+def run_deployment(
+    raw: dict, root: Path, long_running: bool, poll_interval: float, database: bool
+) -> dict:
     from _flower_deploy import Deployment
 
     from fedmosaic.config import from_dict
@@ -82,7 +87,7 @@ def run_deployment(raw: dict, root: Path, long_running: bool, poll_interval: flo
 
     d = Deployment(root, long_running=long_running)
     try:
-        d.start_superlink()
+        d.start_superlink(database=database)
         d.write_connection()
         n = raw["data"]["num_clients"]
         poll = ["--poll-interval", str(poll_interval)] if long_running else []
@@ -116,18 +121,28 @@ def main() -> None:
         help="with --deploy: also run Flower's own flower-supernode (the old mode)",
     )
     p.add_argument("--poll-interval", type=float, default=0.1, help="fedmosaic.flower.node's")
+    p.add_argument(
+        "--superlink-db",
+        action="store_true",
+        help="the SuperLink keeps its state in an SQLite file (as in production), not in memory",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     raw = experiment(args)
+    load = os.getloadavg()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         rows["simulator"] = per_round(run_simulator(raw))
         rows["flower, in-memory Grid"] = per_round(run_local_grid(raw, Path(tmp) / "local"))
         if args.deploy:
-            doc = run_deployment(raw, Path(tmp) / "deploy", True, args.poll_interval)
+            doc = run_deployment(
+                raw, Path(tmp) / "deploy", True, args.poll_interval, args.superlink_db
+            )
             rows["flower, fedmosaic node"] = per_round(doc)
         if args.deploy and args.flower_supernode:
-            doc = run_deployment(raw, Path(tmp) / "old", False, args.poll_interval)
+            doc = run_deployment(
+                raw, Path(tmp) / "old", False, args.poll_interval, args.superlink_db
+            )
             rows["flower, flower-supernode"] = per_round(doc)
     accs = {name: r["accs"] for name, r in rows.items()}  # every round, bitwise
     if len(set(accs.values())) != 1:
@@ -135,7 +150,8 @@ def main() -> None:
     base = rows["simulator"]["later_rounds_s"]
     print(
         f"{args.algorithm} on {args.family}, {args.clients} clients, {args.rounds} rounds "
-        "(seconds per round; bytes per round, all clients)"
+        "(seconds per round; bytes per round, all clients); load average before "
+        f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print(
         f"{'runtime':26s} {'round 1':>8s} {'rounds 2+':>10s} {'x sim':>7s} {'up B':>9s} {'down B':>9s}  acc"

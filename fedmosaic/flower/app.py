@@ -311,7 +311,29 @@ def _inject_fault(content: RecordDict, fault: str) -> None:
 # ---- server half ------------------------------------------------------------------------------
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
+    _quick_reply_pulls()
     run_server(grid, context.run_config)
+
+
+REPLY_PULL_BACKOFF = 0.1  # seconds; Flower 1.41's: 1 s, then doubling
+
+
+def _quick_reply_pulls() -> None:
+    """Look again after ``REPLY_PULL_BACKOFF``, not 1 s, for reply objects a SuperNode is still
+    uploading: Flower's SuperLink lists a reply as soon as its message arrives, before its
+    objects, and the Grid (``flwr.superlink.grid.http_grid``) waits before pulling them again.
+    This process runs only the ServerApp, so the patch reaches nothing else."""
+    import functools
+
+    from flwr.superlink.grid import http_grid
+
+    pull = getattr(http_grid.pull_objects, "func", http_grid.pull_objects)
+    http_grid.pull_objects = functools.partial(
+        pull,
+        max_tries_per_object=None,  # bounded by Flower's max_time (2 h) instead
+        initial_backoff=REPLY_PULL_BACKOFF,
+        backoff_cap=REPLY_PULL_BACKOFF,
+    )
 
 
 def run_server(

@@ -24,6 +24,7 @@ only). The worker exits when the SuperNode does.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import logging
 import os
@@ -78,8 +79,56 @@ def _task_heartbeat(client: Any) -> Callable[[], bool]:
     return beat
 
 
+def pull_task_input(client: Any, backoff: float) -> tuple[Any, Any, Any, Any]:
+    """``flwr.supernode.runtime.run_clientapp.pull_task_input`` with ``backoff`` (not 1 s, then
+    doubling) between looks for message objects the SuperNode is still fetching: a worker that
+    is already running takes a task the moment it exists, before its objects have arrived."""
+    from flwr.app import Message
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import (  # pylint: disable=E0611
+        PullAppMessagesRequest,
+        PullTaskInputRequest,
+    )
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id = res.task_id
+    TaskIdentity.run_id = res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    context = context_from_proto(res.context)
+    run, fab = run_from_proto(res.run), fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree,
+        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(
+            client.ConfirmMessageReceived, node, context.run_id
+        ),
+        return_type=Message,
+        max_tries_per_object=None,  # bounded by Flower's max_time (2 h) instead
+        initial_backoff=backoff,
+        backoff_cap=backoff,
+    )
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: not in the tree
+    return message, context, run, fab
+
+
 def run_task(
-    address: str, token: str, root_certificates: bytes | None, seen: dict[str, str]
+    address: str,
+    token: str,
+    root_certificates: bytes | None,
+    seen: dict[str, str],
+    poll_interval: float = POLL_INTERVAL,
 ) -> bool:
     """One ClientApp task, as ``flwr-clientapp`` runs it (pull the message and context, run the
     app, push the reply, then the context and the status). True when the app replied."""
@@ -92,11 +141,7 @@ def run_task(
     )
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
-    from flwr.supernode.runtime.run_clientapp import (
-        pull_task_input,
-        push_message,
-        push_task_output,
-    )
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     from fedmosaic.flower.app import client_app
 
@@ -114,8 +159,10 @@ def run_task(
     heartbeat.start()
     message = context = reply = None
     status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
+    times = [time.perf_counter()]
     try:
-        message, context, run, fab = pull_task_input(client)
+        message, context, run, fab = pull_task_input(client, poll_interval)
+        times.append(time.perf_counter())
         component = _clientapp_component(fab, seen)
         if component != CLIENT_APP:
             raise ForeignAppError(
@@ -123,6 +170,7 @@ def run_task(
                 f"(python -m fedmosaic.flower.node) serves {CLIENT_APP!r} only"
             )
         reply = client_app(message=message, context=context)
+        times.append(time.perf_counter())
         status, details = SubStatus.COMPLETED, ""
     except Exception as ex:  # the reply says what went wrong, as flwr-clientapp's does
         log.exception("ClientApp task failed")
@@ -142,6 +190,14 @@ def run_task(
         push_task_output(client, context, status, details)
         heartbeat.stop()
         client.close()
+        times.append(time.perf_counter())
+        steps = ("pull", "app", "push")  # where a message's time went, for slow deployments
+        log.info(
+            "%s message %s: %s",
+            "?" if message is None else message.metadata.message_type,
+            status,
+            ", ".join(f"{k} {b - a:.3f}s" for k, a, b in zip(steps, times, times[1:])),
+        )
     return status == SubStatus.COMPLETED
 
 
@@ -159,7 +215,11 @@ def serve_clientapps(
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
 
-    import fedmosaic.flower.app  # noqa: F401 - torch and fedmosaic imported before the first task
+    # torch and the client code imported before the first task, not during it
+    import fedmosaic.core.client  # noqa: F401
+    import fedmosaic.flower.app  # noqa: F401
+    import fedmosaic.flower.codec  # noqa: F401
+    import fedmosaic.flower.messages  # noqa: F401
 
     executor = RuntimeHttpClient.from_server_address(
         server_address=address,
@@ -175,7 +235,7 @@ def serve_clientapps(
         while tasks is None or done < tasks:
             res = executor.AcquireTask(request)
             if res.HasField("task") and res.token:
-                run_task(address, res.token, root_certificates, seen)
+                run_task(address, res.token, root_certificates, seen, poll_interval)
                 done += 1
             else:
                 time.sleep(poll_interval)
@@ -203,6 +263,14 @@ def cap_supernode_sleeps(poll_interval: float) -> None:
             real.sleep(min(seconds, poll_interval))
 
     loop.time = _CappedClock()  # type: ignore[assignment]
+    # The SuperNode fetches a message's objects from the SuperLink while the ServerApp may still
+    # be uploading them; Flower waits 1 s (then doubling) before looking again.
+    loop.pull_objects = functools.partial(  # type: ignore[assignment]
+        loop.pull_objects,
+        max_tries_per_object=None,  # bounded by Flower's max_time (2 h) instead
+        initial_backoff=poll_interval,
+        backoff_cap=poll_interval,
+    )
 
 
 def _runtime_address(args: argparse.Namespace) -> str:
@@ -249,9 +317,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, rest = _parser().parse_known_args(argv)
     if not 0.01 <= args.poll_interval <= 10:
         raise SystemExit(f"--poll-interval {args.poll_interval}: must be in [0.01, 10] seconds")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # fedmosaic's records only: a root handler would also print Flower's DEBUG records and
+    # httpx's line per request (ten a second per poller)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("fedmosaic").addHandler(handler)
+    logging.getLogger("fedmosaic").setLevel(logging.INFO)
     if args.clientapp_worker:
         from flwr.supercore.app_utils import start_parent_process_monitor
 

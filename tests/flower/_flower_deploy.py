@@ -256,7 +256,9 @@ class Deployment:
         self.procs[name] = proc
         return proc
 
-    def start_superlink(self, supernode_auth: bool = False) -> None:
+    def start_superlink(self, supernode_auth: bool = False, database: bool = True) -> None:
+        """``database``: state in ``superlink.db`` (as in production); else Flower's in-memory
+        state (no SQLite writes per request: the overhead benchmark's loopback default)."""
         args = [_exe("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
         if self.tls:
             args += [
@@ -269,7 +271,8 @@ class Deployment:
         if supernode_auth:
             args += ["--enable-supernode-auth"]
         args += ["--disable-runtime-dependency-installation"]
-        args += ["--database", str(self.root / "superlink.db")]
+        if database:
+            args += ["--database", str(self.root / "superlink.db")]
         self.start("superlink", args)
         self.wait_healthy("superlink", self.port, secure=bool(self.tls))
 
