@@ -47,7 +47,7 @@ class ForeignAppError(RuntimeError):
 
 
 # ---- the worker: one process, many ClientApp tasks ------------------------------------------------
-def _clientapp_component(fab: Any, seen: dict[str, str]) -> str:
+def clientapp_component(fab: Any, seen: dict[str, str]) -> str:
     """The ``clientapp`` component named in the app bundle's ``pyproject.toml``."""
     if fab.hash_str not in seen:
         from fedmosaic.config import tomllib  # tomli on Python 3.10
@@ -163,7 +163,7 @@ def run_task(
     try:
         message, context, run, fab = pull_task_input(client, poll_interval)
         times.append(time.perf_counter())
-        component = _clientapp_component(fab, seen)
+        component = clientapp_component(fab, seen)
         if component != CLIENT_APP:
             raise ForeignAppError(
                 f"run {run.run_id} ({run.fab_id}) has clientapp {component!r}; this SuperNode "
@@ -320,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # fedmosaic's records only: a root handler would also print Flower's DEBUG records and
     # httpx's line per request (ten a second per poller)
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    )
     logging.getLogger("fedmosaic").addHandler(handler)
     logging.getLogger("fedmosaic").setLevel(logging.INFO)
     if args.clientapp_worker:
