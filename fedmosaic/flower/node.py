@@ -35,6 +35,10 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx  # a Flower dependency
+
+from fedmosaic.flower.app import client_app  # Flower's app API only: torch comes later
+
 log = logging.getLogger("fedmosaic.flower.node")
 
 POLL_INTERVAL = 0.1  # seconds: SuperNode <-> SuperLink and worker <-> SuperNode polling
@@ -62,7 +66,6 @@ def clientapp_component(fab: Any, seen: dict[str, str]) -> str:
 def _task_heartbeat(client: Any) -> Callable[[], bool]:
     """Flower's task heartbeat without its reaction to an unknown task (SIGINT to the process):
     here the process outlives its tasks, and a heartbeat racing a finished task is harmless."""
-    import httpx
     from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest  # pylint: disable=E0611
 
     def beat() -> bool:
@@ -143,8 +146,6 @@ def run_task(
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-    from fedmosaic.flower.app import client_app
-
     client = RuntimeHttpClient.from_server_address(
         server_address=address,
         insecure=root_certificates is None,
@@ -217,7 +218,6 @@ def serve_clientapps(
 
     # torch and the client code imported before the first task, not during it
     import fedmosaic.core.client  # noqa: F401
-    import fedmosaic.flower.app  # noqa: F401
     import fedmosaic.flower.codec  # noqa: F401
     import fedmosaic.flower.messages  # noqa: F401
 
