@@ -5,6 +5,7 @@
 - :mod:`fedmosaic.flower.app`: ``server_app`` / ``client_app`` components
 - :mod:`fedmosaic.flower.project`: writes a ready Flower app (``fedmosaic flower app``)
 - :mod:`fedmosaic.flower.local`: an in-process Grid (parity tests, overhead benchmark)
+- :mod:`fedmosaic.flower.node`: a SuperNode with one long-running ClientApp process
 
 Nothing outside this package imports ``flwr``.
 """
