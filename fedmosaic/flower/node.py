@@ -160,10 +160,10 @@ def run_task(
     heartbeat.start()
     message = context = reply = None
     status, details = SubStatus.FAILED, "ClientApp task failed due to unknown reason"
-    times = [time.perf_counter()]
+    marks = [("start", time.perf_counter())]  # where a message's time went
     try:
         message, context, run, fab = pull_task_input(client, poll_interval)
-        times.append(time.perf_counter())
+        marks.append(("pull", time.perf_counter()))
         component = clientapp_component(fab, seen)
         if component != CLIENT_APP:
             raise ForeignAppError(
@@ -171,7 +171,7 @@ def run_task(
                 f"(python -m fedmosaic.flower.node) serves {CLIENT_APP!r} only"
             )
         reply = client_app(message=message, context=context)
-        times.append(time.perf_counter())
+        marks.append(("app", time.perf_counter()))
         status, details = SubStatus.COMPLETED, ""
     except Exception as ex:  # the reply says what went wrong, as flwr-clientapp's does
         log.exception("ClientApp task failed")
@@ -189,15 +189,15 @@ def run_task(
             log.exception("failed to push the reply")
             status = SubStatus.FAILED
         push_task_output(client, context, status, details)
-        heartbeat.stop()
+        if heartbeat.is_running:  # its thread ends on an error of its own: the worker goes on
+            heartbeat.stop()
         client.close()
-        times.append(time.perf_counter())
-        steps = ("pull", "app", "push")  # where a message's time went, for slow deployments
+        marks.append(("push", time.perf_counter()))
         log.info(
             "%s message %s: %s",
             "?" if message is None else message.metadata.message_type,
             status,
-            ", ".join(f"{k} {b - a:.3f}s" for k, a, b in zip(steps, times, times[1:])),
+            ", ".join(f"{k} {b - a:.3f}s" for (_, a), (k, b) in zip(marks, marks[1:])),
         )
     return status == SubStatus.COMPLETED
 
