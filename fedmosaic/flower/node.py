@@ -17,8 +17,9 @@ process: torch is imported once, the data split and the client are built once pe
 in ``context.state``, so the numbers are the simulator's. It serves fedmosaic's app only (the
 component ``fedmosaic.flower.app:client_app``, imported from the installed package: nothing is
 installed under ``FLWR_HOME``); any other app's tasks get an error reply. The SuperNode's two
-sleeps are capped at ``--poll-interval`` (a patch of that module's ``time``, in this process
-only). The worker exits when the SuperNode does.
+sleeps, and its and the worker's waits for message objects still in transit (1 s, then
+doubling), are capped at ``--poll-interval`` (a patch of that one Flower module, in this
+process only). The worker exits when the SuperNode does.
 """
 
 from __future__ import annotations
@@ -206,10 +207,9 @@ def serve_clientapps(
     address: str,
     root_certificates: bytes | None = None,
     poll_interval: float = POLL_INTERVAL,
-    tasks: int | None = None,
 ) -> None:
     """Take the SuperNode's ClientApp tasks at ``address`` (its Runtime API) one after another,
-    forever (or ``tasks`` of them)."""
+    until the process is stopped."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
@@ -229,14 +229,12 @@ def serve_clientapps(
         retry_invoker=make_simple_http_retry_invoker(),
     )
     request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
-    seen: dict[str, str] = {}
-    done = 0
+    seen: dict[str, str] = {}  # app bundle hash -> its clientapp component
     try:
-        while tasks is None or done < tasks:
+        while True:
             res = executor.AcquireTask(request)
             if res.HasField("task") and res.token:
                 run_task(address, res.token, root_certificates, seen, poll_interval)
-                done += 1
             else:
                 time.sleep(poll_interval)
     finally:
