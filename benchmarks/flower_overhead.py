@@ -15,7 +15,9 @@ ClientApp process per message, Flower's 3 s idle polling): the before. The Super
 state in memory (``--superlink-db``: in an SQLite file, as a production SuperLink would, which
 adds its writes to every request). Round 1 includes
 warm-up, so the table reports the mean of rounds 2.. as well, and every run must end with the
-simulator's accuracies (checked).
+simulator's accuracies (checked). ``cpu``: CPU seconds per round (rounds 2..) of all the
+deployment's processes together (long-running SuperNodes only; Flower's per-message processes
+exit before they can be counted).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def per_round(doc: dict) -> dict:
         "bytes_down": statistics.mean(r["bytes_down"] for r in doc["rounds"]),
         "acc": doc["rounds"][-1].get("acc_weighted"),
         "accs": tuple(r.get("acc_weighted") for r in doc["rounds"]),
+        "cpu": doc.get("cpu_per_round"),
     }
 
 
@@ -98,14 +101,39 @@ def run_deployment(
         if run.returncode:
             raise RuntimeError(run.stdout + run.stderr)
         results = app / "results" / "results.json"
+        progress = app / "results" / "progress.jsonl"
+        rounds = raw["train"]["rounds"]
+        cpu: dict[int, float] = {}  # rounds finished -> CPU seconds of the deployment so far
         deadline = time.monotonic() + 900
         while not results.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(d.log("superlink")[-3000:])
-            time.sleep(1)
-        return json.loads(results.read_text())
+            done = len(progress.read_text().splitlines()) if progress.exists() else 0
+            if done in (1, rounds) and done not in cpu:
+                cpu[done] = deployment_cpu_seconds([p.pid for p in d.procs.values()])
+            time.sleep(0.05)
+        doc = json.loads(results.read_text())
+        if long_running and {1, rounds} <= set(cpu) and rounds > 1:
+            doc["cpu_per_round"] = (cpu[rounds] - cpu[1]) / (rounds - 1)
+        return doc
     finally:
         d.close()
+
+
+def deployment_cpu_seconds(roots: list[int]) -> float:
+    """CPU seconds (user + system, with reaped children) of every process of the deployment.
+    Exact for long-lived processes only: a process that exited unreaped (``flower-supernode``'s
+    per-message ClientApps) is not counted, so the old mode gets no figure."""
+    from _flower_deploy import descendants
+
+    total = 0
+    for pid in descendants(roots):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -153,14 +181,18 @@ def main() -> None:
         "(seconds per round; bytes per round, all clients); load average before "
         f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
+    # cpu: CPU seconds per round (rounds 2+) of all the deployment's processes together, what
+    # the round would need of an otherwise idle machine (long-running SuperNodes only)
     print(
-        f"{'runtime':26s} {'round 1':>8s} {'rounds 2+':>10s} {'x sim':>7s} {'up B':>9s} {'down B':>9s}  acc"
+        f"{'runtime':26s} {'round 1':>8s} {'rounds 2+':>10s} {'x sim':>7s} {'cpu':>6s} "
+        f"{'up B':>9s} {'down B':>9s}  acc"
     )
     for name, r in rows.items():
+        cpu = "-" if r["cpu"] is None else f"{r['cpu']:.2f}"
         print(
             f"{name:26s} {r['round1_s']:8.2f} {r['later_rounds_s']:10.2f} "
-            f"{r['later_rounds_s'] / base:7.1f} {r['bytes_up']:9.0f} {r['bytes_down']:9.0f}  "
-            f"{r['acc']:.4f}"
+            f"{r['later_rounds_s'] / base:7.1f} {cpu:>6s} {r['bytes_up']:9.0f} "
+            f"{r['bytes_down']:9.0f}  {r['acc']:.4f}"
         )
 
 
