@@ -316,6 +316,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 REPLY_PULL_BACKOFF = 0.1  # seconds; Flower 1.41's: 1 s, then doubling
+FLWR_PATCHED = "1.41.0"  # the Flower whose internals this package's speed patches target
 
 
 def _quick_reply_pulls() -> None:
@@ -325,7 +326,13 @@ def _quick_reply_pulls() -> None:
     This process runs only the ServerApp, so the patch reaches nothing else."""
     import functools
 
+    from flwr.supercore.version import package_version
     from flwr.superlink.grid import http_grid
+
+    if package_version != FLWR_PATCHED:
+        log.warning(
+            "flwr %s: the reply-pull wait patched here is %s's", package_version, FLWR_PATCHED
+        )
 
     pull = getattr(http_grid.pull_objects, "func", http_grid.pull_objects)
     http_grid.pull_objects = functools.partial(

@@ -38,13 +38,12 @@ from typing import Any
 
 import httpx  # a Flower dependency
 
-from fedmosaic.flower.app import client_app  # Flower's app API only: torch comes later
+from fedmosaic.flower.app import FLWR_PATCHED, client_app  # Flower's API only: no torch yet
 
 log = logging.getLogger("fedmosaic.flower.node")
 
 POLL_INTERVAL = 0.1  # seconds: SuperNode <-> SuperLink and worker <-> SuperNode polling
 CLIENT_APP = "fedmosaic.flower.app:client_app"
-FLWR_VERSION = "1.41.0"  # the SuperNode loop whose sleeps are capped (see the module docstring)
 
 
 class ForeignAppError(RuntimeError):
@@ -248,8 +247,10 @@ def cap_supernode_sleeps(poll_interval: float) -> None:
     import flwr.supernode.start_client_internal as loop
     from flwr.supercore.version import package_version
 
-    if package_version != FLWR_VERSION:
-        log.warning("flwr %s: the SuperNode sleeps capped here are 1.41's", package_version)
+    if package_version != FLWR_PATCHED:
+        log.warning(
+            "flwr %s: the SuperNode waits capped here are %s's", package_version, FLWR_PATCHED
+        )
     real = loop.time
 
     class _CappedClock:
