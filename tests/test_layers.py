@@ -29,6 +29,8 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("fedmosaic.config", "fedmosaic.models"): "registries for validate()",
     # Flower starts a ClientApp process per message in deployment: keep its imports light
     ("fedmosaic.flower.app", "*"): "per-message ClientApp processes",
+    # the SuperNode launcher's own process never needs torch; its worker imports it at start
+    ("fedmosaic.flower.node", "fedmosaic"): "no torch in the SuperNode process",
     # the public API's in-memory Flower run needs the optional flower extra (flwr)
     ("fedmosaic.api", "*"): "flower extra",
     # `fedmosaic flower simulate` needs the optional flower-simulation extra (flwr, ray)

@@ -6,6 +6,7 @@
 - :mod:`fedmosaic.flower.project`: writes a ready Flower app (``fedmosaic flower app``)
 - :mod:`fedmosaic.flower.local`: an in-process Grid (parity tests, overhead benchmark)
 - :mod:`fedmosaic.flower.simulation`: Flower's Ray simulation runtime (``fedmosaic flower simulate``)
+- :mod:`fedmosaic.flower.node`: a SuperNode with one long-running ClientApp process
 
 Nothing outside this package imports ``flwr``.
 """

@@ -10,12 +10,16 @@ SuperNode serves one client: ``partition-id`` in its node config is the client i
 ``num-partitions`` must equal ``data.num_clients``. The ClientApp rebuilds that client's data
 split, model and extras deterministically from the config (the same functions the simulator
 uses), restores its persistent state from ``context.state`` and runs ``core.client``'s fit /
-evaluate / fine-tune. Flower starts a fresh ClientApp process per message in deployment, so this
+evaluate / fine-tune. Flower's own SuperNode starts a fresh ClientApp process per message, so this
 module imports only Flower's app API at import time; everything else is imported on first use.
+A process that serves many messages (``fedmosaic.flower.node``, the in-memory Grid) builds each
+client once per run and starts every message from a copy of that build (``_pristine``): the
+model and extras a fresh process would build, with the torch RNG state that build leaves.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -56,12 +60,30 @@ class _NodeSetup:
 _SETUPS: dict[str, _NodeSetup] = {}
 
 
+@dataclass
+class _Built:
+    """A client as ``make_client`` builds it, and the global torch RNG state after the build
+    (``make_client`` seeds it; ``evaluate`` must find it as a fresh build leaves it)."""
+
+    model: Any
+    extras: Any
+    rng: Any
+    cuda_rng: list[Any] | None
+
+
+_BUILT: dict[tuple[int, str, int], _Built] = {}  # (run id, experiment key, client id)
+
+
+def _setup_key(run_config: Any) -> str:
+    return json.dumps([run_config.get("experiment"), run_config.get("overrides")])
+
+
 def eval_splits(clients: list[Any]) -> tuple[str, ...]:
     return ("test", "val") if any(c.num("val") for c in clients) else ("test",)
 
 
 def _node_setup(run_config: Any) -> _NodeSetup:
-    key = json.dumps([run_config.get("experiment"), run_config.get("overrides")])
+    key = _setup_key(run_config)
     if key not in _SETUPS:
         import torch
 
@@ -80,6 +102,7 @@ def _node_setup(run_config: Any) -> _NodeSetup:
         clients = client_data(data, cfg.train.device)
         spec = make_spec(cfg, data, clients)
         _SETUPS.clear()  # one experiment per process
+        _BUILT.clear()
         algo = build_algorithm(cfg.algorithm)
         _SETUPS[key] = _NodeSetup(
             cfg,
@@ -90,6 +113,29 @@ def _node_setup(run_config: Any) -> _NodeSetup:
             eval_splits(clients),
         )
     return _SETUPS[key]
+
+
+def _pristine(context: Context, setup: _NodeSetup, data: Any) -> tuple[Any, Any]:
+    """A fresh copy of the client's initial model and extras, as ``make_client`` returns them,
+    with the global torch RNG where ``make_client`` leaves it; built once per run and client."""
+    import torch
+
+    from fedmosaic.federation import make_client
+
+    key = (context.run_id, _setup_key(context.run_config), data.client_id)
+    built = _BUILT.get(key)
+    if built is None:
+        if any(k[:2] != key[:2] for k in _BUILT):  # another run: its clients are not needed
+            _BUILT.clear()
+        model, extras = make_client(setup.cfg, setup.algo, setup.spec, data)
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # one deepcopy of the pair keeps references between them (extras holding model parts)
+        _BUILT[key] = _Built(*copy.deepcopy((model, extras)), torch.get_rng_state(), cuda)
+        return model, extras
+    torch.set_rng_state(built.rng)
+    if built.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(built.cuda_rng)
+    return copy.deepcopy((built.model, built.extras))
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -106,7 +152,6 @@ class _Client:
     """One client's model and extras, restored from and saved to ``context.state``."""
 
     def __init__(self, context: Context) -> None:
-        from fedmosaic.federation import make_client
         from fedmosaic.flower.codec import record_to_tensors
 
         self.context = context
@@ -118,9 +163,7 @@ class _Client:
                 f"partition-id={self.cid} num-partitions={total}: the run has {n} clients"
             )
         self.data = self.setup.clients[self.cid]
-        self.model, self.extras = make_client(
-            self.setup.cfg, self.setup.algo, self.setup.spec, self.data
-        )
+        self.model, self.extras = _pristine(context, self.setup, self.data)
         state = context.state
         owner = state.config_records.get(CLIENT_STATE)
         if owner is not None and owner.get("client-id") == self.cid:
@@ -268,7 +311,36 @@ def _inject_fault(content: RecordDict, fault: str) -> None:
 # ---- server half ------------------------------------------------------------------------------
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
+    _quick_reply_pulls()
     run_server(grid, context.run_config)
+
+
+REPLY_PULL_BACKOFF = 0.1  # seconds; Flower 1.41's: 1 s, then doubling
+FLWR_PATCHED = "1.41.0"  # the Flower whose internals this package's speed patches target
+
+
+def _quick_reply_pulls() -> None:
+    """Look again after ``REPLY_PULL_BACKOFF``, not 1 s, for reply objects a SuperNode is still
+    uploading: Flower's SuperLink lists a reply as soon as its message arrives, before its
+    objects, and the Grid (``flwr.superlink.grid.http_grid``) waits before pulling them again.
+    This process runs only the ServerApp, so the patch reaches nothing else."""
+    import functools
+
+    from flwr.supercore.version import package_version
+    from flwr.superlink.grid import http_grid
+
+    if package_version != FLWR_PATCHED:
+        log.warning(
+            "flwr %s: the reply-pull wait patched here is %s's", package_version, FLWR_PATCHED
+        )
+
+    pull = getattr(http_grid.pull_objects, "func", http_grid.pull_objects)
+    http_grid.pull_objects = functools.partial(
+        pull,
+        max_tries_per_object=None,  # bounded by Flower's max_time (2 h) instead
+        initial_backoff=REPLY_PULL_BACKOFF,
+        backoff_cap=REPLY_PULL_BACKOFF,
+    )
 
 
 def run_server(

@@ -40,7 +40,7 @@ class FlowerOptions:
     connect_timeout: float = 600.0
     max_reply_bytes: int = 256 << 20
     results_dir: str = ""
-    poll_interval: float = 0.2
+    poll_interval: float = 0.1  # seconds between looks for replies (SuperLink requests)
     # SuperNode id -> the one partition it may serve; empty: each node's declared partition-id
     node_partitions: Mapping[int, int] = field(default_factory=dict)
 

@@ -206,20 +206,32 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
 
 # ---- the deployment ---------------------------------------------------------------------------
 class Deployment:
-    """A SuperLink and SuperNodes as real processes; ``close()`` leaves nothing running."""
+    """A SuperLink and SuperNodes as real processes; ``close()`` leaves nothing running.
 
-    def __init__(self, root: Path, tls: dict[str, Path] | None = None) -> None:
+    ``long_running``: SuperNodes started with ``python -m fedmosaic.flower.node`` (one
+    ClientApp process per SuperNode, capped polling) instead of ``flower-supernode``. Every
+    process gets ``FLWR_HOME`` and ``HOME`` inside ``root``: what Flower writes to a user's home
+    (``~/.flwr``) shows up under ``self.home``.
+    """
+
+    def __init__(
+        self, root: Path, tls: dict[str, Path] | None = None, long_running: bool = True
+    ) -> None:
         self.root = root
         self.tls = tls
+        self.long_running = long_running
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.flwr_home = root / "flwr-home"
+        self.home = root / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(
             os.environ,
             FLWR_TELEMETRY_ENABLED="0",
             FLWR_DISABLE_UPDATE_CHECK="1",
             FLWR_HOME=str(self.flwr_home),
+            HOME=str(self.home),
             PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             PYTHONUNBUFFERED="1",
         )
@@ -244,7 +256,9 @@ class Deployment:
         self.procs[name] = proc
         return proc
 
-    def start_superlink(self, supernode_auth: bool = False) -> None:
+    def start_superlink(self, supernode_auth: bool = False, database: bool = True) -> None:
+        """``database``: state in ``superlink.db`` (as in production); else Flower's in-memory
+        state (no SQLite writes per request: the overhead benchmark's loopback default)."""
         args = [_exe("flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port)]
         if self.tls:
             args += [
@@ -257,7 +271,8 @@ class Deployment:
         if supernode_auth:
             args += ["--enable-supernode-auth"]
         args += ["--disable-runtime-dependency-installation"]
-        args += ["--database", str(self.root / "superlink.db")]
+        if database:
+            args += ["--database", str(self.root / "superlink.db")]
         self.start("superlink", args)
         self.wait_healthy("superlink", self.port, secure=bool(self.tls))
 
@@ -265,7 +280,9 @@ class Deployment:
         self, name: str, node_config: str, key: Path | None = None, extra: list[str] | None = None
     ) -> int:
         port = free_port()
-        args = [_exe("flower-supernode"), "--superlink", self.address, "--port", str(port)]
+        node = [sys.executable, "-m", "fedmosaic.flower.node"]
+        args = node if self.long_running else [_exe("flower-supernode")]
+        args += ["--superlink", self.address, "--port", str(port)]
         args += ["--root-certificates", str(self.tls["ca"])] if self.tls else ["--insecure"]
         if key is not None:
             args += ["--auth-supernode-private-key", str(key)]

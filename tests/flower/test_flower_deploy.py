@@ -5,12 +5,16 @@ start slowly, and CI has a time budget): TLS with certificates generated here, S
 authentication with ECDSA keys registered through ``flwr supernode register``, an unregistered
 SuperNode that is refused, a heterogeneous prototype method (FedProto on five CNN
 architectures) for two rounds, one SuperNode sending NaN uploads (test-only node config flag)
-and one SuperNode killed after round 1. The run must finish and say who took part.
+and one SuperNode killed after round 1. The run must finish and say who took part. The
+SuperNodes are ``python -m fedmosaic.flower.node`` (one long-running ClientApp process each),
+and every process runs with ``HOME`` and ``FLWR_HOME`` inside the test's folder: nothing may
+land in ``~/.flwr``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -118,6 +122,15 @@ def test_tls_auth_faults_and_a_killed_node(deployment, tmp_path):
     assert rogue.returncode not in (None, 0), d.log("rogue")[-2000:]
     assert "Failed to activate SuperNode" in d.log("rogue")
     assert len(doc["flower"]["nodes"]) == N
+    # the long-running ClientApp processes served every message of the run (no process per
+    # message): one line per task in each SuperNode's log, the same process throughout
+    tasks = re.findall(r"fedmosaic\.flower\.node\[(\d+)\]: (\w+) message completed", d.log("node0"))
+    assert [t for _, t in tasks].count("train") == 2 and "evaluate" in [t for _, t in tasks]
+    assert len({pid for pid, _ in tasks}) == 1, tasks
+    # everything Flower wrote is under FLWR_HOME (the ServerApp installed the app bundle there);
+    # nothing under the user's home
+    assert any((d.flwr_home / "apps").iterdir())
+    assert not (d.home / ".flwr").exists(), sorted(map(str, d.home.rglob("*")))
     print(
         f"deployment test: {elapsed:.0f}s, seconds per round {[r['seconds'] for r in doc['rounds']]}"
     )

@@ -59,7 +59,10 @@ def test_cli_writes_a_runnable_app(tmp_path, capsys):
         "address": "10.0.0.5:9093",
         "root-certificates": str(cfg_path.resolve()),
     }
-    assert "num-partitions=3" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "num-partitions=3" in readme and "python -m fedmosaic.flower.node" in readme
+    # every Flower process started from these commands keeps its files in the app's .flwr/
+    assert f"export FLWR_HOME={(out / '.flwr').resolve()} " in readme
     # run-config overrides apply on top of the embedded experiment (flwr run -c ...)
     assert (
         experiment_from_run_config(
