@@ -96,10 +96,10 @@ class ClientHost:
         if cid in self.live:
             return self.live[cid], False
         if not self.store.has(cid):
-            # Never trained: its initial state, built and not saved, so the store (disk and page
-            # cache) holds only clients that trained, not every client ever evaluated (10,000
-            # clients at 1% per round: most are evaluated long before they are first sampled).
-            return self.build(cid), True
+            # Never trained: save its initial state once, so the next visit is a file read.
+            mods = self.build(cid)
+            self.store.save(cid, *mods)
+            return mods, True
         return self._materialize(cid), True
 
     def _spare(self, cid: int, mods: Modules) -> None:

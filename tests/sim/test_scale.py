@@ -1,6 +1,6 @@
 """Cross-device scale: what a 10,000-client federation on the serial backend holds and builds is
 counted, not timed. Building it builds no client model; a round builds at most its participants;
-evaluating clients that never trained writes nothing to the state store; the per-client data
+a client evaluated before is read from the state store, not built again; the per-client data
 index is the only per-client memory besides the store."""
 
 from __future__ import annotations
@@ -78,14 +78,18 @@ def test_ten_thousand_clients_build_models_only_for_participants(constructions: 
         assert sum(len(s) for s in host.spare.values()) <= MAX_SPARES
         stored = {int(p.stem) for p in host.store.root.glob("*.bin")}
         assert stored == trained  # the store holds the clients that trained, no others
-        # Evaluating 500 clients, most never trained: each is built (its initial state is
-        # defined by its construction) and dropped; the store still holds only the trained.
+        # Evaluating 500 clients, most never trained: each new one is built once (its initial
+        # state is its construction) and stored; evaluated again, all are read into a spare.
         some = sorted(trained)[:50] + [c for c in range(N) if c not in trained][:450]
+        msgs = rounds.broadcast(fed.algo, state, some, 3)
         constructions[0] = 0
-        results = transport.evaluate(2, rounds.broadcast(fed.algo, state, some, 3))
-        assert len(results) == 500 and constructions[0] <= 450 + MAX_SPARES
-        assert {int(p.stem) for p in host.store.root.glob("*.bin")} == trained
-        assert not host.live
+        assert len(transport.evaluate(2, msgs)) == 500
+        assert 450 <= constructions[0] <= 450 + MAX_SPARES
+        assert {int(p.stem) for p in host.store.root.glob("*.bin")} == trained | set(some)
+        transport.invalidate()  # no cached counts: evaluate for real
+        constructions[0] = 0
+        assert len(transport.evaluate(2, msgs)) == 500
+        assert constructions[0] == 0 and not host.live
     finally:
         transport.close()
 
