@@ -150,3 +150,28 @@ def test_partitioning_ten_thousand_clients_draws_once_per_client(monkeypatch: py
     )
     assert sum(s.size for s in shares) == labels.size
     assert calls["dirichlet"] == N and calls["multinomial"] < 2 * N
+
+
+def test_seed_torch_draws_torch_manual_seeds_stream(monkeypatch: pytest.MonkeyPatch):
+    """``seed_torch`` seeds only the CPU generator on a machine without another device (no
+    lazily queued device seeds, each of which recorded a traceback): the same global stream as
+    ``torch.manual_seed``; with a device present it goes through ``torch.manual_seed``."""
+    import torch
+
+    torch.manual_seed(seeding.derive(0, 3, 7, "fit"))
+    want = torch.rand(5)
+    original = torch.manual_seed
+    calls: list[int] = []
+
+    def counting(s: int) -> torch.Generator:
+        calls.append(s)
+        return original(s)
+
+    for cpu_only in (True, False):
+        monkeypatch.setattr(seeding, "_cpu_only", cpu_only)
+        monkeypatch.setattr(torch, "manual_seed", counting)
+        calls.clear()
+        torch.rand(3)  # move the stream on: the seed must reset it
+        seeding.seed_torch(0, 3, 7, "fit")
+        assert torch.equal(torch.rand(5), want)
+        assert len(calls) == (0 if cpu_only else 1)
