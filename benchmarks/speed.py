@@ -23,8 +23,10 @@ For each workload it prints seconds per round of
   autograd and ``torch.optim.SGD``, ``server_fused_sgd = false``, as the libraries run it), so the
   two differ in how the round is executed, not in what it computes;
 
-the ratio, and the achieved GFLOP/s (training; whole round) against the fp32 matmul peak measured
-at the start of the same run. FLOPs are counted per layer (``fedmosaic.models.flops``: forward,
+the ratio, and the achieved GFLOP/s (training; whole round) against the fp32 peak measured in the
+same run (``Peak``: the best of MKL, oneDNN and the native kernel over ``PEAK_SHAPES``, on all
+cores or cores x one thread, before and again after the workloads; a workload above it is
+flagged). FLOPs are counted per layer (``fedmosaic.models.flops``: forward,
 plus weight- and input-gradients for training). The last line is, for the FedTGP workload,
 
     speedup=<reference s/round / ours s/round> peak_fraction=<round FLOPs / wall / peak>
