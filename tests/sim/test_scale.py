@@ -175,3 +175,16 @@ def test_seed_torch_draws_torch_manual_seeds_stream(monkeypatch: pytest.MonkeyPa
         seeding.seed_torch(0, 3, 7, "fit")
         assert torch.equal(torch.rand(5), want)
         assert len(calls) == (0 if cpu_only else 1)
+
+
+def test_the_shipped_cross_device_config_samples_one_percent():
+    """``configs/cross_device_10k.toml`` parses and plans 100 of 10,000 clients a round."""
+    from importlib import resources
+
+    from fedmosaic.config import load
+    from fedmosaic.federation import round_plan
+
+    cfg = load(str(resources.files("fedmosaic") / "configs" / "cross_device_10k.toml"), [])
+    assert cfg.data.num_clients == N and cfg.data.partition == "quantity_power_law"
+    plan = round_plan(cfg, cfg.data.num_clients)
+    assert plan.clients_per_round == K and plan.eval_every == 50
