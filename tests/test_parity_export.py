@@ -200,3 +200,17 @@ def test_shim_prints_client_accuracies_without_changing_the_result(
         stats = serverbase.Server().test_metrics()
     assert stats == ([3, 5], [4, 2], [1.0, 2.0], [0.5, 0.5])
     assert out.getvalue() == "Client 3: Acc: 0.25\nClient 5: Acc: 1.0\n"
+
+
+def test_shim_seed_offset_shifts_every_torch_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("parity_shim2", HARNESS.parent / "launch_shim.py")
+    assert spec is not None and spec.loader is not None
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    original = torch.manual_seed
+    monkeypatch.setattr(torch, "manual_seed", original)  # restored after the test
+    original(3)
+    want = torch.rand(4)
+    shim.offset_torch_seeds(3)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(4), want)

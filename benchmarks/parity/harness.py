@@ -416,7 +416,13 @@ def _ref_command(python: str, setup: Setup, method: Method) -> list[str]:
 
 
 def run_reference(
-    ref: Path, python: str, setup: Setup, method: Method, log: Path, threads: int = 1
+    ref: Path,
+    python: str,
+    setup: Setup,
+    method: Method,
+    log: Path,
+    threads: int = 1,
+    seed_offset: int = 0,
 ) -> tuple[list[str], float]:
     """Run the reference's ``system/main.py`` (unchanged, through the launch shim) on CPU; its
     stdout goes to ``log``. Returns the command and the wall time."""
@@ -428,6 +434,7 @@ def run_reference(
     env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     if LIBRARIES[setup.library].print_clients:
         env["PARITY_PRINT_CLIENTS"] = "1"
+    env["PARITY_SEED_OFFSET"] = str(seed_offset)  # 0: the reference's own seeds
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ref / "system", stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -496,6 +503,13 @@ def main(argv: list[str] | None = None) -> int:
         "from an earlier result of the same run, if there is one",
     )
     p.add_argument(
+        "--ref-seed-offset",
+        type=int,
+        default=0,
+        help="seed the reference's torch.manual_seed(s) calls with s + K (its own run-to-run "
+        "spread on this split); the result is <run>_r<K>.json, fedmosaic's side kept from <run>",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -514,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed, library=a.library)
     method = lib.methods[a.method]
     a.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
+    base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
+    stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
     dest = a.ref / "dataset" / setup.name
     fd = build_split(setup)
     config = export(fd, dest, {"fedmosaic_data": setup.fedmosaic_config({})["data"]})
@@ -529,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": {"library": lib.name, "checkout": a.ref.name},  # no machine path
         "notes": method.notes,
         "ref_mode": method.ref_mode,
+        "ref_seed_offset": a.ref_seed_offset,
         "train_sizes": config["train_sizes"],
         "test_sizes": config["test_sizes"],
     }
@@ -544,7 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         doc["reference"] = {**earlier["reference"], "from": str(a.reference_from)}
     elif "reference" not in a.skip:
         log = a.out / f"{stem}.ref.log"
-        cmd, secs = run_reference(a.ref, a.ref_python, setup, method, log)
+        cmd, secs = run_reference(
+            a.ref, a.ref_python, setup, method, log, seed_offset=a.ref_seed_offset
+        )
         doc["reference"].update(
             # as run, without this machine's paths: the venv's python and the shim in this repo
             command=["<ref-python>", "benchmarks/parity/launch_shim.py", *cmd[2:]],
@@ -552,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
             rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
         )
     path = a.out / f"{stem}.json"
-    earlier = json.loads(path.read_text()) if path.exists() else {}
+    base = a.out / f"{base_stem}.json"  # a seed-offset run keeps fedmosaic's side of the base run
+    source = path if path.exists() or not a.ref_seed_offset else base
+    earlier = json.loads(source.read_text()) if source.exists() else {}
     if earlier.get("setup") == doc["setup"]:  # the same run: keep what is not run again
         for side in ("reference", "fedmosaic"):
             if side in a.skip and side in earlier and not a.reference_from:

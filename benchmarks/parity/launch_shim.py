@@ -7,7 +7,9 @@ imports ``cvxpy`` for FedPAC. Where such an
 import fails, an empty stand-in module is registered that raises if anything in it is *used*, so a
 run that needed it fails loudly instead of silently changing. With ``PARITY_PRINT_CLIENTS=1`` it
 also prints the per-client test accuracies PFLlib computes but does not print (read-only, see
-``print_client_accuracies``). Usage (the reference's venv)::
+``print_client_accuracies``); with ``PARITY_SEED_OFFSET=k`` every ``torch.manual_seed(s)`` of the
+reference seeds ``s + k`` (its run-to-run spread on one split; ``offset_torch_seeds``). Usage
+(the reference's venv)::
 
     cd <ref>/system && <ref-venv>/bin/python <this file> -data ... -algo FedProto ...
 """
@@ -77,8 +79,27 @@ def print_client_accuracies() -> None:
     serverbase.Server.test_metrics = test_metrics
 
 
+def offset_torch_seeds(offset: int) -> None:
+    """Every ``torch.manual_seed(s)`` of the reference seeds ``s + offset`` instead.
+
+    Both references seed torch with a constant (0, in ``main.py`` and before every client's
+    model), so their own run-to-run spread on one split is invisible; this measures it. A run
+    with an offset is recorded as such and is not the reference's default run.
+    """
+    import torch
+
+    original = torch.manual_seed
+
+    def manual_seed(seed: int) -> Any:
+        return original(int(seed) + offset)
+
+    torch.manual_seed = manual_seed
+
+
 if __name__ == "__main__":
     stood_in = install_stand_ins()
+    if int(os.environ.get("PARITY_SEED_OFFSET", "0")):
+        offset_torch_seeds(int(os.environ["PARITY_SEED_OFFSET"]))
     if os.environ.get("PARITY_PRINT_CLIENTS") == "1":
         print_client_accuracies()
     print(f"parity launch shim: stand-ins for {stood_in or 'nothing'}", flush=True)
