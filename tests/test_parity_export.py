@@ -214,3 +214,36 @@ def test_shim_seed_offset_shifts_every_torch_seed(monkeypatch: pytest.MonkeyPatc
     shim.offset_torch_seeds(3)
     torch.manual_seed(0)
     assert torch.equal(torch.rand(4), want)
+
+
+def _fake_run(gap: float) -> dict:
+    ref = [{"round": r, "acc_weighted": 0.5 + r / 100, "acc_mean": 0.4 + r / 100} for r in range(7)]
+    fm = [
+        {"round": r, "acc_weighted": 0.5 + r / 100 + gap, "acc_mean": 0.4 + r / 100 + gap}
+        for r in range(1, 7)
+    ]
+    return {
+        "method": "local",
+        "setting": "dir01",
+        "setup": {"seed": 0},
+        "reference": {"library": "HtFLlib", "rounds": ref, "seconds": 1.0},
+        "fedmosaic": {"rounds": fm, "seconds": 2.0},
+    }
+
+
+def test_report_fills_the_marked_tables_of_the_page() -> None:
+    spec = importlib.util.spec_from_file_location("parity_report", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    page = (
+        "# t\n<!-- parity:summary -->\nold\n<!-- /parity -->\ntext\n"
+        "<!-- parity:run local_dir01_s0 -->\nold\n<!-- /parity -->\n"
+    )
+    out = report.fill(page, {"local_dir01_s0": _fake_run(0.02)})
+    assert "old" not in out and out.startswith("# t\n") and "\ntext\n" in out
+    # last 5 rounds (2..6): the gap is +2.00 points in both metrics
+    assert "| local | dir01 | 0 | HtFLlib | 6 | fedmosaic | 54.00 | 56.00 | +2.00 / +2.00 |" in out
+    assert "| 5 | 55.00 | 57.00 | +2.00 |" in out and "| 6 (final) | 56.00 | 58.00 | +2.00 |" in out
+    with pytest.raises(SystemExit, match="other_run"):
+        report.fill("<!-- parity:run other_run -->\n<!-- /parity -->", {})

@@ -7,12 +7,14 @@ evaluates the model the reference evaluates (where it differs, e.g. FedGH's ``ac
 each variant (the fedmosaic options that reproduce the reference). Writes ``<fig>/<run>.png``: the
 curves (weighted solid, client mean dashed). Round ``r`` is the accuracy after ``r`` rounds of
 training on both sides; a method's evaluation after local fine-tuning (FedBABU) is its own row.
+``--doc docs/parity.md`` refreshes that page's marked tables in place instead of printing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,21 +153,51 @@ def complete(doc: dict[str, Any]) -> bool:
     return "rounds" in doc.get("reference", {}) and "fedmosaic" in doc
 
 
+def run_block(doc: dict[str, Any]) -> str:
+    """Both tables of one run and its wall times."""
+    walls = f"wall time {_ref_name(doc)} {doc['reference'].get('seconds', '?')} s, fedmosaic "
+    walls += f"{doc['fedmosaic'].get('seconds', '?')} s"
+    if doc.get("ref_seed_offset"):
+        walls += f" (reference torch seeds shifted by {doc['ref_seed_offset']})"
+    return f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}."
+
+
+_MARK = re.compile(r"<!-- parity:(summary|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
+
+
+def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
+    """``page`` with every ``<!-- parity:summary -->`` / ``<!-- parity:run STEM -->`` block
+    (closed by ``<!-- /parity -->``) replaced by the current table; a missing run fails."""
+
+    def body(m: re.Match[str]) -> str:
+        if m.group(1) == "summary":
+            text = summary(list(runs.values()))
+        elif m.group(2) in runs:
+            text = run_block(runs[m.group(2)])
+        else:
+            raise SystemExit(f"the page names run {m.group(2)!r}, which has no complete result")
+        return f"<!-- parity:{m.group(1)} -->\n{text}\n<!-- /parity -->"
+
+    return _MARK.sub(body, page)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path, nargs="?", default=HERE / "results")
     p.add_argument("--fig", type=Path, help="write one PNG per run here")
+    p.add_argument("--doc", type=Path, help="refresh the marked tables of this page in place")
     a = p.parse_args(argv)
-    runs = [(path, json.loads(path.read_text())) for path in sorted(a.results.glob("*.json"))]
-    runs = [(path, doc) for path, doc in runs if complete(doc)]
-    print(f"## Summary\n\n{summary([doc for _, doc in runs])}\n")
-    for path, doc in runs:
-        walls = f"wall time {_ref_name(doc)} {doc['reference'].get('seconds', '?')} s, fedmosaic "
-        walls += f"{doc['fedmosaic'].get('seconds', '?')} s"
-        print(f"### {doc['method']} ({doc['setting']}, {path.stem})\n")
-        print(f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}.\n")
-        if a.fig:
-            figure(doc, a.fig / f"{path.stem}.png")
+    loaded = [(path, json.loads(path.read_text())) for path in sorted(a.results.glob("*.json"))]
+    runs = {path.stem: doc for path, doc in loaded if complete(doc)}
+    if a.doc:
+        a.doc.write_text(fill(a.doc.read_text(), runs))
+    else:
+        print(f"## Summary\n\n{summary(list(runs.values()))}\n")
+        for stem, doc in runs.items():
+            print(f"### {doc['method']} ({doc['setting']}, {stem})\n\n{run_block(doc)}\n")
+    if a.fig:
+        for stem, doc in runs.items():
+            figure(doc, a.fig / f"{stem}.png")
 
 
 if __name__ == "__main__":
