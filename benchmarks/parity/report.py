@@ -51,7 +51,10 @@ def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
 
 
 def _ref_name(doc: dict[str, Any]) -> str:
-    return str(doc["reference"].get("library", "reference"))
+    """The reference's name, with its seed offset when the run shifted its torch seeds."""
+    name = str(doc["reference"].get("library", "reference"))
+    offset = doc.get("ref_seed_offset", 0)
+    return f"{name} (torch seeds +{offset})" if offset else name
 
 
 def table(doc: dict[str, Any], metric: str = "weighted") -> str:
@@ -157,8 +160,6 @@ def run_block(doc: dict[str, Any]) -> str:
     """Both tables of one run and its wall times."""
     walls = f"wall time {_ref_name(doc)} {doc['reference'].get('seconds', '?')} s, fedmosaic "
     walls += f"{doc['fedmosaic'].get('seconds', '?')} s"
-    if doc.get("ref_seed_offset"):
-        walls += f" (reference torch seeds shifted by {doc['ref_seed_offset']})"
     return f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}."
 
 
