@@ -252,6 +252,9 @@ class Setup:
                 "eval_every": 1,
             },
             "sim": {"backend": "serial", "threads": 1},
+            # the references have no peer guard: fedmosaic's (server.peer_factor = 10) dropped
+            # honest round-1 uploads of FedDistill on this split, so it is off, like for like
+            "server": {"peer_factor": 0.0},
             "algorithm": algorithm,
         }
         for key, value in dotted.items():
@@ -473,6 +476,11 @@ def run_fedmosaic(
     return rounds, time.perf_counter() - start
 
 
+def _reference_setup(setup: dict[str, Any]) -> dict[str, Any]:
+    """The part of a recorded setup the reference's run depends on (not fedmosaic's server)."""
+    return {k: v for k, v in setup.items() if k not in ("server", "algorithm", "plugins")}
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     """Replace ``path`` atomically (a reader never sees half a result)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -573,10 +581,14 @@ def main(argv: list[str] | None = None) -> int:
     base = a.out / f"{base_stem}.json"  # a seed-offset run keeps fedmosaic's side of the base run
     source = path if path.exists() or not a.ref_seed_offset else base
     earlier = json.loads(source.read_text()) if source.exists() else {}
-    if earlier.get("setup") == doc["setup"]:  # the same run: keep what is not run again
-        for side in ("reference", "fedmosaic"):
-            if side in a.skip and side in earlier and not a.reference_from:
-                doc[side] = earlier[side]
+    # keep what is not run again: the reference's side for the same split, model and training
+    # (fedmosaic's server settings do not reach it); fedmosaic's sides for the same config
+    same_ref = _reference_setup(earlier.get("setup", {})) == _reference_setup(doc["setup"])
+    if same_ref and "reference" in a.skip and "reference" in earlier and not a.reference_from:
+        doc["reference"] = earlier["reference"]
+    if earlier.get("setup") == doc["setup"]:
+        if "fedmosaic" in a.skip and "fedmosaic" in earlier:
+            doc["fedmosaic"] = earlier["fedmosaic"]
         doc["variants"] = earlier.get("variants", {})
     _write_json(path, doc)  # after each side: a later failure keeps what finished
     if "fedmosaic" not in a.skip:
