@@ -71,6 +71,7 @@ LATER_KEYS: dict[str, Any] = {
     "server.peer_factor": 10.0,
     "train.shuffle": True,
     "model.init": "client",
+    "data.split_seed": -1,
 }
 
 

@@ -40,6 +40,9 @@ class DataConfig:
     classes_per_client: int = 2  # pathological / skewed: classes each client holds
     num_clients: int = 20  # clients in the federation (held-out newcomers included)
     min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
+    # the data's own seed (subsample, partition, splits); -1 = the experiment's seed. Set it to
+    # vary the models' initialization and training randomness over one fixed split
+    split_seed: int = -1
     max_tries: int = 1000  # dirichlet: give up (error) after this many redraws
     # each client's train/test split: pool_75_25 (75% / 25% of its pooled data, PFLlib/HtFLlib)
     # | 8_1_1 (80% / 10% validation / 10% test, FedGH)
@@ -564,6 +567,7 @@ def validate_values(cfg: ExperimentConfig) -> None:
     sim = cfg.sim
     at_least = {
         "data.min_size": (d.min_size, 0),
+        "data.split_seed": (d.split_seed, -1),
         "data.max_tries": (d.max_tries, 1),
         "data.classes_per_client": (d.classes_per_client, 1),
         "data.synthetic_size": (d.synthetic_size, 1),

@@ -335,13 +335,14 @@ def test_a_later_key_at_its_old_behaviour_keeps_stored_hashes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("section", "key", "other"), [("train", "shuffle", False), ("model", "init", "architecture")]
+    ("section", "key", "other"),
+    [("train", "shuffle", False), ("model", "init", "architecture"), ("data", "split_seed", 3)],
 )
 def test_the_reference_pipeline_options_keep_stored_hashes_at_their_defaults(
     section: str, key: str, other: object
 ) -> None:
-    """``train.shuffle`` and ``model.init`` came after the committed cells: at their defaults a
-    config hashes as one recorded without them; the reference's pipeline is another config."""
+    """``train.shuffle``, ``model.init`` and ``data.split_seed`` came after the committed cells: at
+    their defaults a config hashes as one recorded without them; another value is another config."""
     from fedmosaic.checkpoint import config_hash
 
     cfg = from_dict(tiny_raw()).to_dict()

@@ -40,6 +40,7 @@ EDGE = {"negative": (-1, "-1"), "zero": (0, "0")}
 ZERO_OK = {
     "seed": "a seed",
     "data.min_size": "no minimum client size",
+    "data.split_seed": "a seed",
     "data.val_fraction": "no validation split",
     "data.public_size": "no public split (methods that need one check the FederationSpec)",
     "data.server_eval_size": "no server evaluation split",
@@ -100,7 +101,10 @@ ZERO_OK = {
     "fedhenn.rad_batch": "the whole RAD (paper)",
     "fedhenn_homo.rad_batch": "the whole RAD (paper)",
 }
-NEGATIVE_OK = {"train.finetune_epochs": "-1 = the method's default"}
+NEGATIVE_OK = {
+    "train.finetune_epochs": "-1 = the method's default",
+    "data.split_seed": "-1 = the experiment's seed",
+}
 
 
 def _numeric(tp) -> bool:

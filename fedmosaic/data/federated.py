@@ -163,7 +163,10 @@ def _carve_out(
 
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     """Load ``cfg.dataset``, carve out the public split, partition the rest over clients and
-    split each client's share. Same ``cfg`` and ``seed`` give identical indices."""
+    split each client's share. Same ``cfg`` and ``seed`` give identical indices; ``cfg.split_seed
+    >= 0`` replaces ``seed`` here (one split under several experiment seeds)."""
+    if cfg.split_seed >= 0:
+        seed = cfg.split_seed
     ds = load_dataset(cfg, seed)
     seed %= 2**64  # numpy seeds must be >= 0; non-negative seeds are unchanged
     labels = ds.labels.numpy()
