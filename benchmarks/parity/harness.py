@@ -149,7 +149,14 @@ HTFLLIB: dict[str, Method] = {
 # models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
 # server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
 PFLLIB: dict[str, Method] = {
-    "fedavg": Method({"name": "fedavg"}, ["-algo", "FedAvg"], "both evaluate the global model"),
+    "fedavg": Method(
+        {"name": "fedavg"},
+        ["-algo", "FedAvg"],
+        "both evaluate the global model",
+        # not the reference's options: fedmosaic's own spread on this split (other initial
+        # weights and batch orders), beside the reference's (--ref-seed-offset)
+        variants={"own_seed_1": {"seed": 1001}, "own_seed_2": {"seed": 1002}},
+    ),
     "fedprox": Method(
         {"name": "fedprox", "mu": 0.01},
         ["-algo", "FedProx", "-mu", "0.01"],
@@ -224,10 +231,12 @@ class Setup:
         """The fedmosaic config (as a dict for ``fedmosaic.config.from_dict``).
 
         Keys of ``algorithm`` with a dot (``"train.shuffle"``) set that config key instead (a
-        variant's pipeline options).
+        variant's pipeline options); ``"seed"`` runs fedmosaic with that experiment seed on this
+        setup's split (``data.split_seed``): its own run-to-run spread.
         """
         algorithm = dict(algorithm)
         dotted = {k: algorithm.pop(k) for k in list(algorithm) if "." in k}
+        own_seed = algorithm.pop("seed", None)  # fedmosaic's own streams on this very split
         cfg = {
             "seed": self.seed,
             "plugins": list(plugins),
@@ -260,6 +269,9 @@ class Setup:
         for key, value in dotted.items():
             section, name = key.split(".")
             cfg[section][name] = value
+        if own_seed is not None:
+            cfg["seed"] = own_seed
+            cfg["data"]["split_seed"] = self.seed
         return cfg
 
     @property
