@@ -247,3 +247,20 @@ def test_report_fills_the_marked_tables_of_the_page() -> None:
     assert "| 5 | 55.00 | 57.00 | +2.00 |" in out and "| 6 (final) | 56.00 | 58.00 | +2.00 |" in out
     with pytest.raises(SystemExit, match="other_run"):
         report.fill("<!-- parity:run other_run -->\n<!-- /parity -->", {})
+
+
+def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs() -> None:
+    spec = importlib.util.spec_from_file_location("parity_report2", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    a, b, off = _fake_run(0.02), _fake_run(0.04), _fake_run(0.5)
+    b["setup"] = {"seed": 1}
+    off["ref_seed_offset"] = 1
+    table = report.seeds_table([a, b, off])
+    # gaps +2 and +4 points: mean +3, half-width t(1) x sd / sqrt(2) = 12.706 x 1.414 / 1.414
+    assert (
+        "| local | dir01 | HtFLlib | fedmosaic | 0, 1 | +2.00, +4.00 | +3.00 [-9.71, +15.71] |"
+        in table
+    )
+    assert "+50.00" not in table

@@ -121,6 +121,48 @@ def summary(docs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# two-sided 95% t quantiles by degrees of freedom (seeds - 1)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def seeds_table(docs: list[dict[str, Any]]) -> str:
+    """Runs of one method, setting and reference over several seeds (splits): each seed's gap over
+    the last five rounds (weighted) and their mean with its 95% t-interval. Seed-offset runs (the
+    reference's own spread on one split) are left out."""
+    groups: dict[tuple[str, str, str, str], dict[int, float]] = {}
+    for doc in docs:
+        if doc.get("ref_seed_offset"):
+            continue
+        rw = by_round(doc["reference"]["rounds"], "acc_weighted")
+        for label, rounds, mode in series(doc):
+            fw = by_round(rounds, mode + "_weighted")
+            common = sorted(set(rw) & set(fw) - {0})
+            if not common:
+                continue
+            key = (doc["method"], doc["setting"], _ref_name(doc), label)
+            gap = last_mean(fw, common[-1]) - last_mean(rw, common[-1])
+            groups.setdefault(key, {})[int(doc["setup"]["seed"])] = gap
+    lines = [
+        f"| method | setting | reference | series | seeds | gap per seed, last {LAST} "
+        "(weighted) | mean gap [95% interval] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (method, setting, ref, label), gaps in sorted(groups.items()):
+        if len(gaps) < 2:
+            continue
+        vals = [gaps[k] for k in sorted(gaps)]
+        n = len(vals)
+        mean = sum(vals) / n
+        sd = (sum((v - mean) ** 2 for v in vals) / (n - 1)) ** 0.5
+        half = _T95.get(n - 1, 2.0) * sd / n**0.5
+        lines.append(
+            f"| {method} | {setting} | {ref} | {label} | {', '.join(map(str, sorted(gaps)))} | "
+            f"{', '.join(f'{100 * v:+.2f}' for v in vals)} | {100 * mean:+.2f} "
+            f"[{100 * (mean - half):+.2f}, {100 * (mean + half):+.2f}] |"
+        )
+    return "\n".join(lines)
+
+
 def figure(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -163,7 +205,7 @@ def run_block(doc: dict[str, Any]) -> str:
     return f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}."
 
 
-_MARK = re.compile(r"<!-- parity:(summary|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
+_MARK = re.compile(r"<!-- parity:(summary|seeds|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
 
 
 def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
@@ -173,6 +215,8 @@ def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
     def body(m: re.Match[str]) -> str:
         if m.group(1) == "summary":
             text = summary(list(runs.values()))
+        elif m.group(1) == "seeds":
+            text = seeds_table(list(runs.values()))
         elif m.group(2) in runs:
             text = run_block(runs[m.group(2)])
         else:
@@ -194,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         a.doc.write_text(fill(a.doc.read_text(), runs))
     else:
         print(f"## Summary\n\n{summary(list(runs.values()))}\n")
+        print(f"## Over seeds\n\n{seeds_table(list(runs.values()))}\n")
         for stem, doc in runs.items():
             print(f"### {doc['method']} ({doc['setting']}, {stem})\n\n{run_block(doc)}\n")
     if a.fig:
