@@ -72,6 +72,10 @@ class _Built:
 
 
 _BUILT: dict[tuple[int, str, int], _Built] = {}  # (run id, experiment key, client id)
+# A SuperNode serves one client; a Ray actor of the simulation runtime serves many: keep the most
+# recent builds only, so an actor's memory does not grow with the population (a build evicted is
+# built again, the same bits)
+_BUILT_MAX = 32
 
 
 def _setup_key(run_config: Any) -> str:
@@ -129,6 +133,8 @@ def _pristine(context: Context, setup: _NodeSetup, data: Any) -> tuple[Any, Any]
             _BUILT.clear()
         model, extras = make_client(setup.cfg, setup.algo, setup.spec, data)
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        while len(_BUILT) >= _BUILT_MAX:
+            del _BUILT[next(iter(_BUILT))]  # the oldest build
         # one deepcopy of the pair keeps references between them (extras holding model parts)
         _BUILT[key] = _Built(*copy.deepcopy((model, extras)), torch.get_rng_state(), cuda)
         return model, extras

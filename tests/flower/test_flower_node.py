@@ -50,6 +50,18 @@ def test_a_cached_client_is_a_fresh_build():
     assert not any(k[0] == 7 for k in app._BUILT)
 
 
+def test_the_client_cache_is_bounded(monkeypatch: pytest.MonkeyPatch):
+    """A process serving many clients (a Ray actor) keeps only the latest builds: memory does not
+    grow with the population, and an evicted client is built again."""
+    monkeypatch.setattr(app, "_BUILT_MAX", 2)
+    raw = tiny_raw(algorithm={"name": "fedproto"}, model={"family": "fedhenn5"})
+    for cid in (0, 1, 2, 3):
+        app._Client(_context(raw, run_id=9, cid=cid))
+    assert sorted(k[2] for k in app._BUILT) == [2, 3]
+    again = app._Client(_context(raw, run_id=9, cid=0))  # evicted: a fresh build
+    assert (9, app._setup_key(again.context.run_config), 0) in app._BUILT and len(app._BUILT) == 2
+
+
 def test_the_generated_app_names_the_component_the_node_serves(tmp_path):
     from flwr.cli.build import build_fab_from_disk
 
