@@ -325,6 +325,22 @@ def _logging_options(quiet: bool) -> argparse.ArgumentParser:
     return common
 
 
+def _set_option(parser: argparse.ArgumentParser, help: str = SET_HELP) -> None:
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help
+    )
+
+
+def _run_config_option(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"{example} (see docs/flower.md)",
+    )
+
+
 def _plugin_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugin",
@@ -353,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = command("run", "run an experiment on the in-process simulator", parents=[common])
     r.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
-    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP)
+    _set_option(r)
     r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
     r.add_argument(
         "--baseline",
@@ -402,13 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         "suite", help="suite TOML, or the name of a bundled suite (fedmosaic list suites)"
     )
     c.add_argument("--out", help="output folder (default runs/compare-<suite>)")
-    c.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help=SET_HELP + "; applied to every cell",
-    )
+    _set_option(c, SET_HELP + "; applied to every cell")
     c.add_argument("--quick", action="store_true", help="apply the suite's [quick] reduced budget")
     c.add_argument(
         "--converged",
@@ -466,9 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_logging_options(quiet=False)],
     )
     pa.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
-    pa.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    _set_option(pa)
     pa.add_argument(
         "--split",
         default="train",
@@ -486,36 +494,21 @@ def build_parser() -> argparse.ArgumentParser:
     fa = fl_sub.add_parser("app", help=app_help, description=app_help)
     fa.add_argument("config", help="experiment TOML")
     fa.add_argument("--out", required=True, help="app folder to write")
-    fa.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
+    _set_option(fa)
     fa.add_argument("--superlink", default="127.0.0.1:9093", help="SuperLink address host:port")
     tls = fa.add_mutually_exclusive_group()
     tls.add_argument("--root-certificates", help="CA certificate of the SuperLink (TLS)")
     tls.add_argument("--insecure", action="store_true", help="no TLS (loopback demos only)")
-    fa.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="app run config, e.g. round-timeout=120 min-replies=2 (see docs/flower.md)",
-    )
+    _run_config_option(fa, "app run config, e.g. round-timeout=120 min-replies=2")
     _plugin_option(fa)
     fa.set_defaults(func=cmd_flower_app)
     sim_help = "run on Flower's simulation runtime (Ray): a local instance or a cluster"
     fs = fl_sub.add_parser("simulate", help=sim_help, description=sim_help)
     fs.add_argument("config", help="experiment TOML")
     fs.add_argument("--out", required=True, help="results folder (results.json, server.log)")
-    fs.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help=SET_HELP
-    )
-    fs.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="run config, e.g. client-num-cpus=2 client-num-gpus=0.25 ray-address=auto "
-        "(see docs/flower.md)",
+    _set_option(fs)
+    _run_config_option(
+        fs, "run config, e.g. client-num-cpus=2 client-num-gpus=0.25 ray-address=auto"
     )
     _plugin_option(fs)
     fs.set_defaults(func=cmd_flower_simulate)

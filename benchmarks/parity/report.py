@@ -121,14 +121,12 @@ def summary(docs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# two-sided 95% t quantiles by degrees of freedom (seeds - 1)
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
 def seeds_table(docs: list[dict[str, Any]]) -> str:
     """Runs of one method, setting and reference over several seeds (splits): each seed's gap over
-    the last five rounds (weighted) and their mean with its 95% t-interval. Seed-offset runs (the
-    reference's own spread on one split) are left out."""
+    the last five rounds (weighted) and their mean with its 95% t-interval (the suites' own
+    ``aggregate``). Seed-offset runs (the reference's own spread on one split) are left out."""
+    from fedmosaic.report.suite_report import aggregate
+
     groups: dict[tuple[str, str, str, str], dict[int, float]] = {}
     for doc in docs:
         if doc.get("ref_seed_offset"):
@@ -151,10 +149,8 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
         if len(gaps) < 2:
             continue
         vals = [gaps[k] for k in sorted(gaps)]
-        n = len(vals)
-        mean = sum(vals) / n
-        sd = (sum((v - mean) ** 2 for v in vals) / (n - 1)) ** 0.5
-        half = _T95.get(n - 1, 2.0) * sd / n**0.5
+        agg = aggregate(vals)
+        mean, half = agg["mean"], agg["ci95"]
         lines.append(
             f"| {method} | {setting} | {ref} | {label} | {', '.join(map(str, sorted(gaps)))} | "
             f"{', '.join(f'{100 * v:+.2f}' for v in vals)} | {100 * mean:+.2f} "

@@ -125,29 +125,24 @@ def test_partitioning_ten_thousand_clients_draws_once_per_client(monkeypatch: py
             return getattr(self.rng, name)
 
     rng = seeding.numpy_rng(0, 0, 0, "test")
-    shares = partition(
-        "quantity_power_law",
-        labels,
-        N,
-        Counting(rng),  # type: ignore[arg-type]
-        power_law_exponent=0.5,
-        min_size=4,
-        quantity_labels="iid",
-    )
+
+    def split(**labels_kw: object) -> list[np.ndarray]:
+        calls.clear()
+        return partition(
+            "quantity_power_law",
+            labels,
+            N,
+            Counting(rng),  # type: ignore[arg-type]
+            power_law_exponent=0.5,
+            min_size=4,
+            **labels_kw,  # type: ignore[arg-type]
+        )
+
+    shares = split(quantity_labels="iid")
     assert len(shares) == N and sum(s.size for s in shares) == labels.size
     assert min(s.size for s in shares) >= 4
     assert calls == {"permutation": 2}
-    calls.clear()
-    shares = partition(
-        "quantity_power_law",
-        labels,
-        N,
-        Counting(rng),  # type: ignore[arg-type]
-        power_law_exponent=0.5,
-        min_size=4,
-        quantity_labels="dirichlet",
-        alpha=0.5,
-    )
+    shares = split(quantity_labels="dirichlet", alpha=0.5)
     assert sum(s.size for s in shares) == labels.size
     assert calls["dirichlet"] == N and calls["multinomial"] < 2 * N
 
