@@ -317,7 +317,7 @@ class RunFolder:
         no checkpoint is there to resume from (its exception propagates). ``on_round`` gets each
         round's record after the sinks; ``trained`` is ``run_experiment``'s."""
         ckpt = self.path / CHECKPOINT_FILE
-        before = {p.name for p in self.path.iterdir()}
+        before = self._entries()
         # The sinks rewrite rounds.csv at once: an earlier run's (an overwrite) is put back when
         # this one is rolled back, so its results.json and rows still agree.
         rows = self.path / PROGRESS_FILE
@@ -393,11 +393,24 @@ class RunFolder:
         except OSError as exc:
             raise fs_error(exc, self.path) from exc
 
+    def _entries(self) -> set[str]:
+        """Every path under the folder, relative (links are listed, never followed)."""
+        found: set[str] = set()
+        for root, dirs, files in os.walk(self.path):
+            rel = Path(root).relative_to(self.path)
+            found.update((rel / name).as_posix() for name in dirs + files)
+        return found
+
     def _remove_new(self, before: set[str]) -> None:
-        """Delete what a failed start created in the folder (the lock's own file stays)."""
-        for p in self.path.iterdir():
-            if p.name not in before and p.name != LOCK_FILE:
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        """Delete what a failed start created in the folder, inside folders that were there
+        too (TensorBoard adds an event file to an earlier run's ``tb/``); the lock's own file
+        stays."""
+        for rel in sorted(self._entries() - before - {LOCK_FILE}, key=len):
+            p = self.path / rel
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)  # a new folder goes with all it holds
+            elif p.is_symlink() or p.exists():
+                p.unlink(missing_ok=True)
 
 
 def _config_of(doc: dict[str, Any]) -> dict[str, Any]:

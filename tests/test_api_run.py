@@ -13,6 +13,7 @@ from helpers.experiments import TIMING, numbers, tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.cli import main
+from fedmosaic.report import sinks
 from fedmosaic.report.results import TEMP_MARK
 from fedmosaic.runfolder import LOCK_FILE
 
@@ -32,6 +33,13 @@ def _csv_numbers(folder: Path) -> list[dict[str, str]]:
 
 def _files(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir()}
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by relative path (``tb/`` where TensorBoard is installed)."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def test_out_writes_the_folder_the_cli_writes(tmp_path: Path):
@@ -103,7 +111,34 @@ def _stop_at(n: int):
     return on_round
 
 
-def test_a_raising_callback_stops_the_run_and_leaves_no_half_written_folder(tmp_path: Path):
+class EventWriter:
+    """TensorBoard's writer as far as the folder sees it: one new event file per run in ``tb/``
+    (so the test does not depend on whether tensorboard is installed)."""
+
+    runs = 0
+
+    def __init__(self, log_dir: str) -> None:
+        EventWriter.runs += 1
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.file = Path(log_dir) / f"events.out.tfevents.{EventWriter.runs}"
+        self.file.write_bytes(b"")
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        with open(self.file, "ab") as fh:
+            fh.write(f"{tag} {step} {value}\n".encode())
+
+    def add_hparams(self, *args: Any, **kwargs: Any) -> None:
+        self.add_scalar("hparams", 0, 0)
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_a_raising_callback_stops_the_run_and_leaves_no_half_written_folder(
+    tmp_path: Path, monkeypatch
+):
+    monkeypatch.setattr(sinks, "tensorboard_writer", lambda: EventWriter)
     raw = _raw(train={"rounds": 3})
     out = tmp_path / "new" / "out"
     with pytest.raises(Enough):
@@ -116,13 +151,13 @@ def test_a_raising_callback_stops_the_run_and_leaves_no_half_written_folder(tmp_
         fm.run(raw, out=mine, on_round=_stop_at(1))
     assert _files(mine) == {"notes.txt"}  # as it was: no rounds.csv claiming a run
     fm.run(raw, out=mine)  # and nothing stands in the way of running there
-    assert "results.json" in _files(mine)
+    assert "results.json" in _files(mine) and "tb" in _files(mine)
     # Over a finished run (overwrite): stopped, the old run's files are left as they were,
     # rounds.csv included (the sinks had rewritten it with the stopped run's rows).
-    before = {f: (mine / f).read_bytes() for f in _files(mine)}
+    before = _contents(mine)
     with pytest.raises(Enough):
         fm.run(_raw(train={"rounds": 4}), out=mine, overwrite=True, on_round=_stop_at(2))
-    assert {f: (mine / f).read_bytes() for f in _files(mine)} == before
+    assert _contents(mine) == before
 
 
 def test_a_raising_callback_after_a_checkpoint_leaves_a_resumable_run(tmp_path: Path):

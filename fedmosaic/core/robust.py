@@ -347,8 +347,11 @@ def update_norm(state: dict[str, Tensor], reference: dict[str, Tensor]) -> tuple
             continue
         # Norms accumulated in float64 without float64 copies of the tensors (every upload of
         # every SharedWeights-family round passes here: it is a hot path of the server).
+        # The upload arrives on the CPU while the first round's state may sit on the training
+        # device (``init_server`` builds a model there): compare on the state's device.
         ref = ref.detach()
-        du += float(torch.linalg.vector_norm(state[key].detach() - ref, dtype=torch.float64)) ** 2
+        own = state[key].detach().to(ref.device)
+        du += float(torch.linalg.vector_norm(own - ref, dtype=torch.float64)) ** 2
         dr += float(torch.linalg.vector_norm(ref, dtype=torch.float64)) ** 2
     return math.sqrt(du), math.sqrt(dr)
 

@@ -228,10 +228,19 @@ def test_client_generator_term_hand_computed():
     assert float(got) > float(ce)
 
     # Gradients of the generated term reach the head only, never the encoder or the generator.
+    # Up to rounding: the loss runs the head on 2B rows at once, which a BLAS may block otherwise
+    # than B rows (measured: exactly 0 here, last-bit residues with torch 2.11 on another CPU);
+    # a leak of the generated term would be of the order of the real term's gradient.
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    scale = max(float(p.grad.abs().max()) for p in model.encoder.parameters())
     model.zero_grad()
     torch.manual_seed(5)
     (algo.loss(model, extras, x, y, msg) - F.cross_entropy(model(x), y)).backward()
-    assert all(p.grad is None or float(p.grad.abs().max()) == 0 for p in model.encoder.parameters())
+    assert all(
+        p.grad is None or float(p.grad.abs().max()) <= 1e-6 * scale
+        for p in model.encoder.parameters()
+    )
     assert float(model.head.weight.grad.abs().max()) > 0
     assert all(p.grad is None for p in extras.parameters())
 

@@ -161,6 +161,12 @@ def golden() -> dict[str, Any]:
 # float64 noise draw moved FedGen's round-2 loss by 17%); the accuracies alone would let a change
 # of up to 4 points through.
 CHAOTIC: dict[str, tuple[float, float]] = {"fedgen": (0.05, 0.04)}  # (rel on loss, abs on acc)
+# Server momentum and adaptive server steps amplify a last-bit difference of the clients' sums
+# less wildly: round 3's loss moved by 1.7e-5 (FedAvgM) to 3.2e-5 (FedAdam, FedYogi) relative
+# with torch 2.11.0+cu130 on the 16-core host of an H200 (the whole suite there: these three the
+# only golden numbers off, accuracies equal). A server learning rate 1% off moves it by 0.8%
+# (FedAvgM) and 1.9% (FedAdam): 80-190x this tolerance.
+CHAOTIC.update({name: (1e-4, 1e-7) for name in ("fedavgm", "fedadam", "fedyogi")})
 
 
 @pytest.mark.parametrize("name", NAMES)
