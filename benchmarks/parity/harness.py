@@ -61,6 +61,9 @@ class Method:
 # HtFLlib's pipeline: its train loader never shuffles, and every client's model is built right
 # after torch.manual_seed(0), so clients of one architecture start identical
 PIPELINE: dict[str, Any] = {"train.shuffle": False, "model.init": "architecture"}
+# FedKD: HtFLlib uploads the compressed mentee itself, and its mentee is the first member
+HTFLLIB_KD: dict[str, Any] = {"upload_mode": "state", "mentee_arch": "cnn1"}
+HTFLLIB_KD_PIPELINE: dict[str, Any] = {**HTFLLIB_KD, **PIPELINE}
 
 HTFLLIB: dict[str, Method] = {
     "local": Method({"name": "local"}, ["-algo", "Local"], variants={"pipeline": PIPELINE}),
@@ -127,7 +130,15 @@ HTFLLIB: dict[str, Method] = {
         ["-algo", "FedKD", "-mlr", "0.01", "-Ts", "0.95", "-Te", "0.98"],
         "fedmosaic default uploads the SVD-compressed update (paper); the reference the compressed "
         "mentee itself",
-        variants={"htfllib_form": {"upload_mode": "state", "mentee_arch": "cnn1"}},
+        variants={
+            "htfllib_form": HTFLLIB_KD,
+            # everything of HtFLlib's that fedmosaic can reproduce (all but its gradient
+            # clipping and uniform server average), then the pieces one at a time
+            "htfllib_all": {**HTFLLIB_KD_PIPELINE, "loss_form": "htfllib", "svd_form": "htfllib"},
+            "pipeline_form": HTFLLIB_KD_PIPELINE,
+            "htfllib_loss": {**HTFLLIB_KD_PIPELINE, "loss_form": "htfllib"},
+            "htfllib_svd": {**HTFLLIB_KD_PIPELINE, "svd_form": "htfllib"},
+        },
     ),
     "fedgen": Method(
         {

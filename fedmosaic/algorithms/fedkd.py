@@ -56,6 +56,20 @@ Choices and differences from the paper and the reference code (the authors' ``ru
 - Mentee architecture: ``mentee_arch = ""`` picks the family's smallest member by parameter count
   (HtFLlib: the family's first member, or its ``global_model``), built as every client model is,
   with the federation's projection (``model.projection``).
+
+Parity options (HtFLlib ``clientkd.py``, commit 728e52a; defaults keep the form above):
+
+- ``loss_form = "htfllib"``: the reference's per-batch loss. Its two backward passes
+  (``loss``, ``loss_g``) accumulate into one gradient, that of ``CE_t + CE_s + (KL(p_s || p_t) +
+  KL(p_t || p_s) + 2 MSE(h_t, W_h h_s)) / (CE_t + CE_s)``: nothing detached (the weight, both KL
+  targets, both sides of the hidden loss, counted twice), KL the mean over ``B * C``
+  (``nn.KLDivLoss()``). Its gradient clipping (norm 10 per model) is not reproduced.
+- ``svd_form = "htfllib"``: the reference's ``decomposition`` for uploads and broadcasts. Every
+  float tensor with >= 2 dims and ``shape[0] > 1`` is truncated: 2-D as one matrix, conv kernels
+  as one SVD per ``kh x kw`` slice with one ``k`` for all slices (energy summed over them); ``k``
+  is the smallest ``n < r`` with ``sum_{i<n} s_i^2 > T * sum_i s_i^2`` (strict), else ``0`` (the
+  tensor is zeroed). The truncated tensors are sent dense (a diagnostic: wire bytes are not
+  those of factors).
 """
 
 from __future__ import annotations
@@ -85,6 +99,8 @@ from fedmosaic.core.registry import ALGORITHMS
 
 UploadMode = Literal["update", "state"]
 FirstBroadcast = Literal["full", "svd"]
+LossForm = Literal["detached", "htfllib"]
+SvdForm = Literal["matrix", "htfllib"]
 FACTORS = ("U", "S", "V")
 HEADER_BYTES = 64  # approximate safetensors header entry of one tensor, besides its name
 
@@ -161,6 +177,39 @@ def compress(state: dict[str, Tensor], energy: float) -> dict[str, Tensor]:
         out[f"{name}/U"] = u[:, :k].clone()  # [m, k]
         out[f"{name}/S"] = s[:k].clone()  # [k]
         out[f"{name}/V"] = vh[:k].clone()  # [k, n]
+    return out
+
+
+def htfllib_rank(s: Tensor, energy: float) -> int:
+    """HtFLlib's ``k`` from singular values ``s [..., r]`` (one row per slice, each descending).
+
+    Energies are summed over the slices; ``k`` is the smallest ``n`` in ``0 .. r - 1`` with
+    ``sum_{i<n} s_i^2 > energy * sum_i s_i^2`` (strict), else ``0``: the full rank is never kept.
+    """
+    e = s.detach().double().pow(2).reshape(-1, s.shape[-1]).sum(0)  # [r], over the slices
+    below = torch.cat([e.new_zeros(1), e.cumsum(0)[:-1]])  # [r]: sum_{i<n} for n = 0 .. r - 1
+    hits = (below > energy * e.sum()).nonzero()
+    return int(hits[0].item()) if hits.numel() else 0
+
+
+def truncate_htfllib(state: dict[str, Tensor], energy: float) -> dict[str, Tensor]:
+    """HtFLlib's ``decomposition`` then ``recover``: dense truncated tensors (``svd_form``).
+
+    Conv kernels ``[out, in, kh, kw]`` get one SVD per ``kh x kw`` slice (numpy's batched SVD in
+    the reference) with one shared ``k``; ``k = 0`` zeroes the tensor, as the reference does.
+    """
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        if not (t.is_floating_point() and t.dim() >= 2 and t.shape[0] > 1):
+            out[name] = t
+            continue
+        u, s, vh = torch.linalg.svd(t.detach().float(), full_matrices=False)  # batched over dims
+        if not bool(s.pow(2).sum() > 0):  # an all-zero tensor: the reference keeps it as is
+            out[name] = t
+            continue
+        k = htfllib_rank(s, energy)
+        # [..., m, k] * [..., 1, k] @ [..., k, n]
+        out[name] = ((u[..., :k] * s[..., None, :k]) @ vh[..., :k, :]).to(t.dtype)
     return out
 
 
@@ -241,6 +290,35 @@ def adaptive_mutual_losses(
     return ce_t + w * (kl_t + hid_t), ce_s + w * (kl_s + hid_s)
 
 
+def kl_elementwise_mean(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+    """``nn.KLDivLoss()(log p_student, p_teacher)``: ``KL(p_teacher || p_student)`` summed over
+    rows, divided by ``B * C`` (torch's ``reduction="mean"``); gradients flow into both."""
+    log_q = F.log_softmax(student_logits, dim=1)  # [B, C]
+    log_p = F.log_softmax(teacher_logits, dim=1)  # [B, C]
+    return F.kl_div(log_q, log_p, reduction="sum", log_target=True) / log_q.numel()
+
+
+def htfllib_loss(
+    mentor_logits: Tensor,
+    mentee_logits: Tensor,
+    mentor_features: Tensor,
+    projected_mentee_features: Tensor,
+    y: Tensor,
+) -> Tensor:
+    """HtFLlib's ``loss + loss_g`` (``loss_form = "htfllib"``); its two backward passes sum.
+
+    ``CE_t + CE_s + (KL(p_s || p_t) + KL(p_t || p_s) + 2 MSE(h_t, W_h h_s)) / (CE_t + CE_s)``
+    with nothing detached.
+    """
+    ce_t = F.cross_entropy(mentor_logits, y)
+    ce_s = F.cross_entropy(mentee_logits, y)
+    s = ce_t + ce_s  # not detached: its gradient rewards larger task losses, as in the reference
+    kl = kl_elementwise_mean(mentor_logits, mentee_logits)  # L_d
+    kl = kl + kl_elementwise_mean(mentee_logits, mentor_logits)  # L_d_g
+    hid = F.mse_loss(mentor_features, projected_mentee_features)  # L_h and L_h_g: the same term
+    return s + (kl + 2 * hid) / s
+
+
 class MenteeExtras(nn.Module):
     """Client extras: the local copy of the shared mentee and the local projection ``W_h``."""
 
@@ -264,6 +342,10 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     mentee_arch: str = ""  # zoo architecture of the mentee; "" = the family's smallest member
     # round 1's mentee: full (PFLlib) | svd (compressed like later)
     first_broadcast: FirstBroadcast = "full"
+    # client loss: detached (ours) | htfllib (its clientkd.py loss, nothing detached)
+    loss_form: LossForm = "detached"
+    # compression: matrix (ours) | htfllib (its decomposition: per-slice conv SVD, strict >, k = 0)
+    svd_form: SvdForm = "matrix"
 
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = (
@@ -291,8 +373,13 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
             return FedKDState(initial, dict(initial), energy, spec.rounds)  # dense, exact
         return self._publish(initial, energy, spec.rounds)
 
+    def _compress(self, state: dict[str, Tensor], energy: float) -> dict[str, Tensor]:
+        if self.svd_form == "htfllib":
+            return truncate_htfllib(state, energy)
+        return compress(state, energy)
+
     def _publish(self, mentee: dict[str, Tensor], energy: float, rounds: int) -> FedKDState:
-        message = compress(mentee, energy)
+        message = self._compress(mentee, energy)
         return FedKDState(decompress(message, mentee), message, energy, rounds)
 
     def broadcast(self, state: FedKDState, client_id: int, round_num: int) -> MenteeBroadcast:
@@ -328,6 +415,8 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     ) -> Tensor:
         h_t = model.features(x)  # [B, d_mentor]
         h_s = extras.mentee.features(x)  # [B, d_mentee]
+        if self.loss_form == "htfllib":
+            return htfllib_loss(model.head(h_t), extras.mentee.head(h_s), h_t, extras.W_h(h_s), y)
         l_mentor, l_mentee = adaptive_mutual_losses(
             model.head(h_t), extras.mentee.head(h_s), h_t, extras.W_h(h_s), y
         )
@@ -341,7 +430,7 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
         if self.upload_mode == "update":
             received = decompress(msg.tensors, state)
             state = {k: v - received[k] if v.is_floating_point() else v for k, v in state.items()}
-        return MenteeUpload(compress(state, msg.energy))
+        return MenteeUpload(self._compress(state, msg.energy))
 
     def predict(
         self, model: ClientModel, extras: nn.Module, x: Tensor, msg: MenteeBroadcast

@@ -15,6 +15,9 @@ from fedmosaic.algorithms.fedkd import (
     decompress,
     energy_rank,
     energy_threshold,
+    htfllib_loss,
+    htfllib_rank,
+    truncate_htfllib,
 )
 from fedmosaic.config import ConfigError
 from fedmosaic.core.algorithm import Weighted
@@ -149,7 +152,14 @@ def test_check_compressed_validates_factor_shapes():
 
 
 def test_hyperparameters_are_checked():
-    for bad in ({"T_start": 0.99, "T_end": 0.9}, {"T_end": 1.5}, {"upload_mode": "grad"}):
+    bad_keys = (
+        {"T_start": 0.99, "T_end": 0.9},
+        {"T_end": 1.5},
+        {"upload_mode": "grad"},
+        {"loss_form": "pfllib"},
+        {"svd_form": "slices"},
+    )
+    for bad in bad_keys:
         with pytest.raises(ConfigError):
             build_algorithm({"name": "fedkd", **bad})
 
@@ -259,3 +269,119 @@ def test_mentee_arch_must_be_a_member_or_in_the_zoo():
     FedKD(mentee_arch="cnn1").check(spec)  # in the zoo
     with pytest.raises(ConfigError, match="algorithm.mentee_arch = 'nope'"):
         FedKD(mentee_arch="nope").check(spec)
+
+
+# ---- parity options (HtFLlib's clientkd.py forms) -------------------------------------------
+def test_htfllib_loss_value_by_hand():
+    # B = 1, C = 2: p_t = (1/2, 1/2), p_s = (3/4, 1/4), y = 0; h_t = (1, 0), W_h h_s = (0, 0).
+    zt = torch.tensor([[0.0, 0.0]])
+    zs = torch.tensor([[math.log(3.0), 0.0]])
+    ht, hs, y = torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([0])
+    s = math.log(2.0) + math.log(4 / 3)  # CE_t + CE_s
+    kl_st = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)  # KL(p_s || p_t)
+    kl_ts = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(2.0)  # KL(p_t || p_s)
+    mse = 0.5  # ((1 - 0)^2 + 0) / 2, counted twice
+    # KLDivLoss 'mean': divided by B * C = 2, not by B (batchmean)
+    expected = s + ((kl_st + kl_ts) / 2 + 2 * mse) / s
+    assert htfllib_loss(zt, zs, ht, hs, y).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_htfllib_loss_gradients_flow_through_the_weight_and_both_sides():
+    # Equal logits: both KL terms and their gradients vanish, so the mentor's logit gradient is
+    # dCE_t/dz_t (1 - X / S^2), X = 2 MSE = 1, S = 2 ln 2 (not dCE_t/dz_t, as with a detached w).
+    zt = torch.zeros(1, 2, requires_grad=True)
+    zs = torch.zeros(1, 2, requires_grad=True)
+    ht = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    hs = torch.zeros(1, 2, requires_grad=True)
+    htfllib_loss(zt, zs, ht, hs, torch.tensor([0])).backward()
+    s = 2 * math.log(2.0)
+    factor = 1 - 1 / s**2
+    assert zt.grad.tolist()[0] == pytest.approx([-0.5 * factor, 0.5 * factor], rel=1e-6)
+    assert zs.grad.tolist()[0] == pytest.approx([-0.5 * factor, 0.5 * factor], rel=1e-6)
+    # Hidden loss twice, undetached: d(2 MSE / S)/dh_t = 2 (h_t - W_h h_s) / S, and minus that
+    # for W_h h_s (detached form: w (h_t - W_h h_s) into h_t only).
+    assert ht.grad.tolist()[0] == pytest.approx([2 / s, 0.0], rel=1e-6)
+    assert hs.grad.tolist()[0] == pytest.approx([-2 / s, 0.0], rel=1e-6)
+
+
+def test_htfllib_rank_is_strict_and_never_full():
+    s = torch.tensor([3.0, 2.0, 1.0])  # energies 9, 4, 1 of 14
+    assert htfllib_rank(s, 0.9) == 2  # 13 > 12.6
+    assert htfllib_rank(s, 9 / 14) == 2  # 9 > 9 fails (strict); energy_rank gives 1
+    assert htfllib_rank(s, 0.95) == 0  # 13 < 13.3 and the full rank is never tried: k = 0
+    # slices share one k: energies per index summed, (4 + 1, 1 + 0) of 6
+    two = torch.tensor([[2.0, 1.0], [1.0, 0.0]])
+    assert htfllib_rank(two, 0.8) == 1  # 5 > 4.8
+    assert htfllib_rank(two, 0.9) == 0  # 5 < 5.4
+
+
+def test_truncate_htfllib_by_hand():
+    w = torch.diag(torch.tensor([3.0, 2.0, 1.0]))
+    conv = torch.zeros(2, 1, 2, 2)
+    conv[0, 0] = torch.diag(torch.tensor([2.0, 1.0]))
+    conv[1, 0] = torch.diag(torch.tensor([1.0, 0.0]))
+    state = {
+        "w": w,
+        "conv": conv,
+        "row": torch.ones(1, 4),  # shape[0] == 1: not decomposed
+        "b": torch.ones(3),
+        "n": torch.tensor(7),
+    }
+    out = truncate_htfllib(state, 0.9)
+    assert torch.allclose(out["w"], torch.diag(torch.tensor([3.0, 2.0, 0.0])), atol=1e-6)
+    assert torch.allclose(out["conv"], torch.zeros_like(conv), atol=1e-6)  # k = 0: zeroed
+    for k in ("row", "b", "n"):
+        assert out[k] is state[k]
+    # at 0.8 each 2 x 2 slice keeps its top triplet (one SVD per slice, not [out, in*kh*kw])
+    out = truncate_htfllib(state, 0.8)
+    kept = torch.zeros_like(conv)
+    kept[0, 0, 0, 0], kept[1, 0, 0, 0] = 2.0, 1.0
+    assert torch.allclose(out["conv"], kept, atol=1e-6)
+    assert torch.allclose(truncate_htfllib(state, 0.95)["w"], torch.zeros(3, 3))  # k = 0
+    zero = torch.zeros(3, 3)
+    assert truncate_htfllib({"z": zero}, 0.9)["z"] is zero  # all-zero: kept as is
+
+
+@pytest.mark.usefixtures("fake_zoo")
+def test_parity_options_route_compression_and_loss():
+    spec = member_spec(("wide", "narrow"), rounds=2)
+    initial = FedKD(mentee_arch="wide").init_server(spec).mentee  # dense, full first broadcast
+    algo = FedKD(
+        mentee_arch="wide",
+        T_start=0.5,
+        first_broadcast="svd",
+        svd_form="htfllib",
+        upload_mode="state",
+    )
+    state = algo.init_server(spec)
+    expected = truncate_htfllib(initial, 0.5)
+    assert state.message.keys() == initial.keys()  # dense truncated tensors, no factors
+    assert all(torch.equal(state.mentee[k], expected[k]) for k in initial)
+    models, extras, data = make_clients(algo, spec)
+    new, uploads, _ = run_round(algo, state, models, extras, data, 1)
+    up = uploads[0].payload.tensors
+    assert up.keys() == initial.keys()
+    sent = truncate_htfllib(extras[0].mentee.part_state("all"), 0.5)
+    assert all(torch.equal(up[k], sent[k]) for k in up)
+    # the loss option
+    x, y = data[0].source.batch(torch.arange(4)), torch.tensor([0, 1, 0, 1])
+    loss = FedKD(mentee_arch="wide", loss_form="htfllib").loss(models[0], extras[0], x, y, None)
+    h_t, h_s = models[0].features(x), extras[0].mentee.features(x)
+    direct = htfllib_loss(
+        models[0].head(h_t), extras[0].mentee.head(h_s), h_t, extras[0].W_h(h_s), y
+    )
+    assert torch.equal(loss, direct)
+    default = FedKD(mentee_arch="wide").loss(models[0], extras[0], x, y, None)
+    assert not torch.allclose(loss, default)
+
+
+def test_htfllib_forms_end_to_end():
+    from fedmosaic.config import from_dict
+    from fedmosaic.experiment import run_experiment  # needs the model zoo
+
+    algorithm = {"name": "fedkd", "upload_mode": "state", "loss_form": "htfllib"}
+    raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={**algorithm, "svd_form": "htfllib"})
+    doc = run_experiment(from_dict(raw), progress=False)
+    for r in doc["rounds"]:
+        assert r["rejected"] == [] and math.isfinite(r["train_loss"])
+        assert 0.0 <= r["acc_weighted"] <= 1.0
