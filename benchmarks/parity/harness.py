@@ -99,6 +99,7 @@ HTFLLIB: dict[str, Method] = {
         },
         ["-algo", "FedTGP", "-lam", "0.1", "-mart", "100", "-se", "100"],
         "fedmosaic's code form (MSELoss, stale prototypes) with lambda 0.1",
+        variants={"pipeline": PIPELINE},
     ),
     # FedGH: one server epoch at the paper's eta_g = 0.01 on both sides (HtFLlib's -se default is
     # 100). HtFLlib evaluates each client right after it received the global header, i.e.
