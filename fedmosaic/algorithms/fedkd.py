@@ -290,14 +290,6 @@ def adaptive_mutual_losses(
     return ce_t + w * (kl_t + hid_t), ce_s + w * (kl_s + hid_s)
 
 
-def kl_elementwise_mean(student_logits: Tensor, teacher_logits: Tensor) -> Tensor:
-    """``nn.KLDivLoss()(log p_student, p_teacher)``: ``KL(p_teacher || p_student)`` summed over
-    rows, divided by ``B * C`` (torch's ``reduction="mean"``); gradients flow into both."""
-    log_q = F.log_softmax(student_logits, dim=1)  # [B, C]
-    log_p = F.log_softmax(teacher_logits, dim=1)  # [B, C]
-    return F.kl_div(log_q, log_p, reduction="sum", log_target=True) / log_q.numel()
-
-
 def htfllib_loss(
     mentor_logits: Tensor,
     mentee_logits: Tensor,
@@ -313,8 +305,10 @@ def htfllib_loss(
     ce_t = F.cross_entropy(mentor_logits, y)
     ce_s = F.cross_entropy(mentee_logits, y)
     s = ce_t + ce_s  # not detached: its gradient rewards larger task losses, as in the reference
-    kl = kl_elementwise_mean(mentor_logits, mentee_logits)  # L_d
-    kl = kl + kl_elementwise_mean(mentee_logits, mentor_logits)  # L_d_g
+    # nn.KLDivLoss()'s mean over B * C elements, both arguments undetached: L_d + L_d_g
+    c = mentor_logits.shape[1]
+    kl = kl_rows(mentor_logits, mentee_logits).mean() / c
+    kl = kl + kl_rows(mentee_logits, mentor_logits).mean() / c
     hid = F.mse_loss(mentor_features, projected_mentee_features)  # L_h and L_h_g: the same term
     return s + (kl + 2 * hid) / s
 
