@@ -259,8 +259,34 @@ def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs() -
     off["ref_seed_offset"] = 1
     table = report.seeds_table([a, b, off])
     # gaps +2 and +4 points: mean +3, half-width t(1) x sd / sqrt(2) = 12.706 x 1.414 / 1.414
+    both = "+2.00, +4.00 | +3.00 [-9.71, +15.71]"
+    assert f"| local | dir01 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
+    assert "+50.00" not in table and "after fine-tuning" not in table
+    # a method that fine-tunes gets a second row from its fine-tuned records (the client mean apart)
+    for run, gap in ((a, 0.01), (b, -0.03)):
+        run["reference"]["rounds"].append(
+            {"round": 6, "finetuned": True, "acc_weighted": 0.8, "acc_mean": 0.7}
+        )
+        run["fedmosaic"]["rounds"].append(
+            {"round": 6, "finetuned": True, "acc_weighted": 0.8 + gap, "acc_mean": 0.7 + 2 * gap}
+        )
+    table = report.seeds_table([a, b])
+    assert f"| local | dir01 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
+    # +1 and -3 points: mean -1, half-width 12.706 x 2.828 / 1.414 = 25.41
     assert (
-        "| local | dir01 | HtFLlib | fedmosaic | 0, 1 | +2.00, +4.00 | +3.00 [-9.71, +15.71] |"
-        in table
+        "| local | dir01 | HtFLlib | fedmosaic, after fine-tuning | 0, 1 | +1.00, -3.00 | "
+        "-1.00 [-26.41, +24.41] | +2.00, -6.00 | -2.00 [-52.82, +48.82] |" in table
     )
-    assert "+50.00" not in table
+
+
+def test_skip_fedmosaic_refuses_a_result_of_another_config(
+    harness: ModuleType, tmp_path: Path
+) -> None:
+    # a result recorded with another fedmosaic config would silently lose its fedmosaic side and
+    # variants (they are kept only for the same config): refused before anything runs
+    (tmp_path / "fml_dir01_s0.json").write_text(json.dumps({"setup": {"seed": 0}}))
+    args = ["fml", "--ref", str(tmp_path / "ref"), "--out", str(tmp_path), "--skip", "fedmosaic"]
+    with pytest.raises(SystemExit, match="another fedmosaic config"):
+        harness.main([*args, "--skip", "reference"])
+    assert json.loads((tmp_path / "fml_dir01_s0.json").read_text()) == {"setup": {"seed": 0}}
+    assert not (tmp_path / "ref").exists()  # nothing exported, nothing run

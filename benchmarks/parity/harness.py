@@ -124,7 +124,11 @@ HTFLLIB: dict[str, Method] = {
         ["-algo", "FML", "-al", "0.5", "-bt", "0.5"],
         "both alpha = beta = 0.5 (HtFLlib's defaults 1.0 switch the KL terms off); the reference's "
         "KLDivLoss 'mean' is 1/C of fedmosaic's batchmean",
-        variants={"meme_cnn1": {"meme_arch": "cnn1"}},
+        variants={
+            "meme_cnn1": {"meme_arch": "cnn1"},
+            # HtFLlib's meme with its data pipeline (unshuffled loader, per-architecture weights)
+            "pipeline_cnn1": {"meme_arch": "cnn1", **PIPELINE},
+        },
     ),
     "fedkd": Method(
         {"name": "fedkd", "T_start": 0.95, "T_end": 0.98},
@@ -562,16 +566,27 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
+    # plugin files recorded relative to the repository (no machine path in the record)
+    fm_setup = setup.fedmosaic_config(
+        method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
+    )
+    keep = a.out / f"{base_stem}.json"
+    if "fedmosaic" in a.skip and not a.ref_seed_offset and keep.exists():
+        # fedmosaic's side (and its variants) is kept only from a run of the same config; refuse
+        # before running anything rather than drop it
+        old_setup = json.loads(keep.read_text()).get("setup")
+        if old_setup != fm_setup:
+            raise SystemExit(
+                f"{keep.name} was recorded with another fedmosaic config, so --skip fedmosaic "
+                "cannot keep its side: run fedmosaic's side again (without --skip fedmosaic)"
+            )
     dest = a.ref / "dataset" / setup.name
     fd = build_split(setup)
     config = export(fd, dest, {"fedmosaic_data": setup.fedmosaic_config({})["data"]})
     doc: dict[str, Any] = {
         "method": a.method,
         "setting": a.setting,
-        # plugin files recorded relative to the repository (no machine path in the record)
-        "setup": setup.fedmosaic_config(
-            method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
-        ),
+        "setup": fm_setup,
         "library": a.library,
         "reference": {"library": lib.name, "checkout": a.ref.name},  # no machine path
         "notes": method.notes,

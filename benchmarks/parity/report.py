@@ -123,38 +123,54 @@ def summary(docs: list[dict[str, Any]]) -> str:
 
 def seeds_table(docs: list[dict[str, Any]]) -> str:
     """Runs of one method, setting and reference over several seeds (splits): each seed's gap over
-    the last five rounds (weighted) and their mean with its 95% t-interval (the suites' own
-    ``aggregate``). Seed-offset runs (the reference's own spread on one split) are left out."""
+    the last five rounds, weighted and client mean, and their means with 95% t-intervals (the
+    suites' own ``aggregate``); for a method that fine-tunes, a second row with the gaps after
+    fine-tuning. Seed-offset runs (the reference's own spread on one split) are left out."""
     from fedmosaic.report.suite_report import aggregate
 
-    groups: dict[tuple[str, str, str, str], dict[int, float]] = {}
+    groups: dict[tuple[str, str, str, str], dict[int, tuple[float, float]]] = {}
     for doc in docs:
         if doc.get("ref_seed_offset"):
             continue
-        rw = by_round(doc["reference"]["rounds"], "acc_weighted")
+        ref = doc["reference"]["rounds"]
+        rw, rm = by_round(ref, "acc_weighted"), by_round(ref, "acc_mean")
         for label, rounds, mode in series(doc):
-            fw = by_round(rounds, mode + "_weighted")
+            fw, fmn = by_round(rounds, mode + "_weighted"), by_round(rounds, mode + "_mean")
             common = sorted(set(rw) & set(fw) - {0})
             if not common:
                 continue
             key = (doc["method"], doc["setting"], _ref_name(doc), label)
-            gap = last_mean(fw, common[-1]) - last_mean(rw, common[-1])
-            groups.setdefault(key, {})[int(doc["setup"]["seed"])] = gap
+            seed = int(doc["setup"]["seed"])
+            last = common[-1]
+            groups.setdefault(key, {})[seed] = (
+                last_mean(fw, last) - last_mean(rw, last),
+                last_mean(fmn, last) - last_mean(rm, last),
+            )
+            ft = [finetuned(rounds, mode + "_weighted"), finetuned(ref, "acc_weighted")]
+            ftm = [finetuned(rounds, mode + "_mean"), finetuned(ref, "acc_mean")]
+            if None not in ft and None not in ftm:
+                fkey = (*key[:3], f"{label}, after fine-tuning")
+                groups.setdefault(fkey, {})[seed] = (ft[0] - ft[1], ftm[0] - ftm[1])
     lines = [
-        f"| method | setting | reference | series | seeds | gap per seed, last {LAST} "
-        "(weighted) | mean gap [95% interval] |",
-        "|---|---|---|---|---|---|---|",
+        f"| method | setting | reference | series | seeds | gap per seed, last {LAST} (weighted) "
+        "| mean gap [95% interval] | gap per seed (client mean) | mean gap [95% interval] |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (method, setting, ref, label), gaps in sorted(groups.items()):
         if len(gaps) < 2:
             continue
-        vals = [gaps[k] for k in sorted(gaps)]
-        agg = aggregate(vals)
-        mean, half = agg["mean"], agg["ci95"]
+        cells = []
+        for i in (0, 1):
+            vals = [gaps[k][i] for k in sorted(gaps)]
+            agg = aggregate(vals)
+            mean, half = agg["mean"], agg["ci95"]
+            cells.append(
+                f"{', '.join(f'{100 * v:+.2f}' for v in vals)} | {100 * mean:+.2f} "
+                f"[{100 * (mean - half):+.2f}, {100 * (mean + half):+.2f}]"
+            )
         lines.append(
             f"| {method} | {setting} | {ref} | {label} | {', '.join(map(str, sorted(gaps)))} | "
-            f"{', '.join(f'{100 * v:+.2f}' for v in vals)} | {100 * mean:+.2f} "
-            f"[{100 * (mean - half):+.2f}, {100 * (mean + half):+.2f}] |"
+            f"{cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
 
