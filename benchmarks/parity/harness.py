@@ -109,7 +109,11 @@ HTFLLIB: dict[str, Method] = {
         ["-algo", "FedGH", "-slr", "0.01", "-se", "1"],
         "reference evaluates encoder + global header (fedmosaic acc_global); its server step "
         "pools all (LAR, label) pairs into shuffled batches of 10",
-        variants={"server_batch_10": {"server_batch_size": 10}},
+        variants={
+            "server_batch_10": {"server_batch_size": 10},
+            # that step with HtFLlib's data pipeline (unshuffled loader, per-architecture weights)
+            "pipeline_batch_10": {"server_batch_size": 10, **PIPELINE},
+        },
         ref_mode="acc_global",
     ),
     "feddistill": Method(
