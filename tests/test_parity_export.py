@@ -290,3 +290,13 @@ def test_skip_fedmosaic_refuses_a_result_of_another_config(
         harness.main([*args, "--skip", "reference"])
     assert json.loads((tmp_path / "fml_dir01_s0.json").read_text()) == {"setup": {"seed": 0}}
     assert not (tmp_path / "ref").exists()  # nothing exported, nothing run
+
+
+def test_a_corrupt_earlier_result_is_named_not_a_traceback(
+    harness: ModuleType, tmp_path: Path
+) -> None:
+    (tmp_path / "fml_dir01_s0.json").write_text('{"setup": ')  # cut off mid-write
+    args = ["fml", "--ref", str(tmp_path / "ref"), "--out", str(tmp_path), "--skip", "fedmosaic"]
+    with pytest.raises(SystemExit, match="fml_dir01_s0.json: not a readable parity result"):
+        harness.main([*args, "--skip", "reference"])
+    assert (tmp_path / "fml_dir01_s0.json").read_text() == '{"setup": '

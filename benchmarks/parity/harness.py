@@ -520,6 +520,17 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _read_result(path: Path) -> dict[str, Any]:
+    """An earlier result of the harness; a missing, unreadable or malformed one is named."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a readable parity result ({e})") from None
+    if not isinstance(doc, dict):
+        raise SystemExit(f"{path}: not a parity result (a JSON object is expected)")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("method", help="a key of the library's table (HTFLLIB, PFLLIB)")
@@ -578,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fedmosaic" in a.skip and not a.ref_seed_offset and keep.exists():
         # fedmosaic's side (and its variants) is kept only from a run of the same config; refuse
         # before running anything rather than drop it
-        old_setup = json.loads(keep.read_text()).get("setup")
+        old_setup = _read_result(keep).get("setup")
         if old_setup != fm_setup:
             raise SystemExit(
                 f"{keep.name} was recorded with another fedmosaic config, so --skip fedmosaic "
@@ -603,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if commit.exists():
         doc["reference"]["commit"] = commit.read_text().strip()
     if a.reference_from:
-        earlier = json.loads(a.reference_from.read_text())
+        earlier = _read_result(a.reference_from)
         same = earlier["setup"]["data"] == doc["setup"]["data"]
         same &= earlier["reference"]["command"][2:] == _ref_command("", setup, method)[2:]
         if not same:
@@ -623,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     path = a.out / f"{stem}.json"
     base = a.out / f"{base_stem}.json"  # a seed-offset run keeps fedmosaic's side of the base run
     source = path if path.exists() or not a.ref_seed_offset else base
-    earlier = json.loads(source.read_text()) if source.exists() else {}
+    earlier = _read_result(source) if source.exists() else {}
     # keep what is not run again: the reference's side for the same split, model and training
     # (fedmosaic's server settings do not reach it); fedmosaic's sides for the same config
     same_ref = _reference_setup(earlier.get("setup", {})) == _reference_setup(doc["setup"])
