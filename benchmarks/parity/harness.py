@@ -670,4 +670,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SystemExit as e:
+        # a refusal (SystemExit with its one-line message) exits 2 like argparse's, not 1
+        if isinstance(e.code, str):
+            print(f"{Path(sys.argv[0]).name}: error: {e.code}", file=sys.stderr)
+            sys.exit(2)
+        raise
