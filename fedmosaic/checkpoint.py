@@ -72,6 +72,7 @@ LATER_KEYS: dict[str, Any] = {
     "train.shuffle": True,
     "model.init": "client",
     "data.split_seed": -1,
+    "sim.numerics": "native",
 }
 
 

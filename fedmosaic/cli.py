@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 
 import fedmosaic
 import fedmosaic.data
+from fedmosaic import numerics
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.checkpoint import FILENAME, FINAL_FILE
 from fedmosaic.config import (
@@ -74,6 +76,31 @@ def models_line(folder: Path, kept: bool, checkpoints: bool = False) -> str:
     )
 
 
+def _in_portable_process(args: argparse.Namespace, cfgs: list[ExperimentConfig]) -> int | None:
+    """Where the runs ask for ``sim.numerics = "portable"`` and this process is not pinned, the
+    same command re-run in a child process with the pins (they must precede torch's import);
+    returns its exit code, or None to go on here."""
+    modes = sorted({c.sim.numerics for c in cfgs})
+    if len(modes) > 1:
+        raise ConfigError(
+            f"sim.numerics differs between this command's runs ({' and '.join(modes)}): one "
+            "process runs one kind of arithmetic; run them separately"
+        )
+    if modes != ["portable"] or numerics.env_in_place():
+        return None
+    why = numerics.can_be_portable()
+    if why:
+        raise ConfigError(f"sim.numerics = 'portable': {why}")
+    cmd, env = numerics.reexec_argv(list(getattr(args, "argv", sys.argv[1:])))
+    print(
+        "sim.numerics = portable: running this command again with ATen, MKL and oneDNN pinned "
+        "at AVX2",
+        file=sys.stderr,
+        flush=True,
+    )
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
     baselines = list(args.baseline or [])
@@ -94,6 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         plans.append((name, run_cfg, out if len(names) == 1 else out / name))
     # Each method against its federation (public split, heads, ...), still before anything runs.
     check_runs([(f"--baseline {n}" if i else f"run {n}", c) for i, (n, c, _) in enumerate(plans)])
+    code = _in_portable_process(args, [c for _, c, _ in plans])
+    if code is not None:
+        return code
     keep_final = args.save_models or args.extend  # an extended run keeps its final state
     docs: dict[str, dict[str, Any]] = {}
     ran = False
@@ -163,6 +193,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for c in cells:
             print(f"{c.key}\t{c.cfg.train.rounds} rounds\t{cell_status(out, c)[0]}")
         return 0
+    code = _in_portable_process(args, [c.cfg for c in cells])
+    if code is not None:
+        return code
     command = " ".join(
         ["fedmosaic compare", args.suite, "--out", str(out)]
         + (["--quick"] if args.quick else [])
@@ -562,6 +595,7 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-run it portably
     stop_requested.clear()
     previous = None
     if threading.current_thread() is threading.main_thread():

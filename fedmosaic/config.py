@@ -159,6 +159,11 @@ class SimConfig:
     # Weights & Biases project to log to ("" = off); needs the wandb extra; offline unless
     # WANDB_MODE says otherwise
     wandb: str = ""
+    # "native": each math library takes the host's fastest instruction set (AVX-512 where
+    # present); "portable": ATen, MKL and oneDNN pinned at AVX2 (oneDNN's convolutions off), so a
+    # cell gives the same bits on every x86-64 host with AVX2 and FMA and the same torch build
+    # (fedmosaic/numerics.py; the fedmosaic command re-executes itself with the pins)
+    numerics: str = "native"
 
 
 @dataclass
@@ -219,6 +224,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16"),
     "sim.backend": ("auto", "serial", "processes"),
     "sim.offload_clients": ("auto", "on", "off"),
+    "sim.numerics": ("native", "portable"),
 }
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fedmosaic import kernels, provenance
+from fedmosaic import kernels, numerics, provenance
 from fedmosaic.checkpoint import Checkpointer, for_federation, peek
-from fedmosaic.config import ExperimentConfig
+from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.core.rounds import Transport, run_rounds
 from fedmosaic.federation import Federation, build_federation
 from fedmosaic.report.summary import results_document, round_line
@@ -58,6 +58,10 @@ def run_experiment(
     """
     start = time.perf_counter()
     started = provenance.now()
+    try:  # before any arithmetic: a portable cell made natively would be mislabelled
+        numerics.check(cfg.sim.numerics)
+    except numerics.NumericsError as exc:
+        raise ConfigError(str(exc)) from exc
     kernels.load()  # decided (and logged) here once: workers load the same extension
     threads = torch.get_num_threads()
     asked = cfg.sim.threads

@@ -7,7 +7,11 @@ Every ``results.json`` carries a ``provenance`` block (:func:`provenance`):
   that decide the numbers (every ``.py``/``.cpp``/``.h`` under ``fedmosaic/`` except the
   presentation-only ``report/``). ``compare`` keys its cell cache on it, so a code change reruns
   cells instead of showing stale numbers; it does not depend on git (works from a wheel).
-- ``command``, ``started`` (UTC, ISO 8601), ``host``: hostname, OS, CPU model and count, GPU.
+- ``command``, ``started`` (UTC, ISO 8601), ``host``: hostname, OS, CPU model (vendor, family,
+  model, stepping, as /proc/cpuinfo gives them) and count, GPU.
+- ``numerics`` (:func:`fedmosaic.numerics.record`): native or portable arithmetic, the CPU's
+  instruction-set level, the level torch and the native kernels run at, MKL's and oneDNN's
+  versions, and the level variables as found: which hosts should reproduce the cell bit for bit.
 - ``versions``: python, torch, numpy, scikit-learn, flwr (when installed).
 - ``data``: the dataset's files (path, bytes, SHA-256) and a SHA-256 of the loaded images and
   labels, so two runs on "the same" dataset can be told apart when the files differ.
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 import fedmosaic
+from fedmosaic import numerics
 
 PACKAGE = Path(fedmosaic.__file__).resolve().parent
 SOURCE_SUFFIXES = (".py", ".cpp", ".h")
@@ -90,14 +95,27 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    out: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            out[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return out
+
+
+def _cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_id() -> dict[str, str | None]:
+    info = _cpuinfo()
+    return {k: info.get(k) for k in ("vendor_id", "cpu family", "model", "stepping", "microcode")}
 
 
 @functools.cache
@@ -111,6 +129,7 @@ def host() -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "os": platform.platform(),
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
         "cpu_count": os.cpu_count(),
         "gpus": gpus,
     }
@@ -188,5 +207,6 @@ def provenance(
         "workers": workers,
         "host": host(),
         "versions": versions(),
+        "numerics": numerics.record(),
         "data": {"files": data_files(dataset_files), "sha256": tensor_digest(images, labels)},
     }

@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
+from fedmosaic import numerics
 from fedmosaic.sim.processes import recv, send, worker_setup
 
 
 def _serve(conn: Connection) -> None:
     torch.set_num_threads(int(os.environ.get("FEDMOSAIC_WORKER_THREADS", "1")))
+    numerics.apply_in_process()  # the parent's portable pins came with the environment
     host = None
     while True:
         try:
