@@ -160,7 +160,7 @@ class SimConfig:
     # WANDB_MODE says otherwise
     wandb: str = ""
     # "native": each math library takes the host's fastest instruction set (AVX-512 where
-    # present); "portable": ATen, MKL and oneDNN pinned at AVX2 (oneDNN's convolutions off), so a
+    # present); "portable": ATen, MKL and oneDNN pinned at AVX2 (oneDNN off), so a
     # cell gives the same bits on every x86-64 host with AVX2 and FMA and the same torch build
     # (fedmosaic/numerics.py; the fedmosaic command re-executes itself with the pins)
     numerics: str = "native"

@@ -15,10 +15,11 @@ and FMA, before torch is imported:
 - ``MKL_CBWR=AVX2,STRICT`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2``: MKL's conditional numerical
   reproducibility on its AVX2 branch, which Intel documents as bitwise across processors of that
   branch whatever their cache sizes;
-- ``ONEDNN_MAX_CPU_ISA=AVX2``, and oneDNN's convolutions off in each process
-  (``torch.backends.mkldnn.enabled = False``): oneDNN sizes its blocking from the cache it
-  finds, so its sums may still differ between hosts of one ISA; convolutions then run as ATen's
-  im2col + MKL GEMM, under MKL's reproducible branch.
+- ``ONEDNN_MAX_CPU_ISA=AVX2``, and oneDNN off in each process
+  (``torch.backends.mkldnn.enabled = False``, which fedmosaic's fast evaluation path follows):
+  oneDNN sizes its blocking from the cache it finds, so its sums may still differ between hosts
+  of one ISA; convolutions then run as ATen's im2col + MKL GEMM and evaluation's Linear layers
+  as MKL GEMM (or the native kernels), under MKL's reproducible branch.
 
 The environment must be in place before torch is imported: the ``fedmosaic`` command re-executes
 itself with it when a config asks for ``portable`` (:func:`reexec_argv`); a Python caller sets
@@ -113,7 +114,7 @@ def reexec_argv(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def apply_in_process() -> None:
-    """The in-process half of portable mode (torch imported): oneDNN's convolutions off. Called by
+    """The in-process half of portable mode (torch imported): oneDNN off. Called by
     every process that trains (the run's process and each simulator worker)."""
     if requested() != "portable":
         return

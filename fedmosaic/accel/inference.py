@@ -25,9 +25,12 @@ def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def linear_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` without autograd: the native kernel for skinny batches, oneDNN's matmul
     for larger ones (measured here at batch 100: 2.1x MKL's sgemm with AVX-512, 1.15x with
-    oneDNN held to AVX2), else ``F.linear``. Same function; sums in another order."""
+    oneDNN held to AVX2), else ``F.linear``. Same function; sums in another order. Portable
+    numerics turn oneDNN off (``torch.backends.mkldnn``: it sizes its blocking from the host's
+    caches), and this path with it."""
     if (
         _ONEDNN
+        and torch.backends.mkldnn.enabled
         and not kernels.usable(x, weight, bias)  # skinny batches: the kernel, below
         and x.numel() > 0
         and x.dtype == weight.dtype == torch.float32

@@ -1,64 +1,48 @@
-"""The seed papers' headline claims, judged from finished comparison cells.
+"""The seed papers' headline claims, judged from finished cells under their analysis plans.
 
-Each claim is a list of paired comparisons ``method`` vs ``baseline`` on one suite setting. Both
-ran on the same seeds, and a seed fixes the split and the initial models. So the comparison is
-made per seed: ``d_s = metric(method, s) - metric(baseline, s)``, in percentage points. It is
-reported as the mean of ``d_s`` and its 95% Student-t interval ``[lo, hi]`` over the seeds
-(:func:`fedmosaic.report.suite_report.aggregate`). The label follows the interval, never the sign of
-the mean alone (issue 22):
+Each claim, its comparisons and the rules that judge it come from an analysis plan
+(:mod:`fedmosaic.report.plans`, ``fedmosaic/suites/plans/<suite>.toml``), written before the
+cells that decide it ran or marked as recorded after them. A comparison ``method`` vs
+``baseline`` on one suite setting is made per seed (a seed fixes the split and the initial
+models): ``d_s = metric(method, s) - metric(baseline, s)`` in percentage points.
 
-- ``above`` (the paper has ``method`` higher):
-  - **holds** when ``lo > 0`` and the mean gap is at least half the paper's gap;
-  - **holds but smaller** when ``lo > 0`` and the mean gap is under half the paper's;
-  - **does not hold** when ``hi < 0`` (the baseline is above, resolved);
-  - **inconclusive** when the interval contains 0.
-- ``at_or_above`` (non-inferiority: level with or above, within a margin ``m`` stated before the
-  runs: 1 point unless the paper states one):
-  - **holds** when ``lo > 0``; **holds within the m-point margin** when ``-m < lo <= 0``;
-  - **does not hold** when ``hi < -m`` (below by more than the margin, resolved);
-  - **inconclusive** otherwise.
-- ``lower`` (a cost the paper has lower: bytes, compute): **holds** when ``hi < 0`` and the ratio
-  of the means is at most the paper's ratio + 0.1; **holds but smaller** when ``hi < 0`` and the
-  ratio is above that; **does not hold** when ``lo > 0`` or the means are not lower;
+Which cells: only the plan's budget folder (``<results>/<budget>``), equal budgets read at their
+end: every cell ran the plan's ``rounds`` and is read at its last round; a cell stopped on a
+plateau, or of another round count, makes its pair "not comparable". Cells stopped on a plateau
+(the ``converged`` folder) appear only in the plan's exploratory groups, which decide nothing.
+
+The test: a paired two-sided t-test, ``H0: mean gap = 0`` (``above``, ``lower``) or
+``H0: mean gap = -m`` (``at_or_above``: non-inferiority within the margin ``m``).
+
+Error control: within a claim, Holm's step-down over its comparisons decides which resolve; where
+seeds were added after a look, each comparison is tested at its group-sequential nominal level
+(Lan-DeMets spending of the step's share of alpha, the plan's boundary; :mod:`.stats`). The
+intervals printed beside the verdicts are at the level each comparison was last tested at, so
+they agree with the decisions. The page also applies Holm and Benjamini-Hochberg over every
+confirmatory comparison of the page, so a reader sees which verdicts survive both.
+
+Labels (a comparison):
+
+- ``above``: **holds** when it resolves with the gap above 0 and the gap is at least half the
+  paper's; **holds but smaller** when under half; **does not hold** when it resolves below 0;
   **inconclusive** otherwise.
-- One seed gives no interval: **inconclusive (1 seed)**, whatever the sign.
-- A resolved accuracy verdict from cells that ran less than the paper (a fraction of the data, or
-  fewer rounds than the suite's ``paper_rounds`` at the round compared) ends "at this budget": it
-  says what these cells show, not that the paper is wrong at its own budget.
+- ``at_or_above``: **holds within the m-point margin** when the non-inferiority test resolves,
+  with the direction spelled out ("below fedbabu by 0.44 [0.25, 0.64]", "level with",
+  "above"); **does not hold** when the adjusted interval lies below ``-m``; else inconclusive.
+- ``lower`` (bytes, compute): **holds** when it resolves below 0 and the ratio of the means is at
+  most the paper's ratio + 0.1; **holds but smaller** above that; **does not hold** when it
+  resolves above 0.
+- One seed: **inconclusive (1 seed)**. Fewer seeds than the plan's first look: **waiting**.
 
-A claim's verdict is its weakest comparison's (does not hold < inconclusive < holds but smaller <
-holds). Every accuracy comparison carries a power column: the seeds that the observed per-seed
-spread of the paired gap would need for 80% power at the 5% level (two-sided t) to resolve the
-paper's gap (``above``: the interval above 0 if the true gap is the paper's; ``at_or_above``: the
-lower bound above ``-m``), and the test-set resolution of the cells (points per test image, and the
-binomial sampling spread of one accuracy on that test set).
+A claim holds when every comparison holds; it does not hold when one resolves against it (after
+Holm); else it is inconclusive. A resolved accuracy verdict from less than the paper's budget
+(a fraction of the data, fewer rounds) ends "at this budget"; a plan's model substitution is
+named in the claim's label; a curve still climbing at the end (its slope over the plan's last
+rounds above the plan's tolerance) is named too.
 
-Fair pairs: :func:`pair_problems` checks each pair of cells (same seed, same data config, the same
-per-client parameter counts, the same round budget). An unfair pair is not judged: its row says
-"not comparable" and the reason.
-
-Equal training length: ``final`` reads both runs at the same round: the last round when both ran
-the same number, else the last round both evaluated (the first plateau stop), and the row says
-so. Beside it (not used for the verdict): the gap on best-on-val (test accuracy at the best
-validation round, up to that round) and on best-on-test (optimistic: it selects the round on the
-test set, as the papers do).
-
-The metric is the paper's:
-- ``final``: test accuracy at the round above, in the suite's paper metric (weighted or unweighted
-  over clients);
-- ``after_finetune``: the same after local fine-tuning (FedBABU, layer expansion);
-- ``common_round``: both runs' test accuracy at the last round both ran, for claims "at the same
-  rounds";
-- ``mean_over_rounds``: each run's test accuracy averaged over rounds 1..that round (the area
-  under the learning curve, divided by the rounds): "at the same rounds" over the whole training;
-- ``kb_per_round``: KB up + down per client per round (1 KB = 1000 bytes);
-- ``paper_cost_g``: layer expansion's Table 4 cost.
-
-Cells: each comparison is judged from the first cell folder (``--cells``, in order; default the
-full-data cells ``<results>/full`` then the reduced-data ``<results>/converged``, where
-``<results>`` is ``--results``, by default ``docs/results`` under the current directory) holding
-at least 3 paired seeds of it, else from the folder with the most. The package computes no path
-of its own: run from the repository root, or say where the results are.
+Power: the seeds for 80% power at the 5% level to resolve the paper's gap (``at_or_above``: the
+margin plus the paper's gap; without a paper gap, the plan's smallest gap that matters, else the
+margin), at the observed spread and at the spread's 95% bounds: "needs 16 (6-553)".
 
     python -m fedmosaic.report.claims                   # -> stdout
     python -m fedmosaic.report.claims --out docs/results/claims.md
@@ -72,254 +56,58 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedmosaic.algorithms import ALGORITHMS  # importing the package registers every built-in
+from fedmosaic.checkpoint import config_fingerprint, config_hash
 from fedmosaic.config import ConfigError
 from fedmosaic.models import build_client_model, family_members
+from fedmosaic.report import stats
+from fedmosaic.report.plans import (
+    ACCURACY_METRICS,
+    MARGIN,
+    PLANS,
+    Claim,
+    Comparison,
+    Plan,
+    PlanError,
+    load_plans,
+)
 from fedmosaic.report.suite import load_suite
 from fedmosaic.report.suite_report import METRIC_KEYS, aggregate
 
 HOLDS = "holds"
 SMALLER = "holds but smaller"
+WITHIN = "holds within the"  # ... m-point margin
 INCONCLUSIVE = "inconclusive"
 FAILS = "does not hold"
 NOT_COMPARABLE = "not comparable"
-RANK = {FAILS: 0, NOT_COMPARABLE: 0, INCONCLUSIVE: 1, SMALLER: 2, HOLDS: 3}
-MARGIN = 1.0  # points: the non-inferiority margin, stated before the runs (the papers state none)
-MIN_SEEDS = 3  # a cell folder is used for a comparison once it holds this many paired seeds
-POWER, ALPHA = 0.8, 0.05  # the power column: 80% power at the 5% level, two-sided t
-MAX_SEEDS = 10_000  # "needs more than this many seeds" past it
+WAITING = "waiting"
+NOT_RUN = "not run"
+RANK = {
+    FAILS: 0,
+    NOT_COMPARABLE: 0,
+    NOT_RUN: 0,
+    WAITING: 0,
+    INCONCLUSIVE: 1,
+    SMALLER: 2,
+    WITHIN: 2,
+    HOLDS: 3,
+}
+POWER, ALPHA = 0.8, 0.05
+MAX_SEEDS = stats.MAX_SEEDS
+AT_THIS_BUDGET = " at this budget"
 
 # Relative on purpose: the repository's results, resolved against the current directory when read
 # (the package lives in site-packages once installed, where no docs/ sits beside it).
 RESULTS = Path("docs") / "results"
 
-
-def result_roots(results: Path = RESULTS) -> tuple[Path, Path]:
-    """The cell folders under a results folder, in order of preference: full data, then reduced."""
-    return (results / "full", results / "converged")
-
-
-DEFAULT_ROOTS = result_roots()
-DEFAULT_CELLS = DEFAULT_ROOTS[-1]
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """``method`` against ``baseline`` on ``suite``/``setting``, as the paper has it."""
-
-    suite: str
-    setting: str
-    method: str
-    baseline: str
-    relation: str = "above"  # above | at_or_above | lower
-    # final | after_finetune | common_round | mean_over_rounds | kb_per_round | paper_cost_g
-    metric: str = "final"
-    accuracy: str = "weighted"  # the paper's: weighted | unweighted (accuracy metrics only)
-    paper: tuple[float, float] | None = None  # the paper's (method, baseline) numbers
-    paper_note: str = ""  # where the paper's numbers come from, when not this setting's
-    margin: float = MARGIN  # at_or_above: the non-inferiority margin (points)
-    # algorithm keys that must be equal in both cells (e.g. one client term for both methods)
-    same: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Claim:
-    key: str
-    title: str
-    comparisons: tuple[Comparison, ...]
-
-
-_TERM = ("distance", "lam")  # FedTGP vs FedProto: one client term for both (the paper's Eq. 4/11)
-
-
-def _tgp(
-    setting: str, method: str, base: str, paper: tuple[float, float] | None, **kw: Any
-) -> Comparison:
-    same = _TERM if base.startswith("fedproto") else ()
-    return Comparison("fedtgp_table10", setting, method, base, paper=paper, same=same, **kw)
-
-
-def _gh(baseline: str, paper: tuple[float, float], note: str = "CIFAR-10", **kw: Any) -> Comparison:
-    return Comparison(
-        "fedgh_table3",
-        "pathological",
-        "fedgh",
-        baseline,
-        accuracy="unweighted",
-        paper=paper,
-        paper_note=note,
-        **kw,
-    )
-
-
-def _le(method: str, relation: str, metric: str, paper: tuple[float, float]) -> Comparison:
-    note = "MNIST, 100 rounds" if metric == "after_finetune" else "Table 4, G"
-    return Comparison(
-        "layer_expansion",
-        "dir01",
-        method,
-        "fedbabu",
-        relation=relation,
-        metric=metric,
-        paper=paper,
-        paper_note=note,
-    )
-
-
-_TGP_PAPER = {  # Table 10, FMNIST, best-over-rounds test accuracy after 1000 rounds
-    "pathological": {
-        "fedtgp": 99.56,
-        "fedproto": 99.48,
-        "lg_fedavg": 99.39,
-        "feddistill": 99.47,
-        "fml": 99.42,
-        "fedkd": 99.37,
-        "fedgen": 99.38,
-    },
-    "practical": {
-        "fedtgp": 97.58,
-        "fedproto": 97.46,
-        "lg_fedavg": 97.23,
-        "feddistill": 97.48,
-        "fml": 97.36,
-        "fedkd": 97.30,
-        "fedgen": 97.35,
-    },
-}
-_CA_PAPER = {  # Table 2, FMNIST, average test accuracy over clients (%)
-    "dir05": {"fedclassavg": 93.03, "local": 88.40, "fedproto": 60.42, "ktpfl": 90.39},
-    "skewed": {"fedclassavg": 98.00, "local": 94.30, "fedproto": 63.64, "ktpfl": 97.37},
-}
-_TGP_OTHERS = ("lg_fedavg", "feddistill", "fml", "fedkd", "fedgen")
-
-
-def _tgp_claim(method: str, fedproto: str) -> tuple[Comparison, ...]:
-    """FedTGP (``method``) against FedProto with the same client term and the other baselines."""
-    return tuple(
-        _tgp(
-            s,
-            method,
-            b,
-            (_TGP_PAPER[s]["fedtgp"], _TGP_PAPER[s]["fedproto" if b == fedproto else b]),
-        )
-        for s in ("pathological", "practical")
-        for b in (fedproto, *_TGP_OTHERS)
-    )
-
-
-CLAIMS: tuple[Claim, ...] = (
-    Claim(
-        "fedtgp",
-        "FedTGP above FedProto, LG-FedAvg, FD, FML, FedKD and FedGen (Table 10, HtCNN8, 20 "
-        "clients), as the paper writes it: the Euclidean client term with lambda = 0.1 for FedTGP "
-        "and FedProto alike (fedproto_l2)",
-        _tgp_claim("fedtgp", "fedproto_l2"),
-    ),
-    Claim(
-        "fedtgp_code",
-        "The same as the authors' code trains it: MSE over the batch with lambda = 10 and the "
-        "prototypes of the model before local training (fedtgp_mse), FedProto with the same "
-        "term (fedproto_mse)",
-        _tgp_claim("fedtgp_mse", "fedproto_mse"),
-    ),
-    Claim(
-        "fedtgp_mechanism",
-        "FedTGP's trained, margin-separated prototypes beat FedProto's averaged ones at the same "
-        "round (nearest-prototype inference, one client term for both)",
-        tuple(
-            _tgp(s, "fedtgp", "fedproto_l2", None, metric=m)
-            for s in ("pathological", "practical")
-            for m in ("mean_over_rounds", "common_round")
-        ),
-    ),
-    Claim(
-        "fedclassavg",
-        "FedClassAvg above Local, FedProto and KT-pFL (Table 2, FMNIST, 20 clients, Dir(0.5) and "
-        "2 classes per client)",
-        tuple(
-            Comparison(
-                "fedclassavg_table2",
-                s,
-                "fedclassavg",
-                b,
-                accuracy="unweighted",
-                paper=(_CA_PAPER[s]["fedclassavg"], _CA_PAPER[s][b]),
-                paper_note="ResNet-18/ShuffleNetV2/GoogLeNet/AlexNet",
-            )
-            for s in ("dir05", "skewed")
-            for b in ("local", "fedproto", "ktpfl")
-        ),
-    ),
-    Claim(
-        "fedclassavg_ablation",
-        "FedClassAvg's ablation (Table 4): proximal regularization helps with and without the "
-        "contrastive loss (CA < CA+PR, CA+CL < CA+PR+CL)",
-        (
-            Comparison(
-                "fedclassavg_ablation",
-                "dir05",
-                "ca_pr",
-                "ca",
-                accuracy="unweighted",
-                paper=(89.71, 85.78),
-            ),
-            Comparison(
-                "fedclassavg_ablation",
-                "dir05",
-                "ca_pr_cl",
-                "ca_cl",
-                accuracy="unweighted",
-                paper=(93.03, 92.40),
-            ),
-        ),
-    ),
-    Claim(
-        "fedgh",
-        "FedGH above LG-FedAvg and FedProto (Table 3 setting, 5 CNNs, 10 clients, pathological), "
-        "and its communication below LG-FedAvg's",
-        (
-            _gh("lg_fedavg", (97.60, 96.37)),
-            _gh("fedproto", (97.60, 96.47)),
-            _gh(
-                "lg_fedavg",
-                (23.45, 39.14),
-                relation="lower",
-                metric="kb_per_round",
-                note="CIFAR-10, KB/client/round",
-            ),
-        ),
-    ),
-    Claim(
-        "fedhenn",
-        "FedHeNN above Local on the same heterogeneous networks (5 CNNs, 2 or 5 classes per "
-        "client), and above its own ablation without the alignment term (eta0 = 0)",
-        tuple(
-            Comparison("fedhenn_5cnn", s, "fedhenn_linear", b, accuracy="unweighted")
-            for s in ("cls2", "cls5")
-            for b in ("local_own", "fedhenn_eta0")
-        ),
-    ),
-    Claim(
-        "layer_expansion",
-        "Vanilla and Anti scheduling at or above FedBABU after fine-tuning (within a 1-point "
-        "margin), at lower training compute (Table 2 / Table 4; shallow CNN, 100 clients, 10%, "
-        "Dir(0.1))",
-        (
-            _le("fedseq_vanilla", "at_or_above", "after_finetune", (98.21, 98.19)),
-            _le("fedseq_anti", "at_or_above", "after_finetune", (98.34, 98.19)),
-            _le("fedseq_vanilla", "lower", "paper_cost_g", (314.912, 865.344)),
-            _le("fedseq_anti", "lower", "paper_cost_g", (838.880, 865.344)),
-        ),
-    ),
-)
-
-ACCURACY_METRICS = ("final", "after_finetune", "common_round", "mean_over_rounds")
+# Config sections every pair must share key by key (unless the plan declares a difference);
+# ``sim`` only for its numerics (backend, threads and workers give the same numbers).
+PAIRED_SECTIONS = ("data", "model", "train", "server", "eval")
 
 
 def load_cells(root: Path, suite: str) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -495,42 +283,263 @@ def _algo_value(cfg: dict[str, Any], key: str) -> Any:
     return algo.get(key, default)
 
 
+def _cfg_value(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _code(doc: dict[str, Any]) -> str | None:
+    code = doc.get("provenance", {}).get("code", {})
+    return code.get("source_hash") if isinstance(code, dict) else None
+
+
+def _numerics(doc: dict[str, Any]) -> str:
+    """The cell's arithmetic: its config's ``sim.numerics`` (cells before the key: native)."""
+    return str(doc.get("config", {}).get("sim", {}).get("numerics", "native"))
+
+
+def hash_problems(label: str, doc: dict[str, Any]) -> list[str]:
+    """A cell whose stored config does not give its stored config hash (an edited cell)."""
+    stored = doc.get("cell", {}).get("config_hash") if isinstance(doc.get("cell"), dict) else None
+    if stored is None:
+        return []
+    if config_hash(doc.get("config", {})) != stored:
+        return [f"{label}'s stored config does not match its config hash (edited after the run)"]
+    return []
+
+
 def pair_problems(c: Comparison, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Why the method's cell ``a`` and the baseline's cell ``b`` are not a fair pair (empty: they
-    are): the same seed (split and initial models), data config, per-client parameter counts,
-    round budget, rounds compared, and the algorithm keys the comparison names (``same``)."""
+    are): the same seed, every data, model, train, server and eval key (but those the plan
+    declares the paper prescribes differently), the same numerics, the same per-client
+    parameter counts, the algorithm keys the comparison names (``same``), both cells by the same
+    code (source hash), each cell's config matching its config hash, the suite's current
+    definition of both methods, and no honest reply dropped by the peer guard."""
     ca, cb = a.get("config", {}), b.get("config", {})
     out = []
     if ca.get("seed") != cb.get("seed"):
         out.append(f"seeds {ca.get('seed')} vs {cb.get('seed')}")
-    if ca.get("data") != cb.get("data"):
+    fa, fb = config_fingerprint(ca), config_fingerprint(cb)  # a later key at its default = absent
+    for section in PAIRED_SECTIONS:
+        sa, sb = fa.get(section, {}), fb.get(section, {})
+        if section == "server":  # the peer guard: bitwise off where it dropped nothing (below)
+            sa, sb = ({k: v for k, v in x.items() if k != "peer_factor"} for x in (sa, sb))
         keys = sorted(
             k
-            for k in set(ca.get("data", {})) | set(cb.get("data", {}))
-            if ca.get("data", {}).get(k) != cb.get("data", {}).get(k)
+            for k in set(sa) | set(sb)
+            if sa.get(k) != sb.get(k) and f"{section}.{k}" not in c.declared
         )
-        out.append(f"data config differs ({', '.join(keys)})")
-    ta, tb = ca.get("train", {}), cb.get("train", {})
-    for k in ("rounds", "plateau_delta", "plateau_window", "plateau_min_rounds"):
-        if ta.get(k) != tb.get(k):
-            out.append(f"train.{k} {ta.get(k)} vs {tb.get(k)}")
+        if section == "model" and "projection" in keys:  # a method may fix its projection
+            pa, pb = _projection(ca), _projection(cb)
+            if pa == pb:
+                keys.remove("projection")
+        if section == "data" and keys:
+            out.append(f"data config differs ({', '.join(keys)})")
+        else:
+            out += [f"{section}.{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in keys]
+    if _numerics(a) != _numerics(b):
+        out.append(f"sim.numerics {_numerics(a)!r} vs {_numerics(b)!r}")
     if c.metric == "after_finetune" and _rounds_run(a) != _rounds_run(b):
         out.append(f"rounds run {_rounds_run(a)} vs {_rounds_run(b)} before fine-tuning")
-    if c.metric in ACCURACY_METRICS:
-        pa, pb = param_counts(a), param_counts(b)
-        if pa is not None and pb is not None and pa != pb:
-            diff = next(i for i, (x, y) in enumerate(zip(pa, pb, strict=False)) if x != y)
-            out.append(
-                f"client models differ (client {diff}: {pa[diff]:,} vs {pb[diff]:,} parameters)"
-            )
+    pa, pb = param_counts(a), param_counts(b)
+    if pa is not None and pb is not None and pa != pb:
+        diff = next(i for i, (x, y) in enumerate(zip(pa, pb, strict=False)) if x != y)
+        out.append(f"client models differ (client {diff}: {pa[diff]:,} vs {pb[diff]:,} parameters)")
     for k in c.same:
         va, vb = _algo_value(ca, k), _algo_value(cb, k)
         if va != vb:
             out.append(f"algorithm.{k} {va!r} vs {vb!r}")
+    code_a, code_b = _code(a), _code(b)
+    if code_a != code_b:
+        out.append(f"made by different code (source {str(code_a)[:12]} vs {str(code_b)[:12]})")
     for label, doc in ((c.method, a), (c.baseline, b)):
+        out += hash_problems(label, doc)
         out += definition_problems(c.suite, label, doc)
         out += guard_problems(label, doc)
     return out
+
+
+def _projection(cfg: dict[str, Any]) -> Any:
+    """The projection a cell's networks were built with: the method's own where it fixes one."""
+    name = cfg.get("algorithm", {}).get("name")
+    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
+    return fixed or cfg.get("model", {}).get("projection", "linear")
+
+
+def budget_problems(plan: Plan, label: str, doc: dict[str, Any]) -> list[str]:
+    """Where a cell is not of the plan's equal budget: another round count, stopped before its
+    last round (a plateau stop), or other numerics than the plan's."""
+    out = []
+    rounds = doc.get("config", {}).get("train", {}).get("rounds")
+    if rounds != plan.rounds:
+        out.append(f"{label}'s cell has train.rounds = {rounds}, the plan {plan.rounds}")
+    ran = _rounds_run(doc)
+    if ran is not None and rounds is not None and ran != rounds:
+        out.append(f"{label}'s cell stopped at round {ran} of {rounds} (a plateau stop)")
+    if _numerics(doc) != plan.numerics:
+        out.append(
+            f"{label}'s cell has sim.numerics = {_numerics(doc)!r}, the plan {plan.numerics!r}"
+        )
+    return out
+
+
+def curve_slope(doc: dict[str, Any], key: str, fraction: float) -> float | None:
+    """A cell's accuracy slope (points per 10 rounds) over its last ``fraction`` of rounds."""
+    rows = [
+        (int(r["round"]), 100 * float(r[key]))
+        for r in doc.get("rounds", [])
+        if r.get(key) is not None
+    ]
+    if len(rows) < 2:
+        return None
+    last = max(r for r, _ in rows)
+    start = last - max(2, math.ceil(fraction * last)) + 1
+    return stats.slope_per_10([(r, v) for r, v in rows if r >= start])
+
+
+# ---- one comparison's evidence ---------------------------------------------------------------
+def look_schedule(c: Comparison, plan: Plan | None, n: int) -> tuple[tuple[int, ...], int, str]:
+    """``(schedule, k, problem)``: the looks' seed counts (the last one the maximum), the index of
+    the look this reading is, and why it cannot be read ("" when it can). Recorded looks must end
+    at ``n``; a planned schedule reads its largest look at or under ``n``."""
+    if c.looks:
+        if n != c.looks[-1]:
+            return (
+                c.looks,
+                len(c.looks) - 1,
+                (
+                    f"{n} paired seeds, but the plan's record of looks ends at {c.looks[-1]}: "
+                    "record the new look in the plan"
+                ),
+            )
+        return c.looks, len(c.looks) - 1, ""
+    if plan is not None and plan.looks:
+        taken = [i for i, m in enumerate(plan.looks) if m <= n]
+        if not taken:
+            return plan.looks, -1, f"{n} of the {plan.looks[0]} seeds of the first planned look"
+        return plan.looks, taken[-1], ""
+    return (n,), 0, ""
+
+
+def target_gap(c: Comparison, plan: Plan | None) -> tuple[float | None, str]:
+    """The gap the power column aims at, and its name."""
+    if c.relation == "lower" or c.metric not in ACCURACY_METRICS:
+        return None, ""
+    paper_gap = None if c.paper is None else c.paper[0] - c.paper[1]
+    if c.relation == "at_or_above":
+        return c.margin + max(paper_gap or 0.0, 0.0), "margin + paper gap"
+    if paper_gap is not None and paper_gap > 0:
+        return paper_gap, "paper gap"
+    if plan is not None and plan.smallest_gap > 0:
+        return plan.smallest_gap, "smallest gap that matters"
+    return MARGIN, "default 1-point gap"
+
+
+def judge(
+    c: Comparison,
+    cells: dict[tuple[str, str, int], dict[str, Any]],
+    plan: Plan | None = None,
+    confirmatory: bool = True,
+) -> dict[str, Any]:
+    """The evidence of one comparison: the paired seeds of this look, the per-seed values, the
+    test, the fair-pair and budget checks, the looks, the power and the side read-outs. The
+    label is decided per claim (:func:`decide`), under the plan's error rule."""
+    all_seeds = paired_seeds(c, cells)
+    schedule, k, wait = look_schedule(c, plan, len(all_seeds)) if all_seeds else ((0,), 0, "")
+    seeds = all_seeds[: schedule[k]] if (c.looks or (plan and plan.looks)) and k >= 0 else all_seeds
+    if k < 0:
+        seeds = []
+    va, vb, vd, rounds, problems = [], [], [], [], []
+    val_d, test_d, slopes_a, slopes_b = [], [], [], []
+    key = METRIC_KEYS.get(c.accuracy, "acc_weighted")
+    for s in all_seeds:
+        a, b = cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)]
+        problems += [f"seed {s}: {p}" for p in pair_problems(c, a, b)]
+        if confirmatory and plan is not None:
+            for label, doc in ((c.method, a), (c.baseline, b)):
+                problems += [f"seed {s}: {p}" for p in budget_problems(plan, label, doc)]
+    for s in seeds:
+        a, b = cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)]
+        x, y, r = pair_values(c, a, b)
+        if x is None or y is None:
+            continue
+        va.append(x)
+        vb.append(y)
+        vd.append(x - y)
+        if r is not None:
+            rounds.append(r)
+        if c.metric == "final" and r is not None:
+            (av, at), (bv, bt) = best_up_to(a, key, r), best_up_to(b, key, r)
+            val_d.append(None if av is None or bv is None else av - bv)
+            test_d.append(None if at is None or bt is None else at - bt)
+        if plan is not None and plan.flat_window > 0 and c.metric in ACCURACY_METRICS:
+            slopes_a.append(curve_slope(a, key, plan.flat_window))
+            slopes_b.append(curve_slope(b, key, plan.flat_window))
+    null = -c.margin if c.relation == "at_or_above" else 0.0
+    test = stats.paired_test(vd, null) if vd else None
+    direction = stats.paired_test(vd, 0.0) if vd else None
+    res = {"test_images": 0, "per_image": None, "sampling_sd": None}
+    b_ = aggregate(vb)
+    if seeds and c.metric in ACCURACY_METRICS:
+        res = resolution(cells[(c.setting, c.baseline, seeds[0])], b_["mean"])
+    delta, basis = target_gap(c, plan)
+    sd = None if test is None else test.sd
+    point, low, high = stats.seeds_range(sd, len(vd), delta) if delta else (None, None, None)
+    looks_read = []
+    if len(schedule) > 1 and k >= 0:  # every look up to this one, each on its first seeds
+        for m in schedule[: k + 1]:
+            if m <= len(all_seeds):
+                d = [v for s in all_seeds[:m] for v in [_diff(c, cells, s)] if v is not None]
+                looks_read.append((m, stats.paired_test(d, null) if len(d) == m else None))
+    return {
+        "comparison": c,
+        "seeds": seeds,
+        "all_seeds": all_seeds,
+        "method": aggregate(va),
+        "baseline": b_,
+        "diff": aggregate(vd),
+        "diffs": vd,
+        "test": test,
+        "direction": direction,
+        "rounds": rounds,
+        "problems": problems,
+        "wait": wait if all_seeds else "",
+        "schedule": schedule,
+        "look": k,
+        "looks_read": looks_read,
+        "power": {
+            "delta": delta,
+            "basis": basis,
+            "seeds": point,
+            "low": low,
+            "high": high,
+            "spread": sd is not None,
+        },
+        "resolution": res,
+        "best_on_val": aggregate(val_d),
+        "best_on_test": aggregate(test_d),
+        "slopes": (_mean_or_none(slopes_a), _mean_or_none(slopes_b)),
+    }
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _diff(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]], s: int) -> float | None:
+    x, y, _ = pair_values(c, cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)])
+    return None if x is None or y is None else x - y
+
+
+def paired_seeds(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]]) -> list[int]:
+    return sorted(
+        s
+        for (st, m, s) in cells
+        if st == c.setting and m == c.method and (c.setting, c.baseline, s) in cells
+    )
 
 
 def guard_problems(label: str, doc: dict[str, Any]) -> list[str]:
@@ -587,103 +596,6 @@ def definition_problems(suite: str, label: str, doc: dict[str, Any]) -> list[str
     return out
 
 
-# ---- verdicts and power ----------------------------------------------------------------------
-def verdict(c: Comparison, diff: dict[str, Any], a: dict[str, Any], b: dict[str, Any]) -> str:
-    """The label of one comparison from the aggregated per-seed differences (module docstring);
-    ``a``/``b``: the method's and baseline's aggregates."""
-    mean, ci, n = diff["mean"], diff["ci95"], diff["n"]
-    if n == 0 or mean is None:
-        return "not run"
-    if n == 1 or ci is None:
-        return INCONCLUSIVE + " (1 seed)"
-    lo, hi = mean - ci, mean + ci
-    if c.relation == "above":
-        if lo > 0:
-            return SMALLER if _short(c, mean) else HOLDS
-        return FAILS if hi < 0 else INCONCLUSIVE
-    if c.relation == "at_or_above":
-        if lo > 0:
-            return HOLDS
-        if lo > -c.margin:
-            return f"{HOLDS} within the {c.margin:g}-point margin"
-        return FAILS if hi < -c.margin else INCONCLUSIVE
-    if c.relation == "lower":
-        ma, mb = a["mean"], b["mean"]
-        if ma is None or mb is None or ma >= mb or lo > 0:
-            return FAILS
-        if hi >= 0:
-            return INCONCLUSIVE
-        if c.paper is not None and mb > 0 and ma / mb > c.paper[0] / c.paper[1] + 0.1:
-            return SMALLER
-        return HOLDS
-    raise ValueError(f"unknown relation {c.relation!r}")
-
-
-def _short(c: Comparison, mean_gap: float) -> bool:
-    """Whether the gap is under half the paper's (never, without a paper gap)."""
-    if c.paper is None:
-        return False
-    paper_gap = c.paper[0] - c.paper[1]
-    return paper_gap > 0 and mean_gap < 0.5 * paper_gap
-
-
-def seeds_needed(sd: float | None, delta: float) -> int | None:
-    """The smallest n with ``n >= ((t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / delta)^2``: the
-    seeds for 80% power at the 5% level (two-sided) to resolve a true gap ``delta`` with a per-seed
-    spread ``sd``; None without a spread or a gap, or past ``MAX_SEEDS``."""
-    from scipy.stats import t
-
-    if sd is None or delta <= 0:
-        return None
-    if sd == 0:
-        return 2
-    lo, hi = 2, MAX_SEEDS + 1
-
-    def enough(n: int) -> bool:
-        q = (float(t.ppf(1 - ALPHA / 2, n - 1)) + float(t.ppf(POWER, n - 1))) * sd / delta
-        return n >= q * q
-
-    if not enough(MAX_SEEDS):
-        return None
-    while lo < hi:  # enough() is monotone in n
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if enough(mid) else (mid + 1, hi)
-    return lo
-
-
-def power(c: Comparison, diff: dict[str, Any]) -> dict[str, Any]:
-    """The seeds the observed spread of the paired gap needs (80% power) to resolve the paper's
-    gap (``above``; the observed gap without one) or to place the lower bound above ``-margin``
-    if the true gap is the paper's (``at_or_above``). Costs: none."""
-    if c.relation == "lower" or c.metric not in ACCURACY_METRICS or diff["mean"] is None:
-        return {"delta": None, "basis": "", "seeds": None, "observed_seeds": None}
-    paper_gap = None if c.paper is None else c.paper[0] - c.paper[1]
-    if c.relation == "at_or_above":
-        delta, basis = c.margin + max(paper_gap or 0.0, 0.0), "margin + paper gap"
-    elif paper_gap is not None and paper_gap > 0:
-        delta, basis = paper_gap, "paper gap"
-    else:
-        delta, basis = abs(diff["mean"]), "observed gap"
-    # the same for the gap observed here (at_or_above: its distance above -margin)
-    observed = diff["mean"] + c.margin if c.relation == "at_or_above" else abs(diff["mean"])
-    return {
-        "delta": delta,
-        "basis": basis,
-        "seeds": seeds_needed(diff["std"], delta),
-        "observed_seeds": seeds_needed(diff["std"], observed) if observed > 0 else None,
-    }
-
-
-def needs_text(p: dict[str, Any], n: int) -> str:
-    """How many seeds would resolve an inconclusive comparison: the power column's count when it
-    is more than the ``n`` seeds run; else (the observed gap is smaller than the target) the
-    count for the observed gap."""
-    need = p["seeds"] if p["seeds"] is not None and p["seeds"] > n else p["observed_seeds"]
-    if p["seeds"] is None and p["delta"] is not None:
-        need = None
-    return f"more than {MAX_SEEDS:,} seeds" if need is None else f"{need:,} seeds"
-
-
 def resolution(doc: dict[str, Any], accuracy_pct: float | None) -> dict[str, Any]:
     """A cell's test-set resolution: its test images, points per image, and the binomial
     sampling spread (points) of one accuracy near ``accuracy_pct`` on that many images."""
@@ -698,67 +610,134 @@ def resolution(doc: dict[str, Any], accuracy_pct: float | None) -> dict[str, Any
     }
 
 
-def judge(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]]) -> dict[str, Any]:
-    """The per-seed values, their aggregates, the verdict, the power and the fair-pair check of
-    one comparison."""
-    seeds = paired_seeds(c, cells)
-    va, vb, vd, rounds, problems = [], [], [], [], []
-    val_d, test_d = [], []
-    for s in seeds:
-        a, b = cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)]
-        problems += [f"seed {s}: {p}" for p in pair_problems(c, a, b)]
-        x, y, r = pair_values(c, a, b)
-        if x is None or y is None:
-            continue
-        va.append(x)
-        vb.append(y)
-        vd.append(x - y)
-        if r is not None:
-            rounds.append(r)
-        if c.metric == "final" and r is not None:
-            key = METRIC_KEYS[c.accuracy]
-            (av, at), (bv, bt) = best_up_to(a, key, r), best_up_to(b, key, r)
-            val_d.append(None if av is None or bv is None else av - bv)
-            test_d.append(None if at is None or bt is None else at - bt)
-    a_, b_, d = aggregate(va), aggregate(vb), aggregate(vd)
-    res = {"test_images": 0, "per_image": None, "sampling_sd": None}
-    if seeds and c.metric in ACCURACY_METRICS:
-        res = resolution(cells[(c.setting, c.baseline, seeds[0])], b_["mean"])
-    if problems:
-        label = f"{NOT_COMPARABLE}: {problems[0]}" + (
-            f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+# ---- verdicts ----------------------------------------------------------------------------------
+def _ready(j: dict[str, Any]) -> bool:
+    return j["test"] is not None and j["test"].p is not None and not j["problems"] and not j["wait"]
+
+
+def decide(judged: Sequence[dict[str, Any]], plan: Plan | None) -> None:
+    """Label a claim's comparisons in place: Holm's step-down over the claim (each comparison at
+    its look's group-sequential level), the interval at the level each was last tested at, and
+    the label from it (module docstring)."""
+    alpha = plan.alpha if plan is not None else ALPHA
+    kind = plan.boundary if plan is not None else "pocock"
+    family = [
+        stats.Family(j["test"].p if _ready(j) else None, tuple(j["schedule"]), max(j["look"], 0))
+        for j in judged
+    ]
+    rejected, levels = stats.sequential_holm(family, alpha, kind)
+    for j, rej, level in zip(judged, rejected, levels, strict=True):
+        j["rejected"], j["level"] = rej, level
+        j["interval"] = j["test"].interval(level) if j["test"] is not None else None
+        j["verdict"] = label(j)
+
+
+def label(j: dict[str, Any]) -> str:
+    """One comparison's label from its Holm decision and adjusted interval."""
+    c: Comparison = j["comparison"]
+    if not j["all_seeds"]:
+        return NOT_RUN
+    if j["problems"]:
+        more = f" (and {len(j['problems']) - 1} more)" if len(j["problems"]) > 1 else ""
+        return f"{NOT_COMPARABLE}: {j['problems'][0]}{more}"
+    if j["wait"]:
+        return f"{WAITING}: {j['wait']}"
+    if j["test"] is None:
+        return NOT_RUN
+    t: stats.Test = j["test"]
+    if t.n == 1 or t.p is None:
+        return INCONCLUSIVE + " (1 seed)"
+    lo, hi = j["interval"]
+    mean = t.mean
+    if c.relation == "above":
+        if j["rejected"]:
+            if mean > 0:
+                return SMALLER if _short(c, mean) else HOLDS
+            return FAILS
+        return INCONCLUSIVE + needs(j)
+    if c.relation == "at_or_above":  # the test is of a gap at -m: which side resolved matters
+        if j["rejected"] and mean < -c.margin:
+            return FAILS
+        if j["rejected"]:
+            if lo > 0:
+                side = f"above {c.baseline} by {mean:.2f} [{lo:.2f}, {hi:.2f}]"
+            elif hi < 0:
+                side = f"below {c.baseline} by {-mean:.2f} [{-hi:.2f}, {-lo:.2f}]"
+            else:
+                side = f"level with {c.baseline}: {mean:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+            return f"{WITHIN} {c.margin:g}-point margin; {side}"
+        return INCONCLUSIVE + needs(j)
+    if c.relation == "lower":
+        ma, mb = j["method"]["mean"], j["baseline"]["mean"]
+        if j["rejected"] and mean < 0:
+            if c.paper is not None and mb and ma / mb > c.paper[0] / c.paper[1] + 0.1:
+                return SMALLER
+            return HOLDS
+        if j["rejected"]:
+            return FAILS
+        return INCONCLUSIVE
+    raise ValueError(f"unknown relation {c.relation!r}")
+
+
+def _short(c: Comparison, mean_gap: float) -> bool:
+    """Whether the gap is under half the paper's (never, without a paper gap)."""
+    if c.paper is None:
+        return False
+    paper_gap = c.paper[0] - c.paper[1]
+    return paper_gap > 0 and mean_gap < 0.5 * paper_gap
+
+
+def seeds_text(p: dict[str, Any]) -> str:
+    """``16 (6-553)``: seeds for 80% power at the observed spread (and at its 95% bounds)."""
+
+    def one(n: int | None) -> str:
+        return f"> {MAX_SEEDS:,}" if n is None else f"{n:,}"
+
+    if p["delta"] is None or not p.get("spread"):
+        return "-"
+    return f"{one(p['seeds'])} ({one(p['low'])} to {one(p['high'])})"
+
+
+def needs(j: dict[str, Any]) -> str:
+    """The suffix of an inconclusive label: what would resolve it, and where the paper's gap sits."""
+    p, c = j["power"], j["comparison"]
+    if p["delta"] is None:
+        return ""
+    if p["seeds"] is not None and p["seeds"] <= j["test"].n:
+        lo, hi = j["interval"]
+        out = (
+            f": {j['test'].n} seeds already give 80% power for the {p['basis']} "
+            f"({p['delta']:.2f}); the interval [{lo:+.2f}, {hi:+.2f}] bounds any real gap"
         )
     else:
-        label = verdict(c, d, a_, b_)
-    pw = power(c, d)
-    if label == INCONCLUSIVE and pw["delta"] is not None:
-        label += f": needs {needs_text(pw, d['n'])}"
-        gap = None if c.paper is None else c.paper[0] - c.paper[1]
-        if c.relation == "above" and gap is not None and gap > 0 and d["mean"] + d["ci95"] < gap:
-            label += f"; the paper's gap (+{gap:.2f}) is above the interval"
-    return {
-        "comparison": c,
-        "seeds": seeds,
-        "method": a_,
-        "baseline": b_,
-        "diff": d,
-        "rounds": rounds,
-        "verdict": label,
-        "problems": problems,
-        "power": pw,
-        "resolution": res,
-        "best_on_val": aggregate(val_d),
-        "best_on_test": aggregate(test_d),
-    }
+        out = f": needs {seeds_text(p)} seeds for the {p['basis']} ({p['delta']:.2f})"
+    gap = None if c.paper is None else c.paper[0] - c.paper[1]
+    lo, hi = j["interval"]
+    if c.relation == "above" and gap is not None and gap > 0 and hi < gap:
+        out += f"; the paper's gap (+{gap:.2f}) is above the interval"
+    return out
 
 
-AT_THIS_BUDGET = " at this budget"
+def claim_verdict(verdicts: Sequence[str]) -> str:
+    """A claim is a conjunction: one comparison that does not hold settles it (after Holm) even
+    with others not run yet; otherwise a missing, waiting or unfair one leaves it at that; all
+    holding: the weakest hold; else inconclusive."""
+    failed = [v for v in verdicts if v.startswith(FAILS)]
+    if failed:
+        return FAILS
+    if not verdicts or any(v.startswith((NOT_RUN, WAITING)) for v in verdicts):
+        return "not run (cells missing)"
+    if any(v.startswith(NOT_COMPARABLE) for v in verdicts):
+        return NOT_COMPARABLE
+    if any(v.startswith(INCONCLUSIVE) for v in verdicts):
+        return INCONCLUSIVE
+    worst = min(verdicts, key=lambda v: RANK[next(k for k in RANK if v.startswith(k))])
+    return worst.split(";")[0]
 
 
 def reduced_budget(c: Comparison, j: dict[str, Any]) -> bool:
     """Whether a comparison's cells ran less than the paper: a fraction of the data, or fewer
-    rounds than the suite's ``paper_rounds`` at the round compared. Its verdict then says "at
-    this budget": a resolved gap here is not a verdict on the paper's own budget."""
+    rounds than the suite's ``paper_rounds`` at the round compared."""
     if c.metric not in ACCURACY_METRICS:
         return False  # costs (bytes, Table 4 compute) do not depend on the budget's length
     if any(f < 1.0 for f in j.get("fraction", [])):
@@ -768,76 +747,21 @@ def reduced_budget(c: Comparison, j: dict[str, Any]) -> bool:
     return bool(paper_rounds and j["rounds"] and min(j["rounds"]) < paper_rounds)
 
 
-def paired_seeds(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]]) -> list[int]:
-    return sorted(
-        s
-        for (st, m, s) in cells
-        if st == c.setting and m == c.method and (c.setting, c.baseline, s) in cells
-    )
-
-
-def claim_verdict(verdicts: Sequence[str]) -> str:
-    """The weakest of a claim's comparison verdicts. A claim is a conjunction: one comparison
-    that does not hold settles it even with others not run yet; otherwise a missing one leaves
-    the claim "not run"."""
-    ran = [v for v in verdicts if v != "not run"]
-    failed = [v for v in ran if v.startswith(FAILS)]
-    if failed:
-        return failed[0] if all(v == failed[0] for v in failed) else FAILS
-    if not verdicts or len(ran) < len(verdicts):
-        return "not run (cells missing)"
-    worst = min(verdicts, key=lambda v: RANK[next(k for k in RANK if v.startswith(k))])
-    if worst.startswith((NOT_COMPARABLE, INCONCLUSIVE + ":")):  # the rows give the details
-        return worst.split(":")[0]
-    return worst
-
-
-def evaluate(roots: Path | Sequence[Path] = DEFAULT_ROOTS) -> list[dict[str, Any]]:
-    """Every claim's comparisons judged, each from the first of ``roots`` holding ``MIN_SEEDS``
-    paired seeds of it (else the one with the most)."""
-    roots = [roots] if isinstance(roots, Path) else list(roots)
-    cache: dict[tuple[Path, str], dict[tuple[str, str, int], dict[str, Any]]] = {}
-
-    def cells_of(root: Path, suite: str) -> dict[tuple[str, str, int], dict[str, Any]]:
-        if (root, suite) not in cache:
-            cache[(root, suite)] = load_cells(root, suite)
-        return cache[(root, suite)]
-
-    out = []
-    for claim in CLAIMS:
-        judged = []
-        for c in claim.comparisons:
-            counts = [len(paired_seeds(c, cells_of(r, c.suite))) for r in roots]
-            pick = next(
-                (i for i, n in enumerate(counts) if n >= MIN_SEEDS),
-                max(range(len(roots)), key=lambda i: (counts[i], -i)),
-            )
-            j = judge(c, cells_of(roots[pick], c.suite))
-            j["source"] = roots[pick].name if j["seeds"] else "-"
-            j["fraction"] = sorted(
-                {
-                    cells_of(roots[pick], c.suite)[(c.setting, m, s)]
-                    .get("config", {})
-                    .get("data", {})
-                    .get("subsample", 1.0)
-                    for s in j["seeds"]
-                    for m in (c.method, c.baseline)
-                }
-            )
-            if j["verdict"].startswith((HOLDS, FAILS)) and reduced_budget(c, j):
-                j["verdict"] += AT_THIS_BUDGET
-            judged.append(j)
-        out.append(
-            {
-                "claim": claim,
-                "comparisons": judged,
-                "verdict": claim_verdict([j["verdict"] for j in judged]),
-            }
-        )
+def climbing(plan: Plan | None, judged: Sequence[dict[str, Any]]) -> list[str]:
+    """The methods whose mean slope over the plan's last rounds is above its tolerance."""
+    if plan is None or plan.flat_window <= 0:
+        return []
+    out: list[str] = []
+    for j in judged:
+        c = j["comparison"]
+        for name, slope in zip((c.method, c.baseline), j["slopes"], strict=True):
+            tag = f"{name} ({c.setting})"
+            if slope is not None and slope > plan.flat_tolerance and tag not in out:
+                out.append(tag)
     return out
 
 
-def budget_rows(root: Path = DEFAULT_CELLS) -> list[dict[str, Any]]:
+def budget_rows(root: Path = RESULTS / "full") -> list[dict[str, Any]]:
     """Per suite folder under ``root``: its cells, seeds, data fractions, rounds run, the wall
     hours they took on this machine and the code versions (source hashes) that produced them."""
     rows = []
@@ -888,6 +812,104 @@ def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- the page ----------------------------------------------------------------------------------
+def _fractions(
+    cells: dict[tuple[str, str, int], dict[str, Any]], c: Comparison, seeds: Sequence[int]
+) -> list[float]:
+    return sorted(
+        {
+            cells[(c.setting, m, s)].get("config", {}).get("data", {}).get("subsample", 1.0)
+            for s in seeds
+            for m in (c.method, c.baseline)
+        }
+    )
+
+
+def _dates(
+    cells: dict[tuple[str, str, int], dict[str, Any]], judged: Sequence[dict[str, Any]]
+) -> tuple[str, str] | None:
+    stamps = sorted(
+        str(cells[(j["comparison"].setting, m, s)].get("provenance", {}).get("started") or "")
+        for j in judged
+        for s in j["all_seeds"]
+        for m in (j["comparison"].method, j["comparison"].baseline)
+    )
+    stamps = [s for s in stamps if s]
+    return (stamps[0], stamps[-1]) if stamps else None
+
+
+def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> dict[str, Any]:
+    """Every plan's claims judged from its budget's cells under ``results``, the page-wide error
+    control over all confirmatory comparisons, and the exploratory groups."""
+    plans = load_plans() if plans is None else list(plans)
+    cache: dict[tuple[Path, str], dict[tuple[str, str, int], dict[str, Any]]] = {}
+
+    def cells_of(budget: str, suite: str) -> dict[tuple[str, str, int], dict[str, Any]]:
+        root = results / budget
+        if (root, suite) not in cache:
+            cache[(root, suite)] = load_cells(root, suite) if root.is_dir() else {}
+        return cache[(root, suite)]
+
+    claims_out, explore_out = [], []
+    for plan in plans:
+        cells = cells_of(plan.budget, plan.suite)
+        for claim in plan.claims:
+            judged = [judge(c, cells, plan) for c in claim.comparisons]
+            for j in judged:
+                j["source"] = plan.budget if j["all_seeds"] else "-"
+                j["fraction"] = _fractions(cells, j["comparison"], j["seeds"])
+            decide(judged, plan)
+            verdict = claim_verdict([j["verdict"] for j in judged])
+            if verdict.startswith((HOLDS, FAILS, WITHIN, SMALLER)):
+                if any(reduced_budget(j["comparison"], j) for j in judged):
+                    verdict += AT_THIS_BUDGET
+                if plan.substitution:
+                    verdict += f" ({plan.substitution})"
+            up = climbing(plan, judged)
+            if up and not verdict.startswith("not run"):
+                verdict += f"; still climbing at round {plan.rounds}: {', '.join(up)}"
+            claims_out.append(
+                {
+                    "claim": claim,
+                    "plan": plan,
+                    "comparisons": judged,
+                    "verdict": verdict,
+                    "dates": _dates(cells, judged),
+                }
+            )
+        for group in plan.exploratory:
+            cells_e = cells_of(group.budget, plan.suite)
+            rows = []
+            for c in group.comparisons:
+                j = judge(c, cells_e, None, confirmatory=False)
+                j["source"] = group.budget
+                j["fraction"] = _fractions(cells_e, c, j["seeds"])
+                rows.append(j)
+            explore_out.append({"plan": plan, "group": group, "comparisons": rows})
+    page = page_family(claims_out)
+    return {"claims": claims_out, "page": page, "exploratory": explore_out}
+
+
+def page_family(claims_out: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Holm (with each comparison's looks) and Benjamini-Hochberg over every distinct
+    confirmatory comparison of the page that has a p-value."""
+    rows: dict[tuple[str, ...], dict[str, Any]] = {}
+    for res in claims_out:
+        for j in res["comparisons"]:
+            if _ready(j) and j["comparison"].key not in rows:
+                rows[j["comparison"].key] = {"claim": res["claim"].key, "j": j}
+    items = list(rows.values())
+    family = [
+        stats.Family(r["j"]["test"].p, tuple(r["j"]["schedule"]), max(r["j"]["look"], 0))
+        for r in items
+    ]
+    rejected, _ = stats.sequential_holm(family, ALPHA, "pocock")
+    qs = stats.benjamini_hochberg([r["j"]["test"].p for r in items]) if items else []
+    for r, rej, q in zip(items, rejected, qs, strict=True):
+        r["holm"], r["bh_q"] = rej, q
+    return items
+
+
 def _num(agg: dict[str, Any], digits: int = 2) -> str:
     if agg["mean"] is None:
         return "-"
@@ -896,9 +918,31 @@ def _num(agg: dict[str, Any], digits: int = 2) -> str:
     return f"{agg['mean']:.{digits}f} ± {agg['ci95']:.{digits}f}"
 
 
+def _interval(agg: dict[str, Any]) -> str:
+    if agg["mean"] is None:
+        return "-"
+    s = f"{agg['mean']:+.2f}"
+    if agg["ci95"] is None:
+        return s
+    return f"{s} [{agg['mean'] - agg['ci95']:+.2f}, {agg['mean'] + agg['ci95']:+.2f}]"
+
+
+def _adjusted(j: dict[str, Any]) -> str:
+    if j.get("interval") is None:
+        return "-"
+    lo, hi = j["interval"]
+    return f"[{lo:+.2f}, {hi:+.2f}] at {100 * (1 - j['level']):.2f}%"
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return f"{p:.2g}" if p >= 1e-4 else f"{p:.0e}"
+
+
 def _metric_label(c: Comparison) -> str:
     if c.metric == "kb_per_round":
-        return "KB/client/round (up + down)"
+        return "kB/client/round (up + down)"
     if c.metric == "paper_cost_g":
         return "Table 4 cost (G)"
     acc = "weighted" if c.accuracy == "weighted" else "unweighted"
@@ -911,115 +955,289 @@ def _metric_label(c: Comparison) -> str:
     return f"{where[c.metric]} acc, {acc} (%)"
 
 
-def _seeds_text(p: dict[str, Any]) -> str:
-    if p["delta"] is None:
-        return "-"
-    n = "> " + f"{MAX_SEEDS:,}" if p["seeds"] is None else f"{p['seeds']:,}"
-    return f"{n} ({p['basis']} {p['delta']:.2f})"
-
-
 def _resolution_text(r: dict[str, Any]) -> str:
     if r["per_image"] is None:
         return "-"
     return f"{r['test_images']:,} img: {r['per_image']:.3f} pt each, sd {r['sampling_sd']:.2f}"
 
 
-def summary_markdown(results: Sequence[dict[str, Any]]) -> str:
-    """One row per claim: its verdict, the seeds behind it and its comparisons' verdicts."""
+def _slopes_text(j: dict[str, Any]) -> str:
+    a, b = j["slopes"]
+    if a is None and b is None:
+        return "-"
+    f = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
+    return f"{f(a)} / {f(b)}"
+
+
+def _paper_text(c: Comparison) -> str:
+    if c.paper is None:
+        return "-"
+    out = f"{c.paper[0]:g} vs {c.paper[1]:g}"
+    if c.relation != "lower":
+        out += f" ({c.paper[0] - c.paper[1]:+.2f})"
+    if c.paper_note:
+        out += f" ({c.paper_note})"
+    return out
+
+
+def _day(stamp: str) -> str:
+    return stamp[:10]
+
+
+def summary_markdown(claims_out: Sequence[dict[str, Any]]) -> str:
+    """One row per claim: its verdict, its plan's date and its cells' dates, the seeds and the
+    comparisons' verdicts."""
     lines = [
-        "| claim | verdict | seeds | evidence (cells, data fraction, round compared) | "
-        "comparisons |",
-        "|---|---|---|---|---|",
+        "| claim | verdict | plan committed | cells ran | seeds | evidence | comparisons |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for res in results:
-        ns = sorted({j["diff"]["n"] for j in res["comparisons"]})
+    for res in claims_out:
+        js = res["comparisons"]
+        ns = sorted({len(j["seeds"]) for j in js})
+        seeds = (
+            "-"
+            if ns == [0]
+            else ("-".join(str(n) for n in (ns[0], ns[-1])) if ns[0] != ns[-1] else str(ns[0]))
+        )
         evidence = sorted(
             {
                 f"{j['source']} {', '.join(f'{100 * f:g}%' for f in j['fraction'])}"
-                for j in res["comparisons"]
+                for j in js
                 if j.get("fraction")
             }
         )
-        rounds = [r for j in res["comparisons"] for r in j["rounds"]]
+        rounds = [r for j in js for r in j["rounds"]]
         if rounds:
             lo, hi = min(rounds), max(rounds)
             evidence.append(f"round {lo}" if lo == hi else f"rounds {lo}-{hi}")
         counts: dict[str, int] = {}
-        for j in res["comparisons"]:
-            v = j["verdict"].split(":")[0]
+        for j in js:
+            v = j["verdict"].split(":")[0].split(";")[0]
             counts[v] = counts.get(v, 0) + 1
         parts = ", ".join(f"{k} {v}" for v, k in sorted(counts.items(), key=lambda kv: kv[0]))
-        seeds = "-".join(str(n) for n in (ns[0], ns[-1])) if ns[0] != ns[-1] else str(ns[0])
+        plan_day = _day(res["plan"].committed())
+        ran = "-"
+        if res["dates"]:
+            first, last = (_day(d) for d in res["dates"])
+            ran = first if first == last else f"{first} to {last}"
+            if plan_day > first:
+                ran += " (before the plan)"
         lines.append(
-            f"| {res['claim'].title} | **{res['verdict']}** | {seeds} | "
+            f"| {res['claim'].title} | **{res['verdict']}** | {plan_day} | {ran} | {seeds} | "
             f"{'; '.join(evidence) or '-'} | {parts} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def markdown(results: Sequence[dict[str, Any]]) -> str:
-    """One table per claim: per comparison the cells it reads, the two methods, the paired gap
-    with its interval, the paper's, the verdict, the power and the side metrics."""
-    lines = [summary_markdown(results)]
-    for res in results:
-        claim = res["claim"]
-        lines += [f"#### {claim.title}", "", f"**Verdict: {res['verdict']}.**", ""]
-        lines.append(
-            "| setting | method vs baseline | metric | cells | seeds | method | baseline | "
-            "gap (paired) | paper | verdict | seeds for 80% power | test-set resolution | "
-            "gap best-on-val | gap best-on-test (optimistic) |"
+def plan_markdown(plan: Plan) -> list[str]:
+    """The plan's rules, as the page shows them beside its verdicts."""
+    looks = (
+        f"planned at {', '.join(map(str, plan.looks))} seeds, {plan.boundary} spending"
+        if plan.looks
+        else f"as recorded per comparison, {plan.boundary} spending"
+    )
+    lines = [
+        f"*Plan* (`{plan.path.name}`, committed {_day(plan.committed())}): cells "
+        f"`{plan.budget}/`, {plan.rounds} rounds for every method read at the last, "
+        f"{plan.numerics} numerics, primary metric `{plan.primary}`, two-sided alpha "
+        f"{plan.alpha:g} with Holm over each claim's comparisons; looks {looks}"
+        + (
+            f"; a curve whose slope over its last {100 * plan.flat_window:g}% of rounds is above "
+            f"{plan.flat_tolerance:g} point per 10 rounds is named as still climbing"
+            if plan.flat_window > 0
+            else ""
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        + ".",
+        "",
+    ]
+    if plan.command:
+        lines += [f"Cells: `{plan.command}`.", ""]
+    for head, text in (
+        (f"Margin ({plan.margin:g} point)", plan.margin_reason),
+        (f"Smallest gap that matters ({plan.smallest_gap:g} point)", plan.smallest_gap_reason),
+        ("Substitution", plan.substitution),
+        ("Why this design", plan.reason),
+        ("Other hosts", plan.cross_host),
+    ):
+        if text:
+            lines += [f"{head}: {' '.join(text.split())}", ""]
+    return lines
+
+
+def claim_markdown(res: dict[str, Any]) -> list[str]:
+    claim = res["claim"]
+    lines = [f"#### {claim.title}", "", f"**Verdict: {res['verdict']}.**", ""]
+    lines.append(
+        "| setting | method vs baseline | metric | cells | seeds | method | baseline | "
+        "gap [95%] | p | Holm level | adjusted interval | paper | verdict | seeds for 80% power "
+        "(spread's 95% bounds) | test-set resolution | slope, last rounds (pt/10 rounds) | "
+        "gap best-on-val / best-on-test |"
+    )
+    lines.append("|" + "---|" * 17)
+    for j in res["comparisons"]:
+        c: Comparison = j["comparison"]
+        metric = _metric_label(c)
+        if j["rounds"]:
+            lo, hi = min(j["rounds"]), max(j["rounds"])
+            metric += f" (round {lo})" if lo == hi else f" (rounds {lo}-{hi})"
+        fraction = ", ".join(f"{f:g}" for f in j.get("fraction", [])) or "-"
+        n = len(j["seeds"])
+        seeds = str(n)
+        if len(j["schedule"]) > 1:
+            seeds += f" (look {j['look'] + 1} of {len(j['schedule'])})"
+        t = j["test"]
+        lines.append(
+            f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | "
+            f"{j.get('source', '-')} ({fraction}) | {seeds} | {_num(j['method'])} | "
+            f"{_num(j['baseline'])} | {_interval(j['diff'])} | {_p(None if t is None else t.p)} | "
+            f"{_p(j.get('level') if t is not None else None)} | {_adjusted(j)} | {_paper_text(c)} | {j['verdict']} | "
+            f"{seeds_text(j['power'])} | {_resolution_text(j['resolution'])} | "
+            f"{_slopes_text(j)} | {_interval(j['best_on_val'])} / {_interval(j['best_on_test'])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def looks_markdown(claims_out: Sequence[dict[str, Any]]) -> list[str]:
+    """Every comparison looked at more than once: each look's seeds and result, with its
+    boundary (the plan's) and, for reference, O'Brien-Fleming's at the full alpha."""
+    rows = []
+    for res in claims_out:
+        plan: Plan = res["plan"]
         for j in res["comparisons"]:
-            c: Comparison = j["comparison"]
-            paper = "-"
-            if c.paper is not None:
-                paper = f"{c.paper[0]:g} vs {c.paper[1]:g}"
-                if c.relation != "lower":
-                    paper += f" ({c.paper[0] - c.paper[1]:+.2f})"
-                if c.paper_note:
-                    paper += f" ({c.paper_note})"
+            if len(j["looks_read"]) < 2 and len(j["schedule"]) < 2:
+                continue
+            c = j["comparison"]
+            sched = tuple(j["schedule"])
+            own = stats.nominal_levels(sched, plan.alpha, plan.boundary)
+            obf = stats.nominal_levels(sched, plan.alpha, "obrien_fleming")
+            for i, (m, t) in enumerate(j["looks_read"]):
+                p = None if t is None else t.p
+                crossed = "yes" if p is not None and p < own[i] else "no"
+                rows.append(
+                    f"| {c.suite} | {c.setting}: {c.method} vs {c.baseline} | {i + 1} of "
+                    f"{len(sched)} | {m} | {'-' if t is None else f'{t.mean:+.2f}'} | {_p(p)} | "
+                    f"{own[i]:.4f} ({plan.boundary}) | {crossed} | {obf[i]:.4f} |"
+                )
+    if not rows:
+        return []
+    return [
+        "#### Every look",
+        "",
+        "Each look reads the first n paired seeds. Levels: the two-sided nominal p-value level of "
+        "that look for the claim's full alpha (0.05), from Lan-DeMets spending over the looks' "
+        "seed fractions; within a claim Holm then divides alpha, so the level a comparison is "
+        "tested at (its row above) is smaller. O'Brien-Fleming's level is shown for reference "
+        "and decides nothing.",
+        "",
+        "| suite | comparison | look | seeds | gap | p | level (plan's boundary) | crossed | "
+        "level (O'Brien-Fleming) |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def page_markdown_table(page: Sequence[dict[str, Any]]) -> list[str]:
+    if not page:
+        return []
+    lines = [
+        "#### Error control over the whole page",
+        "",
+        f"All {len(page)} distinct confirmatory comparisons with a p-value: Holm over all of them "
+        "(with each comparison's looks, Pocock spending), and Benjamini-Hochberg's false "
+        "discovery rate (q, over the nominal p-values). A verdict that resolves within its claim "
+        "and survives both is marked.",
+        "",
+        "| claim | comparison | metric | p | within its claim | page-wide Holm | BH q | survives both |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in page:
+        j = r["j"]
+        c = j["comparison"]
+        lines.append(
+            f"| {r['claim']} | {c.setting}: {c.method} vs {c.baseline} | {_metric_label(c)} | "
+            f"{_p(j['test'].p)} | {'resolves' if j['rejected'] else 'no'} | "
+            f"{'resolves' if r['holm'] else 'no'} | {_p(r['bh_q'])} | "
+            f"{'yes' if j['rejected'] and r['holm'] and r['bh_q'] < ALPHA else 'no'} |"
+        )
+    lines.append("")
+    return lines
+
+
+def exploratory_markdown(groups: Sequence[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for g in groups:
+        rows = [j for j in g["comparisons"] if j["seeds"]]
+        if not rows:
+            continue
+        lines += [
+            f"#### Exploratory: {g['plan'].suite} ({g['group'].budget}/: {g['group'].note})",
+            "",
+            "Unadjusted 95% intervals; these cells decide no verdict.",
+            "",
+            "| setting | method vs baseline | metric | seeds | method | baseline | gap [95%] | paper | reads |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for j in rows:
+            c = j["comparison"]
+            d = j["diff"]
+            reads = "interval contains 0"
+            if d["ci95"] is not None and d["mean"] - d["ci95"] > 0:
+                reads = "above 0"
+            elif d["ci95"] is not None and d["mean"] + d["ci95"] < 0:
+                reads = "below 0"
+            elif d["ci95"] is None:
+                reads = "1 seed"
             metric = _metric_label(c)
             if j["rounds"]:
                 lo, hi = min(j["rounds"]), max(j["rounds"])
                 metric += f" (round {lo})" if lo == hi else f" (rounds {lo}-{hi})"
-            fraction = ", ".join(f"{f:g}" for f in j.get("fraction", [])) or "-"
             lines.append(
-                f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | "
-                f"{j.get('source', '-')} ({fraction}) | {j['diff']['n']} | "
-                f"{_num(j['method'])} | {_num(j['baseline'])} | {_interval(j['diff'])} | {paper} | "
-                f"{j['verdict']} | {_seeds_text(j['power'])} | {_resolution_text(j['resolution'])} | "
-                f"{_interval(j['best_on_val'])} | {_interval(j['best_on_test'])} |"
+                f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | {len(j['seeds'])} | "
+                f"{_num(j['method'])} | {_num(j['baseline'])} | {_interval(d)} | "
+                f"{_paper_text(c)} | {reads} |"
             )
         lines.append("")
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The verdict table, then per plan its rules and its claims' tables, every look, the
+    page-wide error control and the exploratory groups."""
+    lines = [summary_markdown(result["claims"])]
+    seen: set[str] = set()
+    for res in result["claims"]:
+        plan: Plan = res["plan"]
+        if plan.suite not in seen:
+            seen.add(plan.suite)
+            lines += [f"### {plan.suite}", ""] + plan_markdown(plan)
+        lines += claim_markdown(res)
+    lines += looks_markdown(result["claims"])
+    lines += page_markdown_table(result["page"])
+    lines += exploratory_markdown(result["exploratory"])
     lines.append(
         "Values: mean ± half-width of the 95% t-interval over seeds; the gap is the mean of the "
-        "per-seed differences (same seed = same split and initial models) with its interval "
-        "[lo, hi]. Seeds for 80% power: from the observed per-seed spread of the paired gap, the "
-        "seeds a two-sided t-test at 5% needs to resolve the stated gap (`at_or_above`: the "
-        f"margin, {MARGIN:g} point, plus the paper's gap). Test-set resolution: all clients' test "
-        "images in one cell, the points one image is worth, and the binomial sampling spread of "
-        "one accuracy on them. Best-on-val and best-on-test gaps use rounds up to the compared "
-        "round; best-on-test selects the round on the test set (optimistic) and never decides a "
-        "verdict."
+        "per-seed differences (same seed = same split and initial models) with its unadjusted "
+        "95% interval. p: the paired two-sided t-test (`at_or_above`: of a gap at the margin's "
+        "edge). Holm level: the level the comparison was last tested at within its claim "
+        "(Holm's share of alpha at its look); the adjusted interval is at that level and agrees "
+        "with the verdict. Seeds for 80% power: at the observed spread of the paired gap (and at "
+        "the spread's 95% confidence bounds), the seeds a two-sided t-test at 5% needs to "
+        "resolve the named gap. Slope: each method's test-accuracy slope over the plan's last "
+        "rounds, mean over seeds (method / baseline). Best-on-val and best-on-test gaps use "
+        "rounds up to the compared round; best-on-test selects the round on the test set "
+        "(optimistic) and never decides a verdict."
     )
     return "\n".join(lines) + "\n"
 
 
-def _interval(agg: dict[str, Any]) -> str:
-    if agg["mean"] is None:
-        return "-"
-    s = f"{agg['mean']:+.2f}"
-    if agg["ci95"] is None:
-        return s
-    return f"{s} [{agg['mean'] - agg['ci95']:+.2f}, {agg['mean'] + agg['ci95']:+.2f}]"
-
-
-def page(roots: Sequence[Path] = DEFAULT_ROOTS) -> str:
+def page(results: Path = RESULTS) -> str:
     """The whole claims page: the verdicts, the tables and the cells behind them."""
-    text = markdown(evaluate(roots))
+    text = markdown(evaluate(results))
     text += "\n#### The cells behind these verdicts\n\n"
-    return text + budget_markdown([r for root in roots for r in budget_rows(root)])
+    rows = [r for name in ("full", "equal", "converged") for r in budget_rows(results / name)]
+    return text + budget_markdown(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1027,36 +1245,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m fedmosaic.report.claims", description=__doc__.split("\n")[0]
     )
     p.add_argument(
-        "--cells",
-        type=Path,
-        action="append",
-        help="a folder of <suite>/cells/...; repeat, in order of preference "
-        "(default: RESULTS/full, then RESULTS/converged)",
-    )
-    p.add_argument(
         "--results",
         type=Path,
         default=RESULTS,
         metavar="RESULTS",
-        help="the results folder whose full/ and converged/ cells are read when no --cells is "
-        f"given (default: {RESULTS}, relative to the current directory: run from the repository "
-        "root)",
+        help="the results folder whose budget folders (full/, equal/, converged/) the plans read "
+        f"(default: {RESULTS}, relative to the current directory: run from the repository root)",
     )
     p.add_argument("--out", type=Path, help="write the Markdown here (default: stdout)")
     args = p.parse_args(argv)
-    roots = args.cells or list(result_roots(args.results))
-    if not any(r.is_dir() for r in roots):
-        if args.cells:
-            print(f"error: --cells {roots[0]} is not a folder", file=sys.stderr)
-        else:
-            print(
-                f"error: --results {args.results} holds no full/ or converged/ folder (run from "
-                "the repository root, or pass --results DIR)",
-                file=sys.stderr,
-            )
+    if not args.results.is_dir():
+        print(
+            f"error: --results {args.results} is not a folder (run from the repository root, or "
+            "pass --results DIR)",
+            file=sys.stderr,
+        )
         return 2
     try:
-        text = page([r for r in roots if r.is_dir()])
+        text = page(args.results)
         if args.out is None:
             sys.stdout.write(text)
         else:  # written whole or not at all
@@ -1074,13 +1280,14 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "CLAIMS",
     "Claim",
     "Comparison",
+    "PLANS",
+    "PlanError",
+    "decide",
     "evaluate",
     "judge",
+    "label",
     "markdown",
     "pair_problems",
-    "seeds_needed",
-    "verdict",
 ]

@@ -1,20 +1,25 @@
-"""The claims page: paired per-seed gaps, their intervals, the verdict rules, and that the
-committed page is what the committed cells give."""
+"""The claims page: paired per-seed tests, Holm within each claim and over the page, sequential
+looks, the labels, the complete fair-pair check, the plans, and that the committed page is what
+the committed cells give under the committed plans."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from fedmosaic.report import claims
-from fedmosaic.report.claims import FAILS, HOLDS, INCONCLUSIVE, SMALLER, Comparison
+from fedmosaic.checkpoint import config_hash
+from fedmosaic.report import claims, stats
+from fedmosaic.report.claims import FAILS, HOLDS, INCONCLUSIVE, SMALLER, WITHIN, Comparison
+from fedmosaic.report.plans import PlanError, load_plan, load_plans
 from fedmosaic.suite_runner import load_suite
 
 T975_2 = 4.302652729911275  # t_{0.975, 2}: three seeds
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
 
 
 def _doc(final: float, rounds: list[tuple[int, float]] = (), **summary: float) -> dict:
@@ -32,63 +37,74 @@ def _cells(method: list[float], baseline: list[float], setting: str = "s") -> di
     return out
 
 
-def test_paired_gap_and_interval_by_hand() -> None:
+def _one(c: Comparison, cells: dict, plan=None) -> dict:
+    """One comparison judged as a claim of its own (Holm over one: the plain 5% test)."""
+    j = claims.judge(c, cells, plan)
+    claims.decide([j], plan)
+    return j
+
+
+def test_paired_gap_test_and_interval_by_hand() -> None:
     c = Comparison("x", "s", "m", "b")
-    j = claims.judge(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))
-    # per-seed gaps 2, 3, 1 points: mean 2, sd 1, half-width t * 1 / sqrt(3)
-    assert j["diff"]["n"] == 3
+    j = _one(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))
+    # per-seed gaps 2, 3, 1 points: mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.464 on 2 df
     assert j["diff"]["mean"] == pytest.approx(2.0)
     assert j["diff"]["ci95"] == pytest.approx(T975_2 / math.sqrt(3))
-    assert j["method"]["mean"] == pytest.approx(91.0)
-    # 2 - 2.48 < 0: the interval contains 0. Without a paper gap the count is for the observed
-    # one (sd 1, gap 2): n = 4 needs (3.182 + 0.978)^2 / 4 = 4.33 > 4; n = 5 needs
-    # (2.776 + 0.941)^2 / 4 = 3.45 <= 5
-    assert j["verdict"] == INCONCLUSIVE + ": needs 5 seeds"
+    assert j["test"].p == pytest.approx(0.07417990022744858)  # 2 * t.sf(3.4641, 2)
+    assert j["level"] == pytest.approx(0.05)  # one comparison: Holm is the plain test
+    lo, hi = j["interval"]
+    assert lo == pytest.approx(2 - T975_2 / math.sqrt(3)) and hi > 4
+    # no paper gap: the power column aims at 1 point: sd 1 needs 10 seeds; the spread's 95%
+    # bounds (0.52 and 6.29) need 5 ((2.776 + 0.941)^2 * 0.271 = 3.75 <= 5) and 312
+    assert j["verdict"] == (
+        INCONCLUSIVE + ": needs 10 (5 to 312) seeds for the default 1-point gap (1.00)"
+    )
 
 
 def test_unweighted_metric_reads_acc_mean() -> None:
     c = Comparison("x", "s", "m", "b", accuracy="unweighted")
-    j = claims.judge(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))
+    j = _one(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))
     assert j["method"]["mean"] == pytest.approx(90.0)  # acc_mean = acc_weighted - 1 point
 
 
 @pytest.mark.parametrize(
     ("method", "baseline", "paper", "expected"),
     [
-        ([0.95, 0.96, 0.97], [0.90, 0.905, 0.91], None, HOLDS),  # gaps 5, 5.5, 6: well above 0
+        ([0.95, 0.96, 0.97], [0.90, 0.905, 0.91], None, HOLDS),  # gaps 5, 5.5, 6
         ([0.95, 0.96, 0.97], [0.90, 0.905, 0.91], (90.0, 70.0), SMALLER),  # < half of 20
         ([0.95, 0.96, 0.97], [0.90, 0.905, 0.91], (90.0, 80.0), HOLDS),  # >= half of 10
-        ([0.90, 0.90, 0.90], [0.90, 0.90, 0.90], None, INCONCLUSIVE),  # no gap: [0, 0]
-        ([0.89, 0.90, 0.91], [0.90, 0.91, 0.92], None, FAILS),  # -1 each seed: [-1, -1]
-        # the labels that used to flatter or condemn on the sign of the mean alone:
+        ([0.90, 0.90, 0.90], [0.90, 0.90, 0.90], None, INCONCLUSIVE),  # no gap
+        ([0.89, 0.90, 0.91], [0.90, 0.91, 0.92], None, FAILS),  # -1 each seed
         ([0.90, 0.92, 0.91], [0.88, 0.89, 0.90], None, INCONCLUSIVE),  # +2 [-0.48, +4.48]
         ([0.88, 0.89, 0.90], [0.90, 0.92, 0.91], None, INCONCLUSIVE),  # -2 [-4.48, +0.48]
     ],
 )
 def test_above_verdicts(method, baseline, paper, expected) -> None:
     c = Comparison("x", "s", "m", "b", paper=paper)
-    assert claims.judge(c, _cells(method, baseline))["verdict"].split(":")[0] == expected
+    assert _one(c, _cells(method, baseline))["verdict"].split(":")[0] == expected
 
 
-def test_at_or_above_is_non_inferiority_with_a_margin() -> None:
+def test_non_inferiority_states_its_direction() -> None:
     c = Comparison("x", "s", "m", "b", relation="at_or_above")  # margin 1 point
-    # gaps -0.5, +1, -1.5: mean -1/3, half-width 4.30 * 1.258 / sqrt(3) = 3.12: inconclusive
-    level = claims.judge(c, _cells([0.90, 0.91, 0.89], [0.905, 0.90, 0.905]))
-    assert level["diff"]["mean"] < 0 and level["verdict"].startswith(INCONCLUSIVE + ": needs ")
-    # layer expansion's old cells: -0.76 [-1.99, +0.46] used to be published as "holds"
-    le = claims.verdict(c, {"mean": -0.76, "ci95": 1.22, "n": 3}, {"mean": 89.8}, {"mean": 90.6})
-    assert le == INCONCLUSIVE
-    above = claims.judge(c, _cells([0.92, 0.91, 0.915], [0.90, 0.90, 0.90]))
-    assert above["verdict"] == HOLDS  # [+1.00, +2.00]... lower bound above 0
-    # below by 0.5 each seed: [-0.5, -0.5], inside the 1-point margin
-    within = claims.judge(c, _cells([0.895, 0.905, 0.895], [0.90, 0.91, 0.90]))
-    assert within["verdict"] == f"{HOLDS} within the 1-point margin"
-    below = claims.judge(c, _cells([0.85, 0.86, 0.85], [0.90, 0.90, 0.91]))
+    # below by 0.5, 0.4, 0.6: mean -0.5, sd 0.1: the NI test (gap = -1) resolves; the interval
+    # [-0.75, -0.25] is below 0: "below b by 0.50 [0.25, 0.75]"
+    j = _one(c, _cells([0.895, 0.906, 0.894], [0.90, 0.91, 0.90]))
+    half = T975_2 * 0.1 / math.sqrt(3)
+    assert j["verdict"] == (
+        f"{WITHIN} 1-point margin; below b by 0.50 [{0.5 - half:.2f}, {0.5 + half:.2f}]"
+    )
+    above = _one(c, _cells([0.92, 0.91, 0.915], [0.90, 0.90, 0.90]))
+    assert above["verdict"].startswith(f"{WITHIN} 1-point margin; above b by 1.50 [")
+    level = _one(c, _cells([0.90, 0.90, 0.901], [0.899, 0.901, 0.901]))  # +0.1, -0.1, 0
+    assert level["verdict"].startswith(f"{WITHIN} 1-point margin; level with b: ")
+    below = _one(c, _cells([0.85, 0.86, 0.85], [0.90, 0.90, 0.91]))
     assert below["verdict"] == FAILS  # [-6.7, -3.3]: below by more than the margin
     wide = Comparison("x", "s", "m", "b", relation="at_or_above", margin=10.0)
-    assert claims.judge(wide, _cells([0.85, 0.86, 0.85], [0.90, 0.90, 0.91]))["verdict"] == (
-        f"{HOLDS} within the 10-point margin"
+    assert _one(wide, _cells([0.85, 0.86, 0.85], [0.90, 0.90, 0.91]))["verdict"].startswith(
+        f"{WITHIN} 10-point margin; below b by 5.00"
     )
+    # the claim's label drops the details after ";"
+    assert claims.claim_verdict([j["verdict"], HOLDS]) == f"{WITHIN} 1-point margin"
 
 
 def test_lower_needs_the_interval_below_0_and_compares_the_papers_ratio() -> None:
@@ -98,7 +114,7 @@ def test_lower_needs_the_interval_below_0_and_compares_the_papers_ratio() -> Non
         for seed, (x, y) in enumerate(zip(a, b, strict=True)):
             cells[("s", "m", seed)] = _doc(0.9, paper_cost_total=x * 1e9)
             cells[("s", "b", seed)] = _doc(0.9, paper_cost_total=y * 1e9)
-        return claims.judge(c, cells)["verdict"]
+        return _one(c, cells)["verdict"]
 
     paper = (36.0, 100.0)
     assert cost([30.0, 31, 29], [100.0, 101, 99], paper) == HOLDS
@@ -112,160 +128,183 @@ def test_seeds_needed_by_hand() -> None:
     """80% power at 5% two-sided: the smallest n with n >= (t_.975,n-1 + t_.8,n-1)^2 (sd/delta)^2.
     sd = delta: n = 9 needs (2.306 + 0.889)^2 = 10.21 > 9; n = 10 needs (2.262 + 0.883)^2 =
     9.89 <= 10."""
-    assert claims.seeds_needed(1.0, 1.0) == 10
-    assert claims.seeds_needed(2.0, 2.0) == 10  # only the ratio matters
-    assert claims.seeds_needed(0.0, 1.0) == 2
-    assert claims.seeds_needed(None, 1.0) is None and claims.seeds_needed(1.0, 0.0) is None
-    assert claims.seeds_needed(100.0, 0.01) is None  # past MAX_SEEDS
+    assert stats.seeds_needed(1.0, 1.0) == 10
+    assert stats.seeds_needed(2.0, 2.0) == 10  # only the ratio matters
+    assert stats.seeds_needed(0.0, 1.0) == 2
+    assert stats.seeds_needed(None, 1.0) is None and stats.seeds_needed(1.0, 0.0) is None
+    assert stats.seeds_needed(100.0, 0.01) is None  # past MAX_SEEDS
 
 
-def test_power_targets_the_papers_gap_or_the_margin() -> None:
-    diff = {"mean": 0.3, "std": 1.0, "ci95": 2.0, "n": 3}
-    above = claims.power(Comparison("x", "s", "m", "b", paper=(91.0, 90.0)), diff)
-    assert above["delta"] == pytest.approx(1.0) and above["seeds"] == 10
-    nopaper = claims.power(Comparison("x", "s", "m", "b"), diff)
-    assert nopaper["basis"] == "observed gap" and nopaper["delta"] == pytest.approx(0.3)
-    ni = claims.power(
-        Comparison("x", "s", "m", "b", relation="at_or_above", paper=(90.5, 90.0)), diff
+def test_power_carries_the_spreads_uncertainty() -> None:
+    """The spread's 95% bounds from chi-square on n - 1 df: with 3 seeds sd * sqrt(2 / 7.3778)
+    and sd * sqrt(2 / 0.050636)."""
+    lo, hi = stats.sd_bounds(1.0, 3)
+    assert lo == pytest.approx(math.sqrt(2 / 7.377758908227871))
+    assert hi == pytest.approx(math.sqrt(2 / 0.0506356159685798))
+    point, low, high = stats.seeds_range(1.0, 3, 1.0)
+    assert point == 10
+    assert low == stats.seeds_needed(lo, 1.0) and high == stats.seeds_needed(hi, 1.0)
+    assert low < point < high
+
+
+def test_power_targets_the_papers_gap_the_plans_smallest_gap_or_the_margin() -> None:
+    assert claims.target_gap(Comparison("x", "s", "m", "b", paper=(91.0, 90.0)), None) == (
+        1.0,
+        "paper gap",
     )
-    assert ni["delta"] == pytest.approx(1.5)  # margin 1 + the paper's +0.5
+    ni = Comparison("x", "s", "m", "b", relation="at_or_above", paper=(90.5, 90.0))
+    assert claims.target_gap(ni, None)[0] == pytest.approx(1.5)  # margin 1 + the paper's +0.5
+    (henn,) = [p for p in load_plans() if p.suite == "fedhenn_5cnn"]
+    assert claims.target_gap(Comparison("x", "s", "m", "b"), henn) == (
+        0.5,
+        "smallest gap that matters",
+    )
+    assert claims.target_gap(Comparison("x", "s", "m", "b"), None) == (
+        1.0,
+        "default 1-point gap",
+    )
+    cost = Comparison("x", "s", "m", "b", relation="lower", metric="paper_cost_g")
+    assert claims.target_gap(cost, None) == (None, "")
 
 
-def test_resolution_counts_all_test_images() -> None:
-    doc = {"clients": [{"num_test": 300}, {"num_test": 700}]}
-    r = claims.resolution(doc, 90.0)
-    assert r["test_images"] == 1000 and r["per_image"] == pytest.approx(0.1)
-    assert r["sampling_sd"] == pytest.approx(100 * math.sqrt(0.09 / 1000))
+def test_holm_and_bh_by_hand() -> None:
+    p = [0.01, 0.04, 0.03, 0.005]
+    # sorted 0.005, 0.01, 0.03, 0.04 -> 4 * 0.005, 3 * 0.01, 2 * 0.03, 1 * 0.04, running max
+    assert stats.holm(p) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # BH: m p / rank = 0.02, 0.02, 0.04, 0.04, running min from the top
+    assert stats.benjamini_hochberg(p) == pytest.approx([0.02, 0.04, 0.04, 0.02])
 
 
-def test_one_seed_is_inconclusive_whatever_the_sign() -> None:
-    c = Comparison("x", "s", "m", "b")
-    j = claims.judge(c, _cells([0.95], [0.90]))
-    assert j["diff"]["ci95"] is None and j["verdict"] == INCONCLUSIVE + " (1 seed)"
-    assert claims.claim_verdict([j["verdict"], SMALLER]) == INCONCLUSIVE + " (1 seed)"
-    assert claims.claim_verdict([INCONCLUSIVE, FAILS, HOLDS]) == FAILS
+def test_holm_within_a_claim_needs_more_than_5_percent() -> None:
+    """FedClassAvg Table 2's old p-values (0.018, 0.019, 0.044 among six comparisons): each
+    resolved alone at 5%, none under Holm (the smallest needs 0.05 / 6)."""
+    family = [stats.Family(p) for p in (0.018, 0.019, 0.044, 0.3, 0.5, 0.7)]
+    rejected, levels = stats.sequential_holm(family, 0.05, "pocock")
+    assert rejected == [False] * 6 and levels[0] == pytest.approx(0.05 / 6)
+    # step-down: once the first is rejected, the next is tested at 0.05 / 5
+    rejected, levels = stats.sequential_holm(
+        [stats.Family(0.001), stats.Family(0.009), stats.Family(0.02)], 0.05, "pocock"
+    )
+    # the first two pass 0.05 / 3 together, the third is then tested at 0.05
+    assert rejected == [True, True, True] and levels == pytest.approx([0.05 / 3, 0.05 / 3, 0.05])
+    # an untestable hypothesis keeps its share of alpha and is never rejected
+    # (0.03 alone would pass 0.05; beside it, 0.025)
+    rejected, _ = stats.sequential_holm([stats.Family(0.03), stats.Family(None)], 0.05, "pocock")
+    assert rejected == [False, False]
 
 
-def test_common_round_reads_both_runs_at_the_last_round_both_ran() -> None:
-    c = Comparison("x", "s", "m", "b", metric="common_round")
-    cells = {
-        ("s", "m", 0): _doc(0.99, [(1, 0.5), (2, 0.6), (3, 0.7)]),
-        ("s", "b", 0): _doc(0.40, [(1, 0.4), (2, 0.45)]),  # stopped on its plateau at round 2
-    }
-    j = claims.judge(c, cells)
-    assert j["rounds"] == [2]
-    assert j["method"]["mean"] == pytest.approx(60.0) and j["baseline"]["mean"] == pytest.approx(
-        45.0
+def test_group_sequential_boundaries() -> None:
+    """Lan-DeMets Pocock-type spending, five equally spaced looks: the published boundaries
+    2.438, 2.427, 2.410, 2.397, 2.386; each spending function spends all of alpha at the end."""
+    z = stats.z_boundaries([0.2, 0.4, 0.6, 0.8, 1.0], 0.05, "pocock")
+    assert z == pytest.approx([2.438, 2.427, 2.410, 2.397, 2.386], abs=2e-3)
+    assert stats.spent("obrien_fleming", 1.0, 0.05) == pytest.approx(0.05)
+    assert stats.spent("pocock", 1.0, 0.05) == pytest.approx(0.05)
+    assert stats.nominal_levels([6], 0.05, "pocock") == [0.05]
+    # FedHeNN's five-class looks at 3, 5 and 6 seeds: p = 0.023 at the last look does not cross
+    # Pocock's level; O'Brien-Fleming's (which spends little early) would have crossed
+    pocock = stats.nominal_levels([3, 5, 6], 0.05, "pocock")
+    obf = stats.nominal_levels([3, 5, 6], 0.05, "obrien_fleming")
+    assert pocock[-1] < 0.023 < obf[-1]
+
+
+def test_a_planned_look_reads_only_its_seeds(tmp_path: Path) -> None:
+    plan = _tiny_plan(tmp_path, looks="looks = [3, 6]")
+    c = plan.claims[0].comparisons[0]
+    cells = _cells([0.95, 0.96, 0.97, 0.5], [0.90, 0.905, 0.91, 0.9])  # seed 3 would flip it
+    for doc in cells.values():  # the plan's equal budget: 3 rounds, all run
+        doc["config"] = {"train": {"rounds": 3}}
+        doc["summary"]["rounds_run"] = 3
+    j = _one(c, cells, plan)
+    assert j["seeds"] == [0, 1, 2] and j["all_seeds"] == [0, 1, 2, 3]
+    assert j["look"] == 0 and j["schedule"] == (3, 6)
+    assert j["level"] == pytest.approx(stats.nominal_levels([3, 6], 0.05, "pocock")[0])
+    two = {k: v for k, v in cells.items() if k[2] < 2}
+    assert _one(c, two, plan)["verdict"] == (
+        f"{claims.WAITING}: 2 of the 3 seeds of the first planned look"
     )
 
 
-def test_mean_over_rounds_averages_both_curves_up_to_the_common_round() -> None:
-    c = Comparison("x", "s", "m", "b", metric="mean_over_rounds")
-    cells = {
-        ("s", "m", 0): _doc(0.99, [(1, 0.5), (2, 0.6), (3, 0.7)]),
-        ("s", "b", 0): _doc(0.40, [(1, 0.4), (2, 0.45)]),
-    }
-    j = claims.judge(c, cells)
-    assert j["rounds"] == [2]
-    assert j["method"]["mean"] == pytest.approx(55.0) and j["baseline"]["mean"] == pytest.approx(
-        42.5
+def test_a_look_not_in_the_record_is_refused() -> None:
+    c = Comparison("x", "s", "m", "b", looks=(3, 5))
+    j = _one(c, _cells([0.95, 0.96, 0.97, 0.95, 0.96, 0.97], [0.9] * 6))
+    assert j["verdict"].startswith(claims.WAITING + ": 6 paired seeds, but the plan's record")
+
+
+def _tiny_plan(tmp_path: Path, looks: str = "", extra: str = ""):
+    path = tmp_path / "x.toml"
+    path.write_text(
+        f"""
+[plan]
+suite = "x"
+written = "2026-01-01"
+budget = "full"
+rounds = 3
+numerics = "native"
+primary = "final"
+{looks}
+{extra}
+
+[[claims]]
+key = "k"
+title = "A claim"
+[[claims.comparisons]]
+setting = "s"
+method = "m"
+baseline = "b"
+"""
     )
+    return load_plan(path)
 
 
-def test_only_seeds_both_methods_ran_are_paired() -> None:
-    c = Comparison("x", "s", "m", "b")
-    cells = _cells([0.9, 0.9], [0.8, 0.8])
-    cells[("s", "m", 7)] = _doc(0.1)  # no baseline on seed 7
-    assert claims.judge(c, cells)["seeds"] == [0, 1]
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("oops = 1", "unknown key(s) oops"),
+        ("looks = [3, 2]", "must increase"),
+        ("looks = [1, 3]", "seed counts >= 2"),
+        ('boundary = "haybittle"', "boundary 'haybittle'"),
+        ('error_rule = "bonferroni"', "only holm"),
+        ("alpha = 0.7", "alpha must be in"),
+    ],
+)
+def test_a_bad_plan_is_refused_by_name(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _tiny_plan(tmp_path, extra=text)
 
 
-def test_missing_cells_make_the_claim_not_run(tmp_path: Path) -> None:
-    results = claims.evaluate(tmp_path)
-    assert {r["verdict"] for r in results} == {"not run (cells missing)"}
-    assert "not run" in claims.markdown(results)
+def test_equal_budgets_read_at_the_end(tmp_path: Path) -> None:
+    """A plateau-stopped cell, another round count or other numerics than the plan's: not
+    comparable (such cells belong in an exploratory group)."""
+    plan = _tiny_plan(tmp_path)
+    doc = _cfg_doc(0.9)
+    doc["config"]["train"]["rounds"] = 3
+    doc["summary"]["rounds_run"] = 3
+    assert claims.budget_problems(plan, "m", doc) == []
+    stopped = copy.deepcopy(doc)
+    stopped["summary"]["rounds_run"] = 2
+    assert claims.budget_problems(plan, "m", stopped) == [
+        "m's cell stopped at round 2 of 3 (a plateau stop)"
+    ]
+    longer = copy.deepcopy(doc)
+    longer["config"]["train"]["rounds"] = 5
+    assert "m's cell has train.rounds = 5, the plan 3" in claims.budget_problems(plan, "m", longer)
+    portable = copy.deepcopy(doc)
+    portable["config"]["sim"] = {"numerics": "portable"}
+    assert claims.budget_problems(plan, "m", portable) == [
+        "m's cell has sim.numerics = 'portable', the plan 'native'"
+    ]
 
 
-def test_load_cells_reads_the_compare_layout(tmp_path: Path) -> None:
-    d = tmp_path / "suite" / "cells" / "dir" / "fedtgp" / "seed2"
-    d.mkdir(parents=True)
-    (d / "results.json").write_text(json.dumps(_doc(0.5)))
-    assert list(claims.load_cells(tmp_path, "suite")) == [("dir", "fedtgp", 2)]
-
-
-@pytest.mark.parametrize("claim", claims.CLAIMS, ids=lambda c: c.key)
-def test_claims_name_the_suites_methods_settings_and_metric(claim) -> None:
-    """A renamed method or setting, or a metric other than the paper's, fails here."""
-    for c in claim.comparisons:
-        suite = load_suite(c.suite)
-        assert c.setting in [s.label for s in suite.settings]
-        assert {c.method, c.baseline} <= {m.label for m in suite.methods}
-        if c.metric in claims.ACCURACY_METRICS:
-            assert c.accuracy == suite.paper_metric
-
-
-def test_cli_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
-    assert claims.main(["--cells", str(tmp_path / "nope")]) == 2
-    assert "is not a folder" in capsys.readouterr().err
-
-
-def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
-    """docs/results/claims.md is generated from docs/results/{full,converged}; a stale page
-    fails."""
-    page = ROOT / "docs" / "results" / "claims.md"
-    assert page.is_file()
-    out = ROOT / "build" / "claims-test.md"
-    out.parent.mkdir(exist_ok=True)
-    assert claims.main(["--out", str(out)]) == 0
-    assert page.read_text() == out.read_text()
-
-
-def test_budget_rows_sum_the_cells_wall_time(tmp_path: Path) -> None:
-    for seed, (wall, rounds) in enumerate(((1800.0, 40), (3600.0, 55))):
-        d = tmp_path / "s" / "cells" / "set" / "m" / f"seed{seed}"
-        d.mkdir(parents=True)
-        doc = {
-            "config": {"data": {"subsample": 0.05}},
-            "summary": {"rounds_run": rounds},
-            "wall_seconds": wall,
-            "provenance": {"code": {"source_hash": "abcdef0123456789"}},
-        }
-        (d / "results.json").write_text(json.dumps(doc))
-    (row,) = claims.budget_rows(tmp_path)
-    assert row["cells"] == 2 and row["seeds"] == [0, 1] and row["fractions"] == [0.05]
-    assert row["rounds"] == (40, 55) and row["hours"] == pytest.approx(1.5)
-    assert row["codes"] == ["abcdef012345"]
-    assert "| all | | 2 | | | | 1.50 | |" in claims.budget_markdown([row])
-
-
-def test_results_page_carries_the_current_verdicts() -> None:
-    """docs/results.md quotes the verdict table of the committed cells verbatim."""
-    table = claims.summary_markdown(claims.evaluate())
-    assert table in (ROOT / "docs" / "results.md").read_text()
-
-
-def test_summary_counts_each_comparisons_verdict() -> None:
-    c = Comparison("x", "s", "m", "b")
-    j1 = claims.judge(c, _cells([0.95, 0.96, 0.97], [0.90, 0.905, 0.91]))
-    j2 = claims.judge(c, _cells([0.89, 0.90, 0.91], [0.90, 0.91, 0.92]))
-    res = {
-        "claim": claims.Claim("k", "A claim", (c, c)),
-        "comparisons": [j1, j2],
-        "verdict": claims.claim_verdict([j1["verdict"], j2["verdict"]]),
-    }
-    j1["source"] = j2["source"] = "full"
-    j1["fraction"] = j2["fraction"] = [1.0]
-    row = claims.summary_markdown([res]).splitlines()[2]
-    assert row == f"| A claim | **{FAILS}** | 3 | full 100% | 1 {FAILS}, 1 {HOLDS} |"
-
-
-def test_cli_names_a_corrupt_cell_and_writes_nothing(tmp_path: Path, capsys) -> None:
-    d = tmp_path / "fedgh_table3" / "cells" / "pathological" / "fedgh" / "seed0"
-    d.mkdir(parents=True)
-    (d / "results.json").write_text("{not json")
-    out = tmp_path / "claims.md"
-    assert claims.main(["--cells", str(tmp_path), "--out", str(out)]) == 2
-    assert "results.json: not a cell's results.json" in capsys.readouterr().err
-    assert not out.exists()
+def test_flatness_is_the_slope_over_the_last_rounds(tmp_path: Path) -> None:
+    # accuracy 50 + 0.5 * round (points): 5 points per 10 rounds, over rounds 91..100 of 100
+    doc = _doc(0.0, [(r, (50 + 0.5 * r) / 100) for r in range(1, 101)])
+    assert claims.curve_slope(doc, "acc_weighted", 0.1) == pytest.approx(5.0)
+    flat = _doc(0.0, [(r, 0.9) for r in range(1, 101)])
+    assert claims.curve_slope(flat, "acc_weighted", 0.1) == pytest.approx(0.0)
+    plan = _tiny_plan(tmp_path, extra="flat_window = 0.1\nflat_tolerance = 0.1")
+    j = {"comparison": plan.claims[0].comparisons[0], "slopes": (5.0, 0.0)}
+    assert claims.climbing(plan, [j]) == ["m (s)"]
 
 
 def _cfg_doc(final: float, seed: int = 0, **over) -> dict:
@@ -295,10 +334,14 @@ def test_pair_problems_name_every_unfair_difference() -> None:
     assert data == "data config differs (subsample)"
     (rounds,) = claims.pair_problems(c, base, _cfg_doc(0.8, train__rounds=40))
     assert rounds == "train.rounds 50 vs 40"
-    # FedHeNN's networks with and without the projection to feature_dim (the old Local cells)
+    (lr,) = claims.pair_problems(c, base, _cfg_doc(0.8, train__lr=0.05))
+    assert lr == "train.lr None vs 0.05"
+    declared = Comparison("x", "s", "m", "b", declared=("train.lr",))
+    assert claims.pair_problems(declared, base, _cfg_doc(0.8, train__lr=0.05)) == []
+    # FedHeNN fixes its own projection: Local on its networks sets projection "none" to match
     henn = _cfg_doc(0.9, algorithm__name="fedhenn")
-    (model,) = claims.pair_problems(c, henn, base)
-    assert model.startswith("client models differ (client 0: ")
+    problems = claims.pair_problems(c, henn, base)
+    assert any(p.startswith("client models differ (client 0: ") for p in problems)
     assert claims.pair_problems(c, henn, _cfg_doc(0.8, model__projection="none")) == []
     term = Comparison("x", "s", "m", "b", same=("distance", "lam"))
     tgp = _cfg_doc(0.9, algorithm__name="fedtgp")  # defaults: euclidean, lam 0.1
@@ -307,6 +350,202 @@ def test_pair_problems_name_every_unfair_difference() -> None:
         "algorithm.distance 'euclidean' vs 'mse'",
         "algorithm.lam 0.1 vs 1.0",
     ]
+
+
+def _committed_pair() -> tuple[Comparison, dict, dict]:
+    cells = claims.load_cells(RESULTS / "full", "layer_expansion")
+    c = Comparison(
+        "layer_expansion",
+        "dir01",
+        "fedseq_vanilla",
+        "fedbabu",
+        relation="at_or_above",
+        metric="after_finetune",
+    )
+    return c, cells[("dir01", "fedseq_vanilla", 0)], cells[("dir01", "fedbabu", 0)]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expect"),
+    [
+        ("config.train.lr", 0.05, "train.lr"),
+        ("config.train.local_epochs", 5, "train.local_epochs"),
+        ("config.train.batch_size", 64, "train.batch_size"),
+        ("config.train.momentum", 0.9, "train.momentum"),
+        ("config.train.optimizer", "adam", "train.optimizer"),
+        ("config.train.weight_decay", 1e-4, "train.weight_decay"),
+        ("config.train.drop_last", True, "train.drop_last"),
+        ("config.model.feature_dim", 256, "model.feature_dim"),
+        ("config.sim.numerics", "portable", "sim.numerics"),
+        ("provenance.code.source_hash", "0" * 64, "made by different code"),
+    ],
+)
+def test_a_mutated_committed_cell_breaks_its_pair(path: str, value, expect: str) -> None:
+    """Edit one key of a committed cell (the layer-expansion Vanilla cell, seed 0): its pair with
+    FedBABU becomes not comparable, naming the key (and the edit breaks the config hash)."""
+    c, a, b = _committed_pair()
+    assert claims.pair_problems(c, a, b) == []
+    edited = copy.deepcopy(a)
+    node = edited
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    problems = claims.pair_problems(c, edited, b)
+    assert any(expect in p for p in problems), problems
+    if path.startswith("config."):
+        assert any("does not match its config hash" in p for p in problems), problems
+
+
+def test_the_stored_config_hash_is_checked() -> None:
+    _, a, _ = _committed_pair()
+    assert config_hash(a["config"]) == a["cell"]["config_hash"]
+    assert claims.hash_problems("m", a) == []
+
+
+def test_an_unfair_pair_is_not_judged() -> None:
+    c = Comparison("x", "s", "m", "b")
+    cells = {}
+    for seed in range(3):
+        cells[("s", "m", seed)] = _cfg_doc(0.95, seed, algorithm__name="fedhenn")
+        cells[("s", "b", seed)] = _cfg_doc(0.90, seed)
+    j = _one(c, cells)
+    assert j["verdict"].startswith(claims.NOT_COMPARABLE + ": seed 0: ")
+    assert claims.claim_verdict([j["verdict"], HOLDS]) == claims.NOT_COMPARABLE
+
+
+def test_a_claim_is_a_conjunction() -> None:
+    assert claims.claim_verdict([FAILS, "not run", HOLDS]) == FAILS
+    assert claims.claim_verdict([HOLDS, "not run"]) == "not run (cells missing)"
+    assert claims.claim_verdict([HOLDS, claims.WAITING + ": 2 of 3"]) == "not run (cells missing)"
+    assert claims.claim_verdict([]) == "not run (cells missing)"
+    assert claims.claim_verdict([HOLDS, SMALLER]) == SMALLER
+    assert claims.claim_verdict([HOLDS, INCONCLUSIVE + ": needs 5"]) == INCONCLUSIVE
+    assert claims.claim_verdict([INCONCLUSIVE + " (1 seed)", SMALLER]) == INCONCLUSIVE
+
+
+def test_an_inconclusive_row_says_when_the_interval_excludes_the_papers_gap() -> None:
+    c = Comparison("x", "s", "m", "b", paper=(95.0, 90.0))  # the paper: +5
+    j = _one(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))  # +2 [-0.48, +4.48]
+    assert j["verdict"].endswith("; the paper's gap (+5.00) is above the interval")
+    wide = Comparison("x", "s", "m", "b", paper=(94.0, 90.0))  # +4: inside the interval
+    assert (
+        "above the interval"
+        not in _one(wide, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))["verdict"]
+    )
+
+
+def test_one_seed_is_inconclusive_whatever_the_sign() -> None:
+    j = _one(Comparison("x", "s", "m", "b"), _cells([0.95], [0.90]))
+    assert j["verdict"] == INCONCLUSIVE + " (1 seed)"
+
+
+def test_mean_over_rounds_averages_both_curves_up_to_the_common_round() -> None:
+    c = Comparison("x", "s", "m", "b", metric="mean_over_rounds")
+    cells = {
+        ("s", "m", 0): _doc(0.99, [(1, 0.5), (2, 0.6), (3, 0.7)]),
+        ("s", "b", 0): _doc(0.40, [(1, 0.4), (2, 0.45)]),
+    }
+    j = claims.judge(c, cells)
+    assert j["rounds"] == [2]
+    assert j["method"]["mean"] == pytest.approx(55.0)
+    assert j["baseline"]["mean"] == pytest.approx(42.5)
+
+
+@pytest.mark.parametrize("plan", load_plans(), ids=lambda p: p.suite)
+def test_plans_name_the_suites_methods_settings_and_metric(plan) -> None:
+    """A renamed method or setting, or a metric other than the paper's, fails here."""
+    suite = load_suite(plan.suite)
+    comps = [c for cl in plan.claims for c in cl.comparisons]
+    comps += [c for g in plan.exploratory for c in g.comparisons]
+    assert comps
+    for c in comps:
+        assert c.setting in [s.label for s in suite.settings]
+        assert {c.method, c.baseline} <= {m.label for m in suite.methods}
+        if c.metric in claims.ACCURACY_METRICS:
+            assert c.accuracy == suite.paper_metric
+    assert plan.rounds > 0 and plan.numerics in ("native", "portable")
+
+
+def test_missing_cells_make_every_claim_not_run(tmp_path: Path) -> None:
+    result = claims.evaluate(tmp_path)
+    assert {r["verdict"] for r in result["claims"]} == {"not run (cells missing)"}
+    assert "not run" in claims.markdown(result)
+
+
+def test_exploratory_cells_never_decide(tmp_path: Path) -> None:
+    """Plateau-stopped cells in the converged folder: shown, but a claim with no cells in its
+    plan's budget folder is not run, whatever they say."""
+    src = RESULTS / "converged" / "fedclassavg_ablation"
+    dst = tmp_path / "converged" / "fedclassavg_ablation"
+    for p in src.glob("cells/*/*/seed*/results.json"):
+        (dst / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        (dst / p.relative_to(src)).write_text(p.read_text())
+    plans = [p for p in load_plans() if p.suite == "fedclassavg_ablation"]
+    result = claims.evaluate(tmp_path, plans)
+    (res,) = result["claims"]
+    assert res["verdict"] == "not run (cells missing)"
+    (group,) = result["exploratory"]
+    assert all(len(j["seeds"]) >= 3 for j in group["comparisons"])
+
+
+def test_cli_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
+    assert claims.main(["--results", str(tmp_path / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_cli_names_a_corrupt_cell_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "full" / "fedgh_table3" / "cells" / "pathological" / "fedgh" / "seed0"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text("{not json")
+    out = tmp_path / "claims.md"
+    assert claims.main(["--results", str(tmp_path), "--out", str(out)]) == 2
+    assert "results.json: not a cell's results.json" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
+    """docs/results/claims.md is generated from the committed cells under the committed plans;
+    a stale page fails."""
+    page = RESULTS / "claims.md"
+    out = ROOT / "build" / "claims-test.md"
+    out.parent.mkdir(exist_ok=True)
+    assert claims.main(["--results", str(RESULTS), "--out", str(out)]) == 0
+    assert page.read_text() == out.read_text()
+
+
+def test_results_page_carries_the_current_verdicts() -> None:
+    """docs/results.md quotes the verdict table of the committed cells verbatim."""
+    table = claims.summary_markdown(claims.evaluate(RESULTS)["claims"])
+    assert table in (ROOT / "docs" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("plan", load_plans(), ids=lambda p: p.suite)
+def test_every_published_pair_is_fair(plan) -> None:
+    """The committed cells behind each claim: same seed, every training, data and model key,
+    numerics, per-client parameter counts, code, config hash, the plan's equal budget, and the
+    suite's current definition of both methods."""
+    result = claims.evaluate(RESULTS, [plan])
+    for res in result["claims"]:
+        for j in res["comparisons"]:
+            assert j["problems"] == [], (j["comparison"], j["problems"][:3])
+
+
+def test_every_accuracy_row_with_seeds_has_a_power_column() -> None:
+    for res in claims.evaluate(RESULTS)["claims"]:
+        for j in res["comparisons"]:
+            c = j["comparison"]
+            if c.metric in claims.ACCURACY_METRICS and len(j["seeds"]) >= 2:
+                assert j["power"]["delta"] is not None and j["resolution"]["test_images"] > 0
+
+
+def test_a_verdict_from_less_than_the_papers_budget_says_so() -> None:
+    c = Comparison("layer_expansion", "dir01", "fedseq_vanilla", "fedbabu")  # paper: 100 rounds
+    assert claims.reduced_budget(c, {"fraction": [0.25], "rounds": [100]})
+    assert claims.reduced_budget(c, {"fraction": [1.0], "rounds": [60]})
+    assert not claims.reduced_budget(c, {"fraction": [1.0], "rounds": [100]})
+    cost = Comparison("layer_expansion", "dir01", "m", "b", relation="lower", metric="paper_cost_g")
+    assert not claims.reduced_budget(cost, {"fraction": [0.25], "rounds": []})
 
 
 def test_a_cell_whose_peer_guard_dropped_an_honest_reply_is_not_comparable() -> None:
@@ -324,17 +563,6 @@ def test_a_cell_whose_peer_guard_dropped_an_honest_reply_is_not_comparable() -> 
     )
     other["config"]["server"] = {"peer_factor": 0.0}  # guard off: an invalid reply, not the guard
     assert claims.pair_problems(c, base, other) == []
-
-
-def test_an_unfair_pair_is_not_judged() -> None:
-    c = Comparison("x", "s", "m", "b")
-    cells = {}
-    for seed in range(3):
-        cells[("s", "m", seed)] = _cfg_doc(0.95, seed, algorithm__name="fedhenn")
-        cells[("s", "b", seed)] = _cfg_doc(0.90, seed)
-    j = claims.judge(c, cells)
-    assert j["verdict"].startswith(claims.NOT_COMPARABLE + ": seed 0: client models differ")
-    assert claims.claim_verdict([j["verdict"], HOLDS]) == claims.NOT_COMPARABLE
 
 
 def test_a_cell_of_an_older_method_definition_is_flagged() -> None:
@@ -368,59 +596,6 @@ def test_best_on_val_picks_the_validation_round_and_best_on_test_is_the_max() ->
     assert claims.best_up_to(doc, "acc_weighted", 3) == (pytest.approx(70.0), pytest.approx(90.0))
 
 
-@pytest.mark.parametrize("claim", claims.CLAIMS, ids=lambda c: c.key)
-def test_every_published_pair_is_fair(claim) -> None:
-    """The committed cells behind each claim: same seed, data, per-client parameter counts, round
-    budget, the same client term where the claim says so, and the suite's current definition of
-    both methods (rebuilt from each cell's stored config)."""
-    (res,) = [r for r in claims.evaluate() if r["claim"] is claim]
-    for j in res["comparisons"]:
-        assert j["problems"] == [], (j["comparison"], j["problems"][:3])
-
-
-def test_every_accuracy_row_has_a_power_column() -> None:
-    for res in claims.evaluate():
-        for j in res["comparisons"]:
-            c = j["comparison"]
-            if c.metric in claims.ACCURACY_METRICS and j["diff"]["n"] >= 2:
-                assert j["power"]["delta"] is not None and j["resolution"]["test_images"] > 0
-
-
-def test_a_verdict_from_less_than_the_papers_budget_says_so() -> None:
-    """Reduced data or fewer rounds than the suite's paper_rounds: "... at this budget"; the full
-    data at the paper's rounds, and costs, are verdicts without it."""
-    c = Comparison("layer_expansion", "dir01", "fedseq_vanilla", "fedbabu")  # paper: 100 rounds
-    assert claims.reduced_budget(c, {"fraction": [0.25], "rounds": [100]})
-    assert claims.reduced_budget(c, {"fraction": [1.0], "rounds": [60]})
-    assert not claims.reduced_budget(c, {"fraction": [1.0], "rounds": [100]})
-    cost = Comparison("layer_expansion", "dir01", "m", "b", relation="lower", metric="paper_cost_g")
-    assert not claims.reduced_budget(cost, {"fraction": [0.25], "rounds": []})
-    (tgp,) = [r for r in claims.evaluate() if r["claim"].key == "fedtgp"]
-    for j in tgp["comparisons"]:  # 5% of the data: nothing on this page refutes the paper itself
-        assert not j["verdict"].startswith(FAILS) or j["verdict"].endswith(claims.AT_THIS_BUDGET)
-
-
-def test_a_claim_is_a_conjunction() -> None:
-    """One comparison that does not hold settles the claim, cells missing elsewhere or not; a
-    missing one otherwise leaves it not run."""
-    budget = FAILS + claims.AT_THIS_BUDGET
-    assert claims.claim_verdict([budget, "not run", HOLDS]) == budget
-    assert claims.claim_verdict([budget, FAILS]) == FAILS
-    assert claims.claim_verdict([HOLDS, "not run"]) == "not run (cells missing)"
-    assert claims.claim_verdict([]) == "not run (cells missing)"
-
-
-def test_an_inconclusive_row_says_when_the_interval_excludes_the_papers_gap() -> None:
-    c = Comparison("x", "s", "m", "b", paper=(95.0, 90.0))  # the paper: +5
-    j = claims.judge(c, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))  # +2 [-0.48, +4.48]
-    assert j["verdict"].endswith("; the paper's gap (+5.00) is above the interval")
-    wide = Comparison("x", "s", "m", "b", paper=(94.0, 90.0))  # +4: inside the interval
-    assert (
-        "above the interval"
-        not in claims.judge(wide, _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90]))["verdict"]
-    )
-
-
 def test_a_cell_whose_model_cannot_be_rebuilt_is_one_line_not_a_traceback() -> None:
     doc = {
         "config": {"data": {"dataset": "fmnist"}, "model": {"family": "nope", "feature_dim": 8}},
@@ -446,3 +621,42 @@ def test_claims_alone_sees_every_method_default():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["euclidean", "1.0"]
+
+
+def test_resolution_counts_all_test_images() -> None:
+    doc = {"clients": [{"num_test": 300}, {"num_test": 700}]}
+    r = claims.resolution(doc, 90.0)
+    assert r["test_images"] == 1000 and r["per_image"] == pytest.approx(0.1)
+    assert r["sampling_sd"] == pytest.approx(100 * math.sqrt(0.09 / 1000))
+
+
+def test_load_cells_reads_the_compare_layout(tmp_path: Path) -> None:
+    d = tmp_path / "suite" / "cells" / "dir" / "fedtgp" / "seed2"
+    d.mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps(_doc(0.5)))
+    assert list(claims.load_cells(tmp_path, "suite")) == [("dir", "fedtgp", 2)]
+
+
+def test_budget_rows_sum_the_cells_wall_time(tmp_path: Path) -> None:
+    for seed, (wall, rounds) in enumerate(((1800.0, 40), (3600.0, 55))):
+        d = tmp_path / "s" / "cells" / "set" / "m" / f"seed{seed}"
+        d.mkdir(parents=True)
+        doc = {
+            "config": {"data": {"subsample": 0.05}},
+            "summary": {"rounds_run": rounds},
+            "wall_seconds": wall,
+            "provenance": {"code": {"source_hash": "abcdef0123456789"}},
+        }
+        (d / "results.json").write_text(json.dumps(doc))
+    (row,) = claims.budget_rows(tmp_path)
+    assert row["cells"] == 2 and row["seeds"] == [0, 1] and row["fractions"] == [0.05]
+    assert row["rounds"] == (40, 55) and row["hours"] == pytest.approx(1.5)
+    assert row["codes"] == ["abcdef012345"]
+    assert "| all | | 2 | | | | 1.50 | |" in claims.budget_markdown([row])
+
+
+def test_only_seeds_both_methods_ran_are_paired() -> None:
+    c = Comparison("x", "s", "m", "b")
+    cells = _cells([0.9, 0.9], [0.8, 0.8])
+    cells[("s", "m", 7)] = _doc(0.1)  # no baseline on seed 7
+    assert claims.judge(c, cells)["seeds"] == [0, 1]
