@@ -45,7 +45,10 @@ def test_default_job_is_the_confirmed_claims_suite_cell():
         mine, theirs = cfg.to_dict(), cells[name].cfg.to_dict()
         mine["sim"]["progress"] = theirs["sim"]["progress"]  # display only
         assert mine == theirs, name
-    (claim,) = [r for r in claims.evaluate() if r["claim"].key == "layer_expansion"]
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    (claim,) = [
+        r for r in claims.evaluate(results)["claims"] if r["claim"].key == "layer_expansion"
+    ]
     assert not claim["verdict"].startswith(("not run", claims.NOT_COMPARABLE)), claim["verdict"]
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## The main job")[1].split("\n## ")[0]
@@ -54,3 +57,12 @@ def test_default_job_is_the_confirmed_claims_suite_cell():
     assert (main.algorithm["name"], "fedbabu") in pairs
     assert {min(j["seeds"]) for j in claim["comparisons"]} == {0}  # seed 0: this job
     assert all(len(j["seeds"]) >= 3 for j in claim["comparisons"])
+    # the direction of the non-inferiority verdict, as the page states it ("below fedbabu by 0.44")
+    (ni,) = [
+        j
+        for j in claim["comparisons"]
+        if j["comparison"].method == main.algorithm["name"]
+        and j["comparison"].relation == "at_or_above"
+    ]
+    direction = ni["verdict"].split("; ")[1].split(" [")[0].split(":")[0]
+    assert direction.replace("fedbabu", "FedBABU") in " ".join(section.replace("**", "").split())

@@ -16,13 +16,17 @@ The page shows each plan beside its verdicts with the date it was committed (git
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from fedmosaic.report.stats import BOUNDARIES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 PLANS = Path(__file__).resolve().parents[1] / "suites" / "plans"
 MARGIN = 1.0  # points: the default non-inferiority margin
