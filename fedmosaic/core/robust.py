@@ -59,6 +59,10 @@ PEER_MIN = 3
 log = logging.getLogger("fedmosaic")
 
 
+PEER_FACTOR_MIN = 2.0  # the smallest peer guard that keeps uploads within 2x the median
+NORM_RATIO_MIN = 1.0  # the smallest magnitude check that keeps updates as large as the model
+
+
 @dataclass(frozen=True)
 class RobustRule:
     """The server's aggregation rule: the ``[server]`` config table."""
@@ -68,10 +72,11 @@ class RobustRule:
     trim: float = 0.1  # trimmed_mean: fraction cut at each end of every coordinate, in [0, 0.5)
     f: int = 1  # krum / multi_krum: number of Byzantine clients tolerated
     clip_update_norm: float = 0.0  # > 0: every client update scaled to at most this L2 norm
-    # reject an upload whose update norm exceeds this many times the broadcast's norm; 0 = off
+    # reject an upload whose update norm exceeds this many times the broadcast's norm; 0 = off,
+    # else at least 1
     max_norm_ratio: float = 100.0
     # peer guard: reject an upload more than this many times the round's median (update norm,
-    # per-class row distance) away; 0 = off. See docs/robustness.md for why 10.
+    # per-class row distance) away; 0 = off, else at least 2. See docs/robustness.md for why 10.
     peer_factor: float = 10.0
 
     def __post_init__(self) -> None:
@@ -94,6 +99,20 @@ class RobustRule:
             raise ValueError(f"server.max_norm_ratio = {self.max_norm_ratio} must be >= 0")
         if self.peer_factor < 0:
             raise ValueError(f"server.peer_factor = {self.peer_factor} must be >= 0")
+        # Guards that would drop honest uploads in every round: a run that silently trains on
+        # nothing (every reply rejected) instead of failing in one line.
+        if 0 < self.peer_factor < PEER_FACTOR_MIN:
+            raise ValueError(
+                f"server.peer_factor = {self.peer_factor:g}: 0 turns the guard off, else it must "
+                f"be >= {PEER_FACTOR_MIN:g} (below that it drops honest uploads near the round's "
+                "median)"
+            )
+        if 0 < self.max_norm_ratio < NORM_RATIO_MIN:
+            raise ValueError(
+                f"server.max_norm_ratio = {self.max_norm_ratio:g}: 0 turns the check off, else "
+                f"it must be >= {NORM_RATIO_MIN:g} (below that it rejects honest updates smaller "
+                "than the model they update)"
+            )
 
     @property
     def plain(self) -> bool:

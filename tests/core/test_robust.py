@@ -203,6 +203,16 @@ def test_all_finite_walks_server_states():
         ({"peer_factor": -1.0}, "server.peer_factor = -1.0 must be >= 0"),
         ({"peer_factor": math.nan}, "server.peer_factor = nan must be a finite number"),
         ({"peer_factor": math.inf}, "server.peer_factor = inf must be a finite number"),
+        # a guard that drops every honest upload: refused, not a run that trains on nothing
+        (
+            {"peer_factor": 1e-9},
+            "server.peer_factor = 1e-09: 0 turns the guard off, else it must be >= 2",
+        ),
+        ({"peer_factor": 1.5}, "server.peer_factor = 1.5: 0 turns the guard off"),
+        (
+            {"max_norm_ratio": 1e-9},
+            "server.max_norm_ratio = 1e-09: 0 turns the check off, else it must be >= 1",
+        ),
         ({"bogus": 1}, "unknown key 'server.bogus'"),
     ],
 )
