@@ -228,6 +228,9 @@ def run(
             "save_models, resume, extend, overwrite and checkpoint_every need a run folder: "
             "pass out=..."
         )
+    if out is not None and (not isinstance(out, str | Path) or not str(out).strip()):
+        # Path("") is the current directory: a run folder written there by accident
+        raise ConfigError(f"out = {out!r}: name a folder (None: no run folder)")
     hook = _round_hook(on_round, cfg.train.rounds)
     trained: dict[str, Any] = {}
     if out is None:

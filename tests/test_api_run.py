@@ -176,3 +176,15 @@ def test_a_raising_callback_after_a_checkpoint_leaves_a_resumable_run(tmp_path: 
     assert seen == [3]
     assert numbers(resumed.document) == numbers(fm.run(raw).document)
     assert [r["round"] for r in _csv_numbers(out)] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("out", ["", "   ", 3])
+def test_an_empty_or_odd_out_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch, out
+):
+    """``out=""`` would be the current directory: refused in one line, nothing written there."""
+    cfg = write_toml(tmp_path / "c.toml", _raw(train={"rounds": 1}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(fm.ConfigError, match="out = .*: name a folder"):
+        fm.run(cfg, out=out)
+    assert _files(tmp_path) == {"c.toml"}
