@@ -25,6 +25,7 @@ Everything works on the per-seed paired differences ``d_s`` (method minus baseli
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ def spent(kind: str, t: float, alpha: float) -> float:
     raise ValueError(f"boundary {kind!r}: choose one of {', '.join(BOUNDARIES)}")
 
 
-GRID = 2001  # points per look of the recursive integration
+GRID = 801  # points per look of the recursive integration (Simpson: levels to ~1e-7)
 
 
 def _grid(b: float) -> tuple[np.ndarray, np.ndarray]:
@@ -133,33 +134,35 @@ def z_boundaries(fractions: Sequence[float], alpha: float, kind: str) -> list[fl
     fraction: the sub-density of ``S`` on the continuation region is carried from look to look
     by the normal increment of variance ``t_k - t_{k-1}``."""
     from scipy.optimize import brentq
-    from scipy.stats import norm
+    from scipy.special import ndtr, ndtri
 
     fr = [float(f) for f in fractions]
     if any(b <= a for a, b in zip(fr, fr[1:], strict=False)):
         raise ValueError(f"looks' information fractions {fr} must increase")
     bounds: list[float] = []
     before = 0.0  # alpha spent so far
-    x = w = dens = None  # the continuation region's grid and sub-density of S at the last look
+    x = w = dens = np.zeros(
+        0
+    )  # the continuation region's grid and sub-density of S at the last look
     for k, t in enumerate(fr):
         target = spent(kind, t, alpha)
         increment = target - before
         if k == 0:
-            c = float(norm.isf(increment / 2))
+            c = float(-ndtri(increment / 2))
         else:
             sigma = math.sqrt(t - fr[k - 1])
-            mass = w * dens  # type: ignore[operator]
+            mass = w * dens
 
             def crossing(
                 c: float,
                 sigma: float = sigma,
                 t: float = t,
                 mass: np.ndarray = mass,
-                x: np.ndarray = x,  # type: ignore[assignment]
+                x: np.ndarray = x,
                 increment: float = increment,
             ) -> float:
                 b = c * math.sqrt(t)
-                out = norm.cdf((-b - x) / sigma) + norm.sf((b - x) / sigma)
+                out = ndtr((-b - x) / sigma) + ndtr((x - b) / sigma)
                 return float(mass @ out) - increment
 
             c = float(brentq(crossing, 0.1, 15.0, xtol=1e-12))
@@ -167,26 +170,34 @@ def z_boundaries(fractions: Sequence[float], alpha: float, kind: str) -> list[fl
         b = c * math.sqrt(t)
         nx, nw = _grid(b)
         if k == 0:
-            dens = norm.pdf(nx / math.sqrt(t)) / math.sqrt(t)
+            dens = _pdf(nx / math.sqrt(t)) / math.sqrt(t)
         else:
             sigma = math.sqrt(t - fr[k - 1])
-            kernel = norm.pdf((nx[:, None] - x[None, :]) / sigma) / sigma  # type: ignore[index]
-            dens = kernel @ (w * dens)  # type: ignore[operator]
+            dens = (_pdf((nx[:, None] - x[None, :]) / sigma) / sigma) @ (w * dens)
         x, w = nx, nw
         before = target
     return bounds
 
 
+def _pdf(z: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+@functools.lru_cache(maxsize=256)
+def _levels(looks: tuple[int, ...], alpha: float, kind: str) -> tuple[float, ...]:
+    from scipy.special import ndtr
+
+    fractions = [n / looks[-1] for n in looks]
+    return tuple(float(2 * ndtr(-c)) for c in z_boundaries(fractions, alpha, kind))
+
+
 def nominal_levels(looks: Sequence[int], alpha: float, kind: str) -> list[float]:
     """The two-sided nominal p-value level of each look (seeds ``looks``, the last one the
     maximum) under ``kind`` spending of ``alpha``; one look: ``[alpha]``."""
-    ns = [int(n) for n in looks]
+    ns = tuple(int(n) for n in looks)
     if len(ns) == 1:
         return [alpha]
-    from scipy.stats import norm
-
-    fractions = [n / ns[-1] for n in ns]
-    return [float(2 * norm.sf(c)) for c in z_boundaries(fractions, alpha, kind)]
+    return list(_levels(ns, float(alpha), kind))
 
 
 @dataclass(frozen=True)
