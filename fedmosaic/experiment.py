@@ -23,7 +23,7 @@ from fedmosaic.checkpoint import Checkpointer, for_federation, peek
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.core.rounds import Transport, run_rounds
 from fedmosaic.federation import Federation, build_federation
-from fedmosaic.report.summary import results_document, round_line
+from fedmosaic.report.summary import FinetuneLines, results_document, round_line
 from fedmosaic.sim.backend import Runtime, make_transport, resolve_runtime
 
 log = logging.getLogger("fedmosaic")
@@ -128,7 +128,9 @@ def _rounds(
         if ckpt is not None and ckpt.resume and ckpt.path.exists():
             done = int(peek(ckpt.path)["round"])
         bar = RoundBar(name, cfg.train.rounds, stream, done)
-        transport.set_progress(bar.clients)
+        transport.set_progress(bar.clients, bar.finetune)
+    elif show:  # the fine-tuning after the rounds: a line per tenth of the clients
+        transport.set_progress(None, FinetuneLines(name, log.info))
 
     def tick(rec: dict[str, Any]) -> None:
         if bar is not None:
@@ -186,6 +188,17 @@ class RoundBar:
             run_eta = round_eta + max(total_rounds - n - 1, 0) * per_round
             fmt = tqdm.format_interval
             text += f", round ETA {fmt(round_eta)}, run ETA {fmt(run_eta)}"
+        self.bar.set_postfix_str(text)
+
+    def finetune(self, done: int, total: int) -> None:
+        """``done`` of the ``total`` clients have fine-tuned (0: the fine-tuning starts)."""
+        now = time.perf_counter()
+        if done == 0:
+            self.started = now
+        text = f"fine-tune: clients {done}/{total}"
+        if done > 0:
+            eta = (now - self.started) / done * (total - done)
+            text += f", ETA {tqdm.format_interval(eta)}"
         self.bar.set_postfix_str(text)
 
     def round_done(self, rec: dict[str, Any]) -> None:

@@ -58,6 +58,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
-# The native AVX2/FMA kernels (about 30 s the first time; a no-op when up to date). Never fatal:
-# without a compiler or AVX2 the torch path is used.
+# The native AVX2/FMA kernels, built once into the user's cache (~/.cache/fedmosaic/kernels):
+# about 10 s on two idle cores, under a minute on a busy 2-core machine; the command prints its
+# own estimate and its time, and is a no-op when up to date. Never fatal: without a compiler or
+# AVX2 (or with FEDMOSAIC_KERNELS=0, which skips it) the torch path is used.
 .venv/bin/python -m fedmosaic.kernels build || echo "setup: warning: native kernels not built (torch path)"

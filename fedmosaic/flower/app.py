@@ -378,7 +378,7 @@ def run_server(
         from fedmosaic.federation import build_federation
         from fedmosaic.flower.transport import GridTransport
         from fedmosaic.report.results import write_results
-        from fedmosaic.report.summary import results_document
+        from fedmosaic.report.summary import FinetuneLines, results_document
 
         threads = 1 if cfg.sim.threads == "auto" else int(cfg.sim.threads)  # as the simulator
         if threads > 0:  # the server's own steps
@@ -395,6 +395,7 @@ def run_server(
             plan.rounds,
         )
         transport.connect()
+        transport.set_progress(None, FinetuneLines(cfg.algorithm["name"], log.info))
         progress = out / "progress.jsonl"
         progress.unlink(missing_ok=True)
 

@@ -79,6 +79,7 @@ class GridTransport:
         self._hello: dict[str, tuple[int, float]] = {}  # message id -> (node, sent at)
         self.rounds: dict[int, dict[str, Any]] = {}  # per-round transport facts for results.json
         self._on_client: ClientProgress | None = None  # see set_progress
+        self._on_finetune: ClientProgress | None = None
 
     # ---- node discovery -----------------------------------------------------------------------
     def connect(self) -> None:
@@ -377,7 +378,11 @@ class GridTransport:
             cid: m.payload_message(msg, **{"client-id": cid, "phases": spec})
             for cid, msg in messages.items()
         }
+        if self._on_finetune is not None:
+            self._on_finetune(0, len(messages))
         replies, failures, _ = self._send(m.FINETUNE, 0, contents, self.options.eval_timeout)
+        if self._on_finetune is not None:  # the replies are pulled together: all done at once
+            self._on_finetune(len(messages), len(messages))
         for cid, reply in replies.items():
             try:
                 self._check_reply(cid, reply, m.FINETUNE)
@@ -397,9 +402,13 @@ class GridTransport:
         """Always :class:`ClientStatesUnavailable` (see :meth:`client_states`)."""
         raise ClientStatesUnavailable(_ON_NODES)
 
-    def set_progress(self, on_client: ClientProgress | None) -> None:
-        """Report each fit: 0 clients when its messages go out, all when its replies are in."""
+    def set_progress(
+        self, on_client: ClientProgress | None, on_finetune: ClientProgress | None = None
+    ) -> None:
+        """Report each fit (and the fine-tuning): 0 clients when its messages go out, all when
+        its replies are in."""
         self._on_client = on_client
+        self._on_finetune = on_finetune
 
     def close(self) -> None:
         """Nothing to release: the grid and the SuperNodes belong to Flower's runtime."""

@@ -9,11 +9,13 @@
 - The gray CNNs' first block, ``Conv2d(1 -> 8n) -> 2x2 max pool -> ReLU``, as one op, with its
   SGD step in the backward (``kernels.conv``); its AVX-512 code also gives the AVX2 code's bits.
 
-The extension is compiled by the project's install (``scripts/setup.sh`` runs
-``python -m fedmosaic.kernels build``) with ``torch.utils.cpp_extension``, the system's g++
-and ninja and OpenMP (``at::parallel_for`` then runs on torch's threads), into
-``fedmosaic/kernels/_build`` (or ``$XDG_CACHE_HOME/fedmosaic/kernels`` where the package folder
-is read-only). When it is missing and a compiler is present it is built on first use; without a
+The extension is compiled once per user and torch/Python version (``scripts/setup.sh`` runs
+``python -m fedmosaic.kernels build``; otherwise the first run that needs it builds it) with
+``torch.utils.cpp_extension``, the system's g++ and ninja (its translation units in parallel)
+and OpenMP (``at::parallel_for`` then runs on torch's threads), into the user's cache,
+``$XDG_CACHE_HOME/fedmosaic/kernels/<tag>`` (``~/.cache/...``; the package's ``_build`` folder
+where the cache is not writable, and an up-to-date build found there is used). A build says so
+on stderr when it starts (with an estimate) and when it ends (with its time). Without a
 compiler, on a CPU without AVX2/FMA, or with ``FEDMOSAIC_KERNELS=0``, the torch path is used.
 One log line per process says which.
 
@@ -33,6 +35,8 @@ import logging
 import os
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -42,7 +46,14 @@ from torch import Tensor
 log = logging.getLogger("fedmosaic.kernels")
 
 NAME = "fedmosaic_linear"
-SOURCE = Path(__file__).with_name("linear.cpp")
+# Two translation units that ninja compiles in parallel: the kernels (ATen's headers only) and
+# the Python bindings (pybind11 and torch's tensor casters), not torch/extension.h's whole C++
+# API, which was ~90% of the compile time.
+SOURCES = (Path(__file__).with_name("linear.cpp"), Path(__file__).with_name("bindings.cpp"))
+# CPU seconds of a build (g++ -O3 of linear.cpp, of bindings.cpp, the link; measured with g++ 12
+# and torch 2.13 on an x86-64 server core), for the estimate the start line gives (build_estimate):
+# about 8 s on two idle cores.
+BUILD_CPU_SECONDS = (7.0, 7.0, 1.0)
 # -fopenmp: at::parallel_for is inlined into the extension and runs on ATen's OpenMP pool only
 # when the extension itself is compiled with OpenMP (without it every call runs on one thread);
 # the linked libgomp.so.1 is the one torch has already loaded.
@@ -57,15 +68,32 @@ _loaded = False
 
 
 def _tag() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version]).encode())
     return h.hexdigest()[:16]
 
 
+def cache_root() -> Path | None:
+    """``$XDG_CACHE_HOME/fedmosaic/kernels`` (``~/.cache/fedmosaic/kernels``); None without a
+    home folder."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    try:  # the XDG spec: a relative path is ignored
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    except RuntimeError:  # no HOME and no passwd entry
+        return None
+    return base / "fedmosaic" / "kernels"
+
+
 def build_dirs() -> list[Path]:
-    """Where the extension may live: inside the package, then the user's cache."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return [Path(__file__).with_name("_build"), cache / "fedmosaic" / "kernels"]
+    """Where the extension may live, in the order :func:`built` looks and :func:`build` tries:
+    the user's cache (one folder per source/flags/torch/Python tag, so versions do not evict each
+    other), then ``_build`` inside the package (a checkout built there before; the fallback where
+    the cache is not writable)."""
+    root = cache_root()
+    package = Path(__file__).with_name("_build")
+    return [root / _tag(), package] if root is not None else [package]
 
 
 def _import(path: Path) -> ModuleType:
@@ -99,8 +127,57 @@ def compiler() -> str | None:
     return None
 
 
+def build_jobs() -> int:
+    """How many units ninja compiles at once: ``MAX_JOBS`` (torch passes it to ninja) or, as
+    ninja's default does, every CPU this process may use."""
+    try:
+        return max(1, int(os.environ["MAX_JOBS"]))
+    except (KeyError, ValueError):
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+def build_estimate() -> float:
+    """Seconds a build should take here: the measured CPU seconds, the units spread over the
+    jobs, slowed by the machine's load (runnable processes beyond its CPUs share them)."""
+    *units, link = BUILD_CPU_SECONDS
+    jobs = min(build_jobs(), len(units))
+    cpus = os.cpu_count() or 1
+    try:
+        busy = max(1.0, (os.getloadavg()[0] + jobs) / cpus)
+    except OSError:
+        busy = 1.0
+    return (max(max(units), sum(units) / jobs) + link) * busy
+
+
+def _say(msg: str) -> None:
+    """A line on stderr: a build is seen whether or not logging is set up."""
+    print(f"fedmosaic: {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _heartbeat(every: float = 30.0):  # noqa: ANN202 - a context manager
+    """A "still building" line every ``every`` seconds while the compiler runs."""
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            _say(f"still building native kernels ({time.perf_counter() - t0:.0f} s so far)")
+
+    thread = threading.Thread(target=beat, name="fedmosaic-kernels-build", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def build(verbose: bool = False) -> Path:
-    """Compile the extension into the first writable build folder; returns the shared object."""
+    """Compile the extension into the first writable build folder; returns the shared object.
+
+    Says on stderr when the compiler starts (where, about how long, how to skip) and when it
+    ends (how long it took); nothing when another process built it meanwhile."""
     from torch.utils import cpp_extension
 
     why = compiler()
@@ -119,18 +196,31 @@ def build(verbose: bool = False) -> Path:
                 # Holding our lock, torch's own ``lock`` file is stale: a build killed (SIGKILL)
                 # mid-compile leaves it, and torch would then wait on it forever.
                 (d / "lock").unlink(missing_ok=True)
-                # copies: load() appends torch's -L/-l flags to the lists it is given, which
-                # would change _tag() and leave a stamp that the next process finds stale
-                cpp_extension.load(
-                    NAME,
-                    [str(SOURCE)],
-                    extra_cflags=list(CFLAGS),
-                    extra_ldflags=list(LDFLAGS),
-                    build_directory=str(d),
-                    verbose=verbose,
-                    is_python_module=True,
+                _say(
+                    f"building native kernels (one time, about {build_estimate():.0f} s) into "
+                    f"{d}; {ENV}=0 skips them"
                 )
+                t0 = time.perf_counter()
+                try:
+                    with _heartbeat():
+                        # copies: load() appends torch's -L/-l flags to the lists it is given,
+                        # which would change _tag() and leave a stamp the next process finds stale
+                        cpp_extension.load(
+                            NAME,
+                            [str(src) for src in SOURCES],
+                            extra_cflags=list(CFLAGS),
+                            extra_ldflags=list(LDFLAGS),
+                            build_directory=str(d),
+                            verbose=verbose,
+                            is_python_module=True,
+                        )
+                except Exception as e:
+                    last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    took = time.perf_counter() - t0
+                    _say(f"native kernels not built after {took:.0f} s ({last}); torch path")
+                    raise
                 stamp.write_text(tag + "\n")
+                _say(f"native kernels built in {time.perf_counter() - t0:.0f} s")
                 return so
         except OSError as e:  # read-only folder: try the next
             err = e
@@ -141,7 +231,11 @@ def build(verbose: bool = False) -> Path:
 def _build_lock(d: Path):  # noqa: ANN202 - a context manager
     """One builder per folder at a time (an OS lock: released when its process dies, however)."""
     with open(d / "build.flock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process building the native kernels in {d}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:

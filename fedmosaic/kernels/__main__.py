@@ -1,7 +1,12 @@
-"""``python -m fedmosaic.kernels build``: compile the native kernels (run by scripts/setup.sh)."""
+"""``python -m fedmosaic.kernels build``: compile the native kernels (run by scripts/setup.sh).
+
+A build prints a line when the compiler starts (where, about how long) and one when it ends (its
+time); ``FEDMOSAIC_KERNELS=0`` skips it, as it skips the kernels in a run.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from fedmosaic import kernels
@@ -11,11 +16,21 @@ def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else "status"
     if cmd == "build":
         why = kernels.compiler()
+        if os.environ.get(kernels.ENV, "1") == "0":
+            why = f"{kernels.ENV}=0"
         if why or not kernels.cpu_supported():
             print(f"fedmosaic.kernels: not built ({why or 'CPU lacks AVX2/FMA'}); torch path")
             return 0
         done = kernels.built()
-        print(f"fedmosaic.kernels: {'up to date' if done else 'built'} {done or kernels.build()}")
+        if done:
+            print(f"fedmosaic.kernels: up to date {done}")
+            return 0
+        try:
+            so = kernels.build()
+        except Exception as e:  # noqa: BLE001 - the compiler's output, then a failing status
+            print(f"fedmosaic.kernels: not built: {e}", file=sys.stderr)
+            return 1
+        print(f"fedmosaic.kernels: built {so}")
         return 0
     if cmd == "status":
         print(f"fedmosaic.kernels: {kernels.status()}")

@@ -13,8 +13,15 @@
 // of W, whose sums run over the batch and the rows of W, never across lanes; the forward keeps
 // the 8-lane partial sums of two rows of W in one 16-lane register and reduces each half with the
 // AVX2 tree), so both give the same bits.
-#include <torch/extension.h>
+//
+// This unit includes ATen's tensor and per-operator headers only; the Python bindings are
+// bindings.cpp's. torch/extension.h (the whole C++ frontend) was ~90% of the compile time, and
+// the two units compile in parallel.
+
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -309,8 +316,8 @@ void bwd_tile(const float* x, const float* dyt, int64_t B, float* w, int64_t O, 
 
 bool use512 = false;  // set_avx512: the caller checked the CPU (torch's capability)
 
-void check(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
+void check(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
                   t.dim() == dim,
               name, ": expected a contiguous CPU float32 tensor of dimension ", dim);
 }
@@ -432,9 +439,8 @@ AVX512 void cpr_fwd_group512(const float* xb, int64_t W, const float* wt, int64_
 }
 
 // x [B, H, W] (padded), w [O, k*k], bias [O] or None -> (out [B, Ho, Wo, O], arg uint8 same)
-std::vector<torch::Tensor> conv_pool_relu_forward(const torch::Tensor& x, const torch::Tensor& w,
-                                                  const c10::optional<torch::Tensor>& bias,
-                                                  int64_t k) {
+std::vector<at::Tensor> conv_pool_relu_forward(const at::Tensor& x, const at::Tensor& w,
+                                               const c10::optional<at::Tensor>& bias, int64_t k) {
   check(x, "x", 3);
   check(w, "weight", 2);
   const int64_t B = x.size(0), H = x.size(1), W = x.size(2), O = w.size(0);
@@ -447,8 +453,8 @@ std::vector<torch::Tensor> conv_pool_relu_forward(const torch::Tensor& x, const 
   }
   const int64_t Ho = (H - k + 1) / 2, Wo = (W - k + 1) / 2;
   const auto wt = w.t().contiguous();  // [k*k, O]: one row of O weights per tap
-  auto out = torch::empty({B, Ho, Wo, O}, x.options());
-  auto arg = torch::empty({B, Ho, Wo, O}, x.options().dtype(torch::kUInt8));
+  auto out = at::empty({B, Ho, Wo, O}, x.options());
+  auto arg = at::empty({B, Ho, Wo, O}, x.options().dtype(at::kByte));
   const float* xp = x.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -558,15 +564,15 @@ void cpr_taps_dispatch(const CprTaps& taps, int64_t nk, int64_t nc) {  // nk <= 
 // g_q[b, p, o] = grad * (out > 0) where arg == q: the gradient of conv position q of window p;
 // dW[o, (ky, kx)] = sum_{b, p, q} g_q[b, p, o] x[b, 2 py + q / 2 + ky, 2 px + q % 2 + kx],
 // summed in that order per element (each element by one thread: any thread count, same bits).
-void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor& out,
-                                 const torch::Tensor& arg, const torch::Tensor& x,
-                                 torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t k,
+void conv_pool_relu_backward_sgd(const at::Tensor& grad, const at::Tensor& out,
+                                 const at::Tensor& arg, const at::Tensor& x,
+                                 at::Tensor w, c10::optional<at::Tensor> bias, int64_t k,
                                  double lr) {
   check(grad, "grad", 4);
   check(out, "out", 4);
   check(x, "x", 3);
   check(w, "weight", 2);
-  TORCH_CHECK(arg.is_contiguous() && arg.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(arg.is_contiguous() && arg.scalar_type() == at::kByte &&
                   arg.sizes() == out.sizes() && grad.sizes() == out.sizes(),
               "conv_pool_relu: grad, out and arg must match");
   const int64_t B = grad.size(0), Ho = grad.size(1), Wo = grad.size(2), O = grad.size(3);
@@ -575,8 +581,8 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
   const int64_t P = B * Ho * Wo;
   // gq [P, 4, O]: each pooled gradient (where the ReLU passed it) routed to its window position;
   // db summed over p in order, lane by lane
-  auto gq = torch::empty({P, 4, O}, grad.options());
-  auto db = torch::empty({O}, grad.options());  // every 8-channel group writes its sums
+  auto gq = at::empty({P, 4, O}, grad.options());
+  auto db = at::empty({O}, grad.options());  // every 8-channel group writes its sums
   const float* gp = grad.data_ptr<float>();
   const float* outp = out.data_ptr<float>();
   const uint8_t* ap = arg.data_ptr<uint8_t>();
@@ -598,7 +604,7 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
     }
     _mm256_storeu_ps(dbp + c, bsum);
   }
-  auto dwt = torch::empty({KK, O}, grad.options());  // dW transposed
+  auto dwt = at::empty({KK, O}, grad.options());  // dW transposed
   float* dp = dwt.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   // taps per register block: 3 x 4 accumulators for 32 channels (AVX2), 6 x 2 (AVX-512)
@@ -634,8 +640,8 @@ void conv_pool_relu_backward_sgd(const torch::Tensor& grad, const torch::Tensor&
 }
 
 // x [B, I], w [O, I], bias [O] or None -> y [B, O]
-torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& w,
-                             const c10::optional<torch::Tensor>& bias) {
+at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias) {
   check(x, "x", 2);
   check(w, "weight", 2);
   const int64_t B = x.size(0), I = x.size(1), O = w.size(0);
@@ -646,7 +652,7 @@ torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& w,
     TORCH_CHECK(bias->size(0) == O, "bias: size ", bias->size(0), ", weight has ", O, " rows");
     bp = bias->data_ptr<float>();
   }
-  auto y = torch::empty({B, O}, x.options());
+  auto y = at::empty({B, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -679,8 +685,8 @@ torch::Tensor linear_forward(const torch::Tensor& x, const torch::Tensor& w,
 
 // dy [B, O], x [B, I]; updates w [O, I] and bias [O] in place; returns dx [B, I] (old weights)
 // or an undefined tensor when need_dx is false.
-torch::Tensor linear_backward_sgd(const torch::Tensor& dy, const torch::Tensor& x, torch::Tensor w,
-                                  c10::optional<torch::Tensor> bias, double lr, bool need_dx) {
+at::Tensor linear_backward_sgd(const at::Tensor& dy, const at::Tensor& x, at::Tensor w,
+                               c10::optional<at::Tensor> bias, double lr, bool need_dx) {
   check(dy, "dy", 2);
   check(x, "x", 2);
   check(w, "weight", 2);
@@ -690,12 +696,12 @@ torch::Tensor linear_backward_sgd(const torch::Tensor& dy, const torch::Tensor& 
   // Rows of x and dx 1 KB-multiples apart fall in the same L1 sets (and alias 4 KB apart with
   // each other): give both a padded row stride then (not worth a copy for a few rows of W).
   const int64_t ld = (I % 256 == 0 && O > 32) ? I + 16 : I;
-  torch::Tensor xs = x, dxs;
+  at::Tensor xs = x, dxs;
   if (ld != I) {
-    xs = torch::empty({B, ld}, x.options());
+    xs = at::empty({B, ld}, x.options());
     xs.narrow(1, 0, I).copy_(x);
   }
-  if (need_dx) dxs = torch::zeros({B, ld}, x.options());
+  if (need_dx) dxs = at::zeros({B, ld}, x.options());
   const float* xp = xs.data_ptr<float>();
   const float* dp = dyt.data_ptr<float>();
   float* wp = w.data_ptr<float>();
@@ -718,7 +724,7 @@ torch::Tensor linear_backward_sgd(const torch::Tensor& dy, const torch::Tensor& 
         bwd_tile<false, false>(xp, dp, B, wp, O, I, ld, nullptr, c0, c1, flr);
     }
   });
-  torch::Tensor dx;
+  at::Tensor dx;
   if (need_dx) dx = ld == I ? dxs : dxs.narrow(1, 0, I).contiguous();
   if (bias.has_value() && bias->defined()) {
     check(*bias, "bias", 1);
@@ -745,14 +751,5 @@ bool set_avx512(bool on) {
   return use512;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_avx512", &set_avx512, "use the AVX-512 code (same bits as AVX2) where supported");
-  m.def("conv_pool_relu_forward", &conv_pool_relu_forward,
-        "relu(maxpool2x2(conv(x))) for one input channel, channels-last output and argmax");
-  m.def("conv_pool_relu_backward_sgd", &conv_pool_relu_backward_sgd,
-        "the block's weight and bias SGD step from its output gradient (no input gradient)");
-  m.def("avx512_enabled", [] { return use512; }, "whether the AVX-512 code is in use");
-  m.def("linear_forward", &linear_forward, "y = x W^T + b for a skinny batch");
-  m.def("linear_backward_sgd", &linear_backward_sgd,
-        "dx = dy W (old W); W -= lr dy^T x; b -= lr sum(dy) in one pass over W");
-}
+// Whether the 16-lane code is in use.
+bool avx512_enabled() { return use512; }

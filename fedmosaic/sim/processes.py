@@ -261,6 +261,7 @@ class ProcessTransport:
         self.version = [0] * self.num_clients  # bumped whenever a client's state changes
         self.cache = EvalCache()
         self._on_client: ClientProgress | None = None  # see set_progress
+        self._on_finetune: ClientProgress | None = None
         self.store = StateStore(state_dir)
         self.procs: list[_Worker] = []
         self.conns: list[Connection] = []
@@ -474,7 +475,18 @@ class ProcessTransport:
         calls = self._per_worker(
             groups, table, "finetune", phases=tuple(phases), offload=self.offload
         )
-        self._call(calls)  # with offload, each client goes back to the store right after
+        done = 0
+
+        def tuned(w: int, cid: int) -> None:  # a worker streams each client as it finishes
+            nonlocal done
+            done += 1
+            if self._on_finetune is not None:
+                self._on_finetune(done, len(messages))
+
+        if self._on_finetune is not None:
+            self._on_finetune(0, len(messages))
+        # with offload, each client goes back to the store right after
+        self._call(calls, tuned)
         for w, g in enumerate(groups):
             for cid in g:
                 if self.offload:
@@ -484,9 +496,13 @@ class ProcessTransport:
                 self.version[cid] += 1
 
     # ---- client state (checkpoints, the trained models) ----------------------------------
-    def set_progress(self, on_client: ClientProgress | None) -> None:
-        """Report each fit's clients as their uploads arrive (the progress bar's per-client line)."""
+    def set_progress(
+        self, on_client: ClientProgress | None, on_finetune: ClientProgress | None = None
+    ) -> None:
+        """Report each fit's clients as their uploads arrive (the progress bar's per-client
+        line), and the fine-tuning's as the workers finish them."""
         self._on_client = on_client
+        self._on_finetune = on_finetune
 
     def client_states(self) -> Sequence[ClientState]:
         """Every client's (model, extras) state dicts, fetched from the workers

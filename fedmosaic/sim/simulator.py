@@ -103,6 +103,7 @@ class SimTransport:
         self.version = [0] * (len(self.data) if build is not None else len(self.models))
         self.cache = EvalCache()
         self._on_client: ClientProgress | None = None  # see set_progress
+        self._on_finetune: ClientProgress | None = None
         self.host: ClientHost | None = None
         if build is not None:
             if self.models or self.extras:
@@ -210,7 +211,9 @@ class SimTransport:
         return out
 
     def finetune(self, messages: dict[int, Payload], phases: Sequence[Phase]) -> None:
-        for cid, msg in messages.items():
+        if self._on_finetune is not None:
+            self._on_finetune(0, len(messages))
+        for done, (cid, msg) in enumerate(messages.items(), 1):
             model, extras = self._take(cid)
             client_ops.finetune(
                 self.algo,
@@ -224,10 +227,16 @@ class SimTransport:
             )
             self._release([cid])
             self.version[cid] += 1
+            if self._on_finetune is not None:
+                self._on_finetune(done, len(messages))
 
-    def set_progress(self, on_client: ClientProgress | None) -> None:
-        """Report each fit's clients as they finish (the progress bar's per-client line)."""
+    def set_progress(
+        self, on_client: ClientProgress | None, on_finetune: ClientProgress | None = None
+    ) -> None:
+        """Report each fit's (and the fine-tuning's) clients as they finish (the progress
+        bar's per-client line)."""
         self._on_client = on_client
+        self._on_finetune = on_finetune
 
     def invalidate(self) -> None:
         """Forget cached evaluations (after client models were changed from outside)."""

@@ -73,7 +73,8 @@ def _reset_peak_rss() -> None:
 
 
 def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None]) -> Any:
-    """Run one command; per-client results of ``fit`` are sent as they are ready (``emit``)."""
+    """Run one command; per-client results of ``fit`` (and the ids of the clients ``finetune``
+    has done) are sent as they are ready (``emit``)."""
     if cmd == "flush":
         host.flush(args["cids"])
         return None
@@ -98,6 +99,7 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
             host.finetune(cid, msgs[key], args["phases"])
             if args["offload"]:
                 host.flush([cid])
+            emit(cid)  # progress: the parent counts the clients done
         return None
     if cmd == "states":
         return host.state_dicts(args["cids"])
