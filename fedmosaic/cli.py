@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import fedmosaic
-import fedmosaic.data
 from fedmosaic import numerics
-from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import FILENAME, FINAL_FILE
 from fedmosaic.config import (
     ConfigError,
     DataConfig,
@@ -31,22 +26,55 @@ from fedmosaic.config import (
     load_entry_points,
     parse_value,
 )
-from fedmosaic.core.registry import DATASETS, ENCODERS, FAMILIES, PARTITIONERS
-from fedmosaic.core.rounds import Diverged, Interrupted, stop_requested
-from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
-from fedmosaic.data.datasets import where_on_disk
-from fedmosaic.federation import check_runs
-from fedmosaic.flower.project import write_app
-from fedmosaic.models import build_client_model, count_params, flops_per_image
-from fedmosaic.report.results import format_table, plot_curves
-from fedmosaic.report.suite import bundled_suites, load_suite
-from fedmosaic.runfolder import RunFolder, fs_error
-from fedmosaic.suite_runner import build_cells, cell_status, run_suite
+
+# Startup imports no torch: ``--version``, ``--help`` and a mistake in a config's tables answer in
+# a fraction of a second. The rest of the package (torch, the registries, the runtimes) is
+# imported by the command that needs it, inside its function; the names this module used to
+# import at its top stay reachable as its attributes (``__getattr__`` below).
+_LAZY = {
+    "CHECKPOINT_FILE": ("fedmosaic.checkpoint", "FILENAME"),
+    "FILENAME": ("fedmosaic.checkpoint", "FILENAME"),
+    "FINAL_FILE": ("fedmosaic.checkpoint", "FINAL_FILE"),
+    "ALGORITHMS": ("fedmosaic.algorithms", "ALGORITHMS"),
+    "DATASETS": ("fedmosaic.core.registry", "DATASETS"),
+    "ENCODERS": ("fedmosaic.core.registry", "ENCODERS"),
+    "FAMILIES": ("fedmosaic.core.registry", "FAMILIES"),
+    "PARTITIONERS": ("fedmosaic.core.registry", "PARTITIONERS"),
+    "Diverged": ("fedmosaic.core.rounds", "Diverged"),
+    "Interrupted": ("fedmosaic.core.rounds", "Interrupted"),
+    "stop_requested": ("fedmosaic.core.rounds", "stop_requested"),
+    "build_federated_data": ("fedmosaic.data", "build_federated_data"),
+    "format_histograms": ("fedmosaic.data", "format_histograms"),
+    "plot_histograms": ("fedmosaic.data", "plot_histograms"),
+    "where_on_disk": ("fedmosaic.data.datasets", "where_on_disk"),
+    "check_runs": ("fedmosaic.federation", "check_runs"),
+    "write_app": ("fedmosaic.flower.project", "write_app"),
+    "build_client_model": ("fedmosaic.models", "build_client_model"),
+    "count_params": ("fedmosaic.models", "count_params"),
+    "flops_per_image": ("fedmosaic.models", "flops_per_image"),
+    "format_table": ("fedmosaic.report.results", "format_table"),
+    "plot_curves": ("fedmosaic.report.results", "plot_curves"),
+    "bundled_suites": ("fedmosaic.report.suite", "bundled_suites"),
+    "load_suite": ("fedmosaic.report.suite", "load_suite"),
+    "RunFolder": ("fedmosaic.runfolder", "RunFolder"),
+    "fs_error": ("fedmosaic.runfolder", "fs_error"),
+    "build_cells": ("fedmosaic.suite_runner", "build_cells"),
+    "cell_status": ("fedmosaic.suite_runner", "cell_status"),
+    "run_suite": ("fedmosaic.suite_runner", "run_suite"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``fedmosaic.cli.RunFolder`` and the other names once imported at the top: imported now."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)
+
 
 # The default job's baselines: its claim's (docs/results.md: Vanilla scheduling level with FedBABU
 # after fine-tuning, at about a third of its training compute) and the other schedule.
 DEFAULT_BASELINES = ("fedbabu", "fedseq_anti")
-CHECKPOINT_FILE = FILENAME
 
 
 def default_config_path() -> Path:
@@ -66,6 +94,8 @@ def baseline_config(config: str | None, overrides: list[str], name: str) -> Expe
 def models_line(folder: Path, kept: bool, checkpoints: bool = False) -> str:
     """Where a finished run's models went: kept (with the file's size, 1 MB = 10^6 bytes) or not
     (``checkpoints``: and its resume checkpoint, there for a crash, was removed)."""
+    from fedmosaic.checkpoint import FINAL_FILE
+
     final = folder / FINAL_FILE
     if kept and final.is_file():
         return f"   models kept: {final} ({final.stat().st_size / 1e6:.1f} MB)"
@@ -103,12 +133,20 @@ def _in_portable_process(args: argparse.Namespace, cfgs: list[ExperimentConfig])
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
+    # imported once the config's own tables passed (they pull in torch)
+    from fedmosaic.checkpoint import FINAL_FILE, config_hash
+    from fedmosaic.federation import check_runs
+    from fedmosaic.report.results import format_table, plot_claim
+    from fedmosaic.runfolder import RunFolder, fs_error
+
     baselines = list(args.baseline or [])
     if args.config is None and args.baseline is None:
         baselines = list(DEFAULT_BASELINES)  # the default job: the method next to its claim's
-    if args.checkpoint_every < 0:
-        raise ConfigError(f"--checkpoint-every {args.checkpoint_every} must be >= 0")
-    out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}")
+    every = args.checkpoint_every
+    if every is None:  # a long run survives a crash: a checkpoint every tenth of its rounds
+        every = max(5, cfg.train.rounds // 10) if cfg.train.rounds >= 20 else 0
+    if every < 0:
+        raise ConfigError(f"--checkpoint-every {every} must be >= 0")
     names = [cfg.algorithm["name"], *baselines]
     # Every run's config is checked before anything runs or is written (a bad --baseline fails
     # now, not after the main run).
@@ -118,7 +156,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             run_cfg = _load(args.config, args.set)
         else:
             run_cfg = baseline_config(args.config, args.set, name)
-        plans.append((name, run_cfg, out if len(names) == 1 else out / name))
+        plans.append((name, run_cfg, Path()))
+    # The default folder is named by the runs' configs: the same command finds it again, and an
+    # interrupted run there is resumed rather than started over.
+    auto = args.out is None
+    if auto:
+        stem = Path(args.config).stem if args.config else "default"
+        digest = config_hash({"runs": [c.to_dict() for _, c, _ in plans]})[:8]
+        out = Path("runs") / f"{stem}-{digest}"
+    else:
+        out = Path(args.out)
+    plans = [(n, c, out if len(names) == 1 else out / n) for n, c, _ in plans]
     # Each method against its federation (public split, heads, ...), still before anything runs.
     check_runs([(f"--baseline {n}" if i else f"run {n}", c) for i, (n, c, _) in enumerate(plans)])
     code = _in_portable_process(args, [c for _, c, _ in plans])
@@ -133,11 +181,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         starts = []
         for name, run_cfg, target in plans:
             folder = stack.enter_context(RunFolder(target))
+            resume = args.resume or (auto and not args.overwrite and not args.extend)
             start = folder.check(
-                run_cfg, overwrite=args.overwrite, resume=args.resume, extend=args.extend
+                run_cfg, overwrite=args.overwrite, resume=resume, extend=args.extend
             )
-            starts.append((name, run_cfg, folder, start))
-        for name, run_cfg, folder, start in starts:
+            starts.append((name, run_cfg, folder, start, resume))
+        for name, run_cfg, folder, start, resume in starts:
             if start.done is not None:
                 print(
                     f"== {name}: already done: {folder.path} holds this configuration's finished "
@@ -151,21 +200,31 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"== {name}: {run_cfg.data.dataset}, {run_cfg.data.num_clients} clients, "
                 f"{run_cfg.data.partition}, {run_cfg.model.family}, {run_cfg.train.rounds} rounds"
             )
+            if start.keep and not args.extend:
+                print(
+                    f"   resuming after round {start.keep} from the checkpoint in {folder.path} "
+                    "(an interrupted run of this command)"
+                )
+            elif every:
+                print(
+                    f"   a checkpoint every {every} rounds in {folder.path}: if interrupted, run "
+                    "the same command again to continue" + ("" if auto else " (with --resume)")
+                )
             doc = folder.execute(
                 run_cfg,
                 start,
                 progress=not args.quiet,
-                checkpoint_every=args.checkpoint_every,
-                resume=args.resume,
+                checkpoint_every=every,
+                resume=resume,
                 extend=args.extend,
                 keep_final=keep_final,
             )
-            print(models_line(folder.path, keep_final, args.checkpoint_every > 0))
+            print(models_line(folder.path, keep_final, every > 0))
             docs[name] = doc
             ran = True
         if len(docs) > 1 and ran:
             try:
-                plot_curves(docs, out / "curves.png")
+                plot_claim(docs, out / "curves.png")
             except OSError as exc:
                 raise fs_error(exc, out / "curves.png") from exc
     print()
@@ -175,7 +234,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from fedmosaic.report.suite import load_suite
+
     suite = load_suite(args.suite)
+    # the cells' configs are checked against the registries (torch) once the suite file parsed
+    from fedmosaic.suite_runner import build_cells, cell_status, run_suite
+
     split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
     cells = build_cells(
         suite,
@@ -232,6 +296,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     what = args.what
+    if what == "suites":  # the suite files only: no torch
+        from fedmosaic.report.suite import bundled_suites
+
+        print("\n".join(bundled_suites()))
+        return 0
+    # The registries are filled by importing the package (torch).
+    import torch
+
+    import fedmosaic.data  # noqa: F401  (registers the datasets and partitioners)
+    from fedmosaic.algorithms import ALGORITHMS
+    from fedmosaic.core.registry import ENCODERS, FAMILIES, PARTITIONERS
+    from fedmosaic.models import build_client_model, count_params, flops_per_image
+
     if what == "algorithms":
         for name, cls in ALGORITHMS.items():
             hp = ", ".join(f"{k}={v!r}" for k, v in cls.hyperparameters().items())
@@ -252,8 +329,6 @@ def cmd_list(args: argparse.Namespace) -> int:
         else:
             for name, members in FAMILIES.items():
                 print(f"{name}: {', '.join(members)}")
-    elif what == "suites":
-        print("\n".join(bundled_suites()))
     elif what == "datasets":
         print(format_datasets())
     elif what == "partitioners":
@@ -264,6 +339,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _dataset_status(name: str) -> tuple[str, str]:
     """(on disk, where) for ``fedmosaic list datasets``: the loaders' own search (data.root
     unset: $FEDMOSAIC_DATA, the system folders, the download cache), nothing read."""
+    from fedmosaic.data.datasets import where_on_disk
+
     if name == "digits":
         return "yes", "bundled with scikit-learn"
     if name == "synthetic":
@@ -283,6 +360,9 @@ def _dataset_status(name: str) -> tuple[str, str]:
 
 def format_datasets() -> str:
     """Every registered dataset, whether its files are on this machine, and where."""
+    import fedmosaic.data  # noqa: F401  (registers the datasets)
+    from fedmosaic.core.registry import DATASETS
+
     rows = [("dataset", "on disk", "where"), *((n, *_dataset_status(n)) for n in DATASETS.names())]
     w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
     return "\n".join(f"{a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows)
@@ -290,6 +370,10 @@ def format_datasets() -> str:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
+    # Loading and splitting the data needs torch (the datasets are decoded into tensors and the
+    # feature-shift transforms are torch ops): imported once the config passed.
+    from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
+
     data = build_federated_data(cfg.data, cfg.seed)
     print(format_histograms(data, args.split))
     if args.png:
@@ -299,6 +383,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_flower_app(args: argparse.Namespace) -> int:
+    from fedmosaic.flower.project import write_app
+
     cfg = _load(args.config, args.set)
     run_config = _run_config_items(args.run_config)
     out = write_app(
@@ -312,6 +398,7 @@ def cmd_flower_app(args: argparse.Namespace) -> int:
 def cmd_flower_simulate(args: argparse.Namespace) -> int:
     # flwr and ray are optional extras: imported only by this command
     from fedmosaic.flower.simulation import run_simulation, simulation_run_config
+    from fedmosaic.report.results import format_table
 
     # Flower prints through its own handler; passed on to ours too, every line came twice
     logging.getLogger("flwr").propagate = False
@@ -403,7 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = command("run", "run an experiment on the in-process simulator", parents=[common])
     r.add_argument("config", nargs="?", help="experiment TOML (default: the built-in default job)")
     _set_option(r)
-    r.add_argument("--out", help="output folder (default runs/<time>-<algorithm>)")
+    r.add_argument(
+        "--out",
+        help="output folder (default runs/<config>-<hash>: the same command finds it again and "
+        "resumes an interrupted run there)",
+    )
     r.add_argument(
         "--baseline",
         action="append",
@@ -433,9 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--checkpoint-every",
         type=int,
-        default=0,
+        default=None,
         metavar="K",
-        help="save a checkpoint in the output folder every K rounds (and after the last)",
+        help="save a checkpoint in the output folder every K rounds (and after the last); "
+        "default: every tenth of the rounds (at least 5) for runs of 20 rounds or more, 0: only "
+        "when interrupted",
     )
     r.add_argument(
         "--resume", action="store_true", help="continue from the output folder's checkpoint"
@@ -579,12 +672,31 @@ def setup_logging(args: argparse.Namespace) -> None:
     logging.getLogger("fedmosaic").setLevel(level)
 
 
-def _on_sigint(signum: int, frame: Any) -> None:
-    """First Ctrl-C: stop after the round in progress (checkpoint written); second: now."""
+class _NotRaised(Exception):
+    """Stands for the round loop's exceptions while it is not imported (none can be raised)."""
 
-    if stop_requested.is_set():
+
+def _round_loop() -> Any:
+    """``fedmosaic.core.rounds`` where a command has imported it, else None. The CLI does not
+    import it itself (it pulls in torch): before it is loaded no round runs, so there is no stop
+    flag to set or clear and none of its exceptions can reach ``main``."""
+    return sys.modules.get("fedmosaic.core.rounds")
+
+
+def _loop_error(name: str) -> type[BaseException]:
+    """The round loop's exception ``name`` (``Interrupted``, ``Diverged``) for an ``except``
+    clause (evaluated only when an exception reaches it)."""
+    rounds = _round_loop()
+    return getattr(rounds, name) if rounds is not None else _NotRaised
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """First Ctrl-C: stop after the round in progress (checkpoint written); second: now (and
+    at once before any round loop is loaded: nothing to save)."""
+    rounds = _round_loop()
+    if rounds is None or rounds.stop_requested.is_set():
         raise KeyboardInterrupt
-    stop_requested.set()
+    rounds.stop_requested.set()
     print(
         "\nstopping after the round in progress (a checkpoint is written); Ctrl-C again to "
         "stop now without one",
@@ -593,10 +705,16 @@ def _on_sigint(signum: int, frame: Any) -> None:
     )
 
 
+def _clear_stop() -> None:
+    rounds = _round_loop()
+    if rounds is not None:
+        rounds.stop_requested.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-run it portably
-    stop_requested.clear()
+    _clear_stop()
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, _on_sigint)
@@ -605,15 +723,12 @@ def main(argv: list[str] | None = None) -> int:
         load_entry_points()
         add_plugins(getattr(args, "plugin", None) or [])
         return int(args.func(args))
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+    except (FileNotFoundError, ValueError, KeyError) as exc:  # ConfigError among them
         # Data errors (DatasetError, PartitionError) are ValueErrors with a message naming the input.
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    except Interrupted as exc:
+    except _loop_error("Interrupted") as exc:
         hint = "rerun the same command with --resume to continue" if exc.saved else "no checkpoint"
         print(
             f"interrupted after round {exc.round_num}: checkpoint written; {hint}", file=sys.stderr
@@ -622,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted (nothing saved for the round in progress)", file=sys.stderr)
         return 130
-    except Diverged as exc:
+    except _loop_error("Diverged") as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `fedmosaic list ... | head`: the reader left; nothing to say
@@ -640,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     finally:
-        stop_requested.clear()
+        _clear_stop()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 

@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Nothing here imports torch (the command line checks a config before it loads any): the server
+# rule and the round plan's count come from core/checks.py, the registries only in
+# validate_registry.
+from fedmosaic.core.checks import (
+    RobustRule,
+    clients_per_round,
+    did_you_mean,
+    largest_f,
+    trim_limit,
+)
 from fedmosaic.core.errors import ConfigError
-from fedmosaic.core.robust import RobustRule, largest_f, trim_limit
-from fedmosaic.core.rounds import clients_per_round
+from fedmosaic.core.registry import ALGORITHMS, ENCODERS, FAMILIES
 from fedmosaic.core.typed import build_dataclass, type_ok
 
 if sys.version_info >= (3, 11):
@@ -337,6 +347,31 @@ def load_plugins(names: list[str]) -> None:
         _PLUGINS[name] = module
 
 
+def check_keys(cls: type, values: dict[str, Any], where: str) -> None:
+    """Every key of ``values`` a field of the dataclass ``cls``; else a ConfigError naming the
+    key, the valid ones and the closest (``train.lrr``: did you mean 'train.lr'?)."""
+    fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+    for key in values:
+        if key not in fields:
+            name = f"{where}.{key}"
+            raise ConfigError(
+                f"unknown key {name!r}; valid keys: {', '.join(fields)}"
+                + did_you_mean(str(key), fields, where + ".{}")
+            )
+
+
+def _top_level_hint(key: str, value: Any) -> str:
+    """The did-you-mean of an unknown top-level key: the section it was meant for, with the key
+    it holds where that is one of the section's (``trian.lr``: did you mean 'train.lr'?)."""
+    known = ["seed", "plugins", *SECTIONS, "algorithm"]
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    if close and close[0] in SECTIONS and isinstance(value, dict) and len(value) == 1:
+        inner = str(next(iter(value)))
+        if inner in {f.name for f in dataclasses.fields(SECTIONS[close[0]])}:
+            return did_you_mean(str(key), close, "{}." + inner)
+    return did_you_mean(str(key), known)
+
+
 def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     raw = dict(raw)
     top_known = {"seed", "plugins", *SECTIONS, "algorithm"}
@@ -344,6 +379,7 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
         if key not in top_known:
             raise ConfigError(
                 f"unknown key {key!r}; valid top-level keys: {', '.join(sorted(top_known))}"
+                + _top_level_hint(key, raw[key])
             )
     seed = raw.get("seed", 0)
     if not type_ok(seed, int):
@@ -357,6 +393,7 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
         value = raw.get(name, {})
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a table, got {value!r}")
+        check_keys(cls, value, name)
         sections[name] = build_dataclass(cls, value, name)
     algo = raw.get("algorithm", {"name": "lg_fedavg"})
     if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
@@ -664,16 +701,28 @@ def validate_registry(cfg: ExperimentConfig) -> None:
     """The names looked up in the registries (algorithm and its hyperparameters, model family):
     after the plugins that may register them are imported."""
     d = cfg.data
-    # Algorithm hyperparameters and model family: imported lazily (they pull in torch models).
+    # The registries, imported here and only here: they need torch (the algorithms and models
+    # are torch modules), which the checks above do not, so a mistake in the generic tables is
+    # refused without it (``fedmosaic run --set train.lrr=0.1`` costs no torch import).
     from fedmosaic.algorithms import build_algorithm
     from fedmosaic.models import family_members
 
+    name = cfg.algorithm["name"]
+    if name not in ALGORITHMS:
+        raise ConfigError(
+            f"algorithm.name = {name!r} is unknown; known: {', '.join(ALGORITHMS.names())}"
+            + did_you_mean(name, ALGORITHMS.names())
+        )
+    check_keys(
+        ALGORITHMS.get(name), {k: v for k, v in cfg.algorithm.items() if k != "name"}, "algorithm"
+    )
     algo = build_algorithm(cfg.algorithm)
     _check_magnitudes("algorithm", algo)
     try:
         members = family_members(cfg.model.family)
     except KeyError as exc:
-        raise ConfigError(f"model.family = {cfg.model.family!r}: {exc.args[0]}") from None
+        hint = did_you_mean(cfg.model.family, [*FAMILIES.names(), *ENCODERS.names()])
+        raise ConfigError(f"model.family = {cfg.model.family!r}: {exc.args[0]}{hint}") from None
     heterogeneous = len({m for m in members}) > 1 and d.num_clients > 1
     if heterogeneous and not algo.supports_heterogeneous:
         raise ConfigError(

@@ -39,7 +39,13 @@ from types import TracebackType
 from typing import Any
 
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
-from fedmosaic.checkpoint import FINAL_FILE, Checkpointer, CheckpointError, config_hash
+from fedmosaic.checkpoint import (
+    FINAL_FILE,
+    Checkpointer,
+    CheckpointError,
+    config_fingerprint,
+    config_hash,
+)
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.experiment import run_experiment
 from fedmosaic.report.results import (
@@ -270,9 +276,12 @@ class RunFolder:
             if same and not overwrite:
                 return Start(done=doc)
             if not same and not overwrite and not extend:
+                there = _config_of(doc) if doc is not None else {}  # unreadable: no keys
+                differ = config_differences(there, cfg.to_dict()) if there else ""
                 raise ConfigError(
-                    f"{self.path} holds a finished run of another configuration: choose another "
-                    f"{self.flag}, or pass --overwrite to replace it"
+                    f"{self.path} holds a finished run of another configuration"
+                    f"{f' ({differ})' if differ else ''}: choose another {self.flag}, or pass "
+                    "--overwrite to replace it"
                 )
         ckpt = self.path / CHECKPOINT_FILE
         source = None
@@ -411,6 +420,34 @@ class RunFolder:
                 shutil.rmtree(p, ignore_errors=True)  # a new folder goes with all it holds
             elif p.is_symlink() or p.exists():
                 p.unlink(missing_ok=True)
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys (``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}``)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(there: dict[str, Any], here: dict[str, Any], shown: int = 3) -> str:
+    """The first ``shown`` keys whose values differ between a folder's finished run (``there``)
+    and this start's config (``here``), compared as their fingerprints (the keys that change
+    results), each with both values: ``train.lr = 0.01 there, 0.2 here``."""
+    a, b = _flat(config_fingerprint(there)), _flat(config_fingerprint(here))
+
+    def show(flat: dict[str, Any], key: str) -> str:  # as config_hash sees it (1 is not 1.0)
+        return json.dumps(flat[key], sort_keys=True) if key in flat else "(not set)"
+
+    keys = [*b, *(k for k in a if k not in b)]
+    parts = [
+        f"{k} = {show(a, k)} there, {show(b, k)} here" for k in keys if show(a, k) != show(b, k)
+    ]
+    more = len(parts) - shown
+    return "; ".join(parts[:shown]) + (f"; and {more} more key(s)" if more > 0 else "")
 
 
 def _config_of(doc: dict[str, Any]) -> dict[str, Any]:

@@ -148,3 +148,42 @@ def test_a_log_file_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeyp
             assert not out.exists() and not log.exists()
     finally:
         folder.chmod(0o755)
+
+
+def test_an_interrupted_default_run_resumes_when_the_same_command_runs_again(tmp_path, monkeypatch):
+    """Without --out the run goes to runs/<config>-<hash>: interrupted after a few rounds (the
+    stop flag Ctrl-C sets), the same command continues from the checkpoint and ends with the
+    numbers of an uninterrupted run."""
+    import threading
+    import time as _time
+
+    from helpers.experiments import numbers, tiny_raw, write_toml
+
+    from fedmosaic.core.rounds import stop_requested
+
+    cfg = write_toml(tmp_path / "long.toml", tiny_raw(train={"rounds": 24}))
+    whole = tmp_path / "whole"
+    assert main(["run", str(cfg), "--quiet", "--out", str(whole), "--checkpoint-every", "5"]) == 0
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+
+    def stop_after_round_6() -> None:
+        deadline = _time.monotonic() + 120
+        while _time.monotonic() < deadline:
+            rows = list(work.glob("runs/long-*/rounds.csv"))
+            if rows and len(rows[0].read_text().splitlines()) > 6:  # header + 6 rounds
+                stop_requested.set()
+                return
+            _time.sleep(0.005)
+
+    watcher = threading.Thread(target=stop_after_round_6)
+    watcher.start()
+    assert main(["run", str(cfg), "--quiet"]) == 130
+    watcher.join()
+    (folder,) = (work / "runs").iterdir()
+    assert (folder / "checkpoint.safetensors").is_file() and not (folder / "results.json").exists()
+    assert main(["run", str(cfg), "--quiet"]) == 0  # the same command: resumed, not restarted
+    resumed = json.loads((folder / "results.json").read_text())
+    assert numbers(resumed) == numbers(json.loads((whole / "results.json").read_text()))
+    assert main(["run", str(cfg), "--quiet"]) == 0  # and once finished: already done, kept

@@ -180,7 +180,7 @@ def test_a_bad_number_is_refused_by_name(section, key, algo, what):
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "Traceback" not in err[0] and err[0].startswith(("config error:", "error:")), err
+    assert "Traceback" not in err[0] and err[0].startswith("error:"), err
     return err[0]
 
 

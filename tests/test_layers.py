@@ -33,8 +33,14 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("fedmosaic.flower.node", "fedmosaic"): "no torch in the SuperNode process",
     # the public API's in-memory Flower run needs the optional flower extra (flwr)
     ("fedmosaic.api", "*"): "flower extra",
+    # the command line starts without torch (--version, --help and a config error answer in a
+    # fraction of a second): each command imports what it runs once its config passed; and
     # `fedmosaic flower simulate` needs the optional flower-simulation extra (flwr, ray)
-    ("fedmosaic.cli", "fedmosaic.flower.simulation"): "flower-simulation extra",
+    ("fedmosaic.cli", "*"): "a command line that starts without torch",
+    # the numerics pins must be in the environment before torch is imported: the command line
+    # reads fedmosaic.numerics first, so it imports torch (and the kernels) only when asked
+    ("fedmosaic.numerics", "torch"): "pins that must precede torch's import",
+    ("fedmosaic.numerics", "fedmosaic"): "pins that must precede torch's import",
     # the native kernels' builder (torch.utils.cpp_extension) is only reached when compiling
     ("fedmosaic.kernels", "torch"): "compiler toolchain only when building",
     # numpy moved numpy.core to numpy._core in 2.0: the pickle allow-list takes whichever exists

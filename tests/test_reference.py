@@ -68,4 +68,4 @@ def test_cli_page_has_every_command_and_option():
         assert f"## `fedmosaic {cmd}`" in page
     for option in ("--set SECTION.KEY=VALUE", "--checkpoint-every K", "--run-config KEY=VALUE"):
         assert f"| `{option}` |" in page
-    assert "runs/&lt;time&gt;-&lt;algorithm&gt;" in page  # no stray HTML tags in the site
+    assert "runs/&lt;config&gt;-&lt;hash&gt;" in page  # no stray HTML tags in the site

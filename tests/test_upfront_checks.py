@@ -55,7 +55,7 @@ def test_failing_baseline_leaves_out_untouched(tmp_path: Path, capsys, ran):
     rc = main(["run", str(cfg), "--out", str(out), "--quiet", "--baseline", "ktpfl"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert len(err) == 1 and err[0].startswith("config error: --baseline ktpfl:"), err
+    assert len(err) == 1 and err[0].startswith("error: --baseline ktpfl:"), err
     assert "public_size" in err[0]
     assert ran == [] and not out.exists()
 

@@ -50,84 +50,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedmosaic.core.checks import (  # noqa: F401  (re-exported: the rule loads without torch)
+    AGGREGATORS,
+    NORM_RATIO_MIN,
+    PEER_FACTOR_MIN,
+    RobustRule,
+    largest_f,
+    trim_limit,
+)
 from fedmosaic.core.payload import PayloadError
 
-AGGREGATORS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 # Fewer values than this (uploads in a round, holders of a class) have no majority to be
 # measured against: the peer guard does not apply to them.
 PEER_MIN = 3
 log = logging.getLogger("fedmosaic")
-
-
-PEER_FACTOR_MIN = 2.0  # the smallest peer guard that keeps uploads within 2x the median
-NORM_RATIO_MIN = 1.0  # the smallest magnitude check that keeps updates as large as the model
-
-
-@dataclass(frozen=True)
-class RobustRule:
-    """The server's aggregation rule: the ``[server]`` config table."""
-
-    # how the server combines the uploads: mean | median | trimmed_mean | krum | multi_krum
-    aggregator: str = "mean"
-    trim: float = 0.1  # trimmed_mean: fraction cut at each end of every coordinate, in [0, 0.5)
-    f: int = 1  # krum / multi_krum: number of Byzantine clients tolerated
-    clip_update_norm: float = 0.0  # > 0: every client update scaled to at most this L2 norm
-    # reject an upload whose update norm exceeds this many times the broadcast's norm; 0 = off,
-    # else at least 1
-    max_norm_ratio: float = 100.0
-    # peer guard: reject an upload more than this many times the round's median (update norm,
-    # per-class row distance) away; 0 = off, else at least 2. See docs/robustness.md for why 10.
-    peer_factor: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.aggregator not in AGGREGATORS:
-            raise ValueError(
-                f"server.aggregator = {self.aggregator!r}; choose one of {', '.join(AGGREGATORS)}"
-            )
-        _number("trim", self.trim, float)
-        _number("f", self.f, int)
-        _number("clip_update_norm", self.clip_update_norm, float)
-        _number("max_norm_ratio", self.max_norm_ratio, float)
-        _number("peer_factor", self.peer_factor, float)
-        if not 0.0 <= self.trim < 0.5:
-            raise ValueError(f"server.trim = {self.trim} must be in [0, 0.5)")
-        if self.f < 0:
-            raise ValueError(f"server.f = {self.f} must be >= 0")
-        if self.clip_update_norm < 0:
-            raise ValueError(f"server.clip_update_norm = {self.clip_update_norm} must be >= 0")
-        if self.max_norm_ratio < 0:
-            raise ValueError(f"server.max_norm_ratio = {self.max_norm_ratio} must be >= 0")
-        if self.peer_factor < 0:
-            raise ValueError(f"server.peer_factor = {self.peer_factor} must be >= 0")
-        # Guards that would drop honest uploads in every round: a run that silently trains on
-        # nothing (every reply rejected) instead of failing in one line.
-        if 0 < self.peer_factor < PEER_FACTOR_MIN:
-            raise ValueError(
-                f"server.peer_factor = {self.peer_factor:g}: 0 turns the guard off, else it must "
-                f"be >= {PEER_FACTOR_MIN:g} (below that it drops honest uploads near the round's "
-                "median)"
-            )
-        if 0 < self.max_norm_ratio < NORM_RATIO_MIN:
-            raise ValueError(
-                f"server.max_norm_ratio = {self.max_norm_ratio:g}: 0 turns the check off, else "
-                f"it must be >= {NORM_RATIO_MIN:g} (below that it rejects honest updates smaller "
-                "than the model they update)"
-            )
-
-    @property
-    def plain(self) -> bool:
-        """The plain mean without clipping: every helper takes the historical code path."""
-        return self.aggregator == "mean" and self.clip_update_norm == 0
-
-
-def _number(key: str, value: Any, tp: type) -> None:
-    ok = isinstance(value, (int, float)) if tp is float else isinstance(value, int)
-    if isinstance(value, bool) or not ok:
-        raise ValueError(
-            f"server.{key} = {value!r} must be {'an int' if tp is int else 'a number'}"
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"server.{key} = {value} must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -237,17 +173,6 @@ def krum_neighbours(k: int, f: int) -> int:
     """The nearest others each of ``k`` contributions is scored on: ``k - f - 2``, at least 1
     and at most ``k - 1`` (fewer contributions than Krum needs still give a score)."""
     return min(max(1, k - f - 2), k - 1)
-
-
-def largest_f(k: int) -> int:
-    """The largest ``f`` Krum and multi-Krum accept for ``k`` contributions (``k > 2f + 2``;
-    negative: none, fewer than 3 contributions)."""
-    return (k - 3) // 2
-
-
-def trim_limit(k: int) -> float:
-    """``trim`` must stay below this for ``k`` rows: ``floor(trim k)`` leaves at least one."""
-    return ((k - 1) // 2 + 1 - 1e-9) / k
 
 
 def _say_if_unfit(k: int, r: RobustRule) -> None:

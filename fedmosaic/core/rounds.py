@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fedmosaic.core import robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
+from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.schema import MAX_EXAMPLES  # a reply claiming more is not a real client
@@ -62,7 +63,7 @@ class EvalResult:
 
 
 ClientState = tuple[dict[str, Tensor], dict[str, Tensor]]  # a client's (model, extras) state dicts
-ClientProgress = Callable[[int, int], None]  # (clients done, clients in the fit)
+ClientProgress = Callable[[int, int], None]  # (clients done, clients in the fit or fine-tune)
 
 
 class LazyClientStates(Sequence[ClientState]):
@@ -125,9 +126,12 @@ class Transport(Protocol):
         does not fit, :class:`ClientStatesUnavailable` as for :meth:`client_states`."""
         ...
 
-    def set_progress(self, on_client: ClientProgress | None) -> None:
-        """Call ``on_client(done, total)`` during each fit: 0 at its start, then per client
-        finished (None: stop reporting)."""
+    def set_progress(
+        self, on_client: ClientProgress | None, on_finetune: ClientProgress | None = None
+    ) -> None:
+        """Call ``on_client(done, total)`` during each fit and ``on_finetune(done, total)``
+        during the fine-tuning after the rounds: 0 at its start, then per client finished
+        (None: stop reporting)."""
         ...
 
     def close(self) -> None:
@@ -187,16 +191,6 @@ def holdout_clients(seed: int, num_clients: int, k: int) -> tuple[int, ...]:
         return ()
     rng = seeding.numpy_rng(seed, 0, seeding.SERVER, "holdout")
     return tuple(sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False)))
-
-
-def clients_per_round(num_clients: int, participation: float) -> int:
-    """Clients sampled per round for a participation fraction: ``floor(participation x N)``, at least 1.
-
-    The floor is PFLlib's ``int(num_clients * join_ratio)`` (10 x 0.35 -> 3, where Python's
-    banker's ``round`` would give 4). A product within 1e-9 of an integer counts as that integer,
-    so float noise cannot lose a client (0.29 x 100 = 28.999999999999996 -> 29).
-    """
-    return max(1, math.floor(participation * num_clients + 1e-9))
 
 
 def sample_clients(seed: int, round_num: int, num_clients: int, k: int) -> list[int]:

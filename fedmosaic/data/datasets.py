@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from fedmosaic.config import CHUNK_PIXELS, STATS_DIRECT_PIXELS, DataConfig
+from fedmosaic.core.checks import did_you_mean
 from fedmosaic.core.errors import DatasetError
 from fedmosaic.core.registry import DATASETS
 from fedmosaic.data import _download
@@ -961,6 +962,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> ImageDataset:
     if cfg.dataset not in DATASETS:
         raise DatasetError(
             f"data.dataset = {cfg.dataset!r} is unknown; known: {', '.join(DATASETS.names())}"
+            + did_you_mean(cfg.dataset, DATASETS.names())
         )
     return DATASETS.get(cfg.dataset)(cfg, seed)
 
