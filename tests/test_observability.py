@@ -31,7 +31,7 @@ def test_one_log_line_per_round_without_a_terminal(tmp_path: Path):
     text = log.read_text()
     lines = [ln for ln in text.splitlines() if " round " in ln]
     assert [ln.split(" round ")[1].split(":")[0] for ln in lines] == ["1/3", "2/3", "3/3"]
-    assert all("acc " in ln and "loss " in ln and "KB/client" in ln for ln in lines)
+    assert all("acc " in ln and "loss " in ln and "kB/client" in ln for ln in lines)
     assert "\r" not in text  # no progress-bar returns in the log
     # --quiet, or --log-level warning: warnings only.
     for i, flag in enumerate((["--quiet"], ["--log-level", "warning"])):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 ROUND_COLUMNS = (
     "round",
     "acc_weighted",
@@ -212,7 +214,8 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_ylabel("test accuracy (%, weighted over clients)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    # Beside the axes: inside, the legend covered the curves' late rounds and the stars.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     cfg = next(iter(docs.values()))["config"]
     d = cfg["data"]
     ax.set_title(
@@ -224,8 +227,360 @@ def plot_curves(docs: dict[str, dict[str, Any]], path: str | Path) -> None:
     plt.close(fig)
 
 
+# ---- the claim figure: after-fine-tune accuracy against training cost, beside the curves -----
+# The committed full-data cells of the main job's suite. Relative on purpose, as the claims'
+# ``RESULTS``: resolved against the current directory when read (run from the repository root; an
+# installed package has no docs/ beside it, and the figure then shows this run alone).
+REFERENCE_CELLS = Path("docs") / "results" / "full" / "layer_expansion"
+# What a committed cell must share with a run to stand beside it: the setting, not the data
+# fraction (the main job runs 25% of the data, the cells 100%).
+CLAIM_KEYS = (
+    ("data", "dataset"),
+    ("data", "partition"),
+    ("data", "alpha"),
+    ("data", "num_clients"),
+    ("data", "split"),
+    ("model", "family"),
+    ("train", "rounds"),
+    ("train", "participation"),
+    ("train", "local_epochs"),
+    ("train", "batch_size"),
+    ("train", "lr"),
+)
+BASELINE = "fedbabu"  # the claim's yardstick: costs and gaps are read relative to it
+CLAIM_ORDER = (BASELINE, "fedseq_vanilla", "fedseq_anti")  # one colour each in every figure
+MIN_SEEDS_FOR_INTERVAL = 3  # as the compare tables: a t-interval from 2 seeds is 12.7 SE wide
+
+
+def claim_point(doc: dict[str, Any]) -> tuple[float, float] | None:
+    """``(training cost in G, after-fine-tune accuracy in %)`` of a run, None where it has not
+    both (a method that does not fine-tune or does not count the paper's cost)."""
+    s = doc.get("summary", {})
+    acc = s.get("after_finetune", {}).get("acc_weighted")
+    cost = s.get("paper_cost_total")
+    if acc is None or cost is None:
+        return None
+    return cost / 1e9, 100 * acc
+
+
+def _claim_key(cfg: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(cfg.get(section, {}).get(k) for section, k in CLAIM_KEYS)
+
+
+def _fraction(cfg: dict[str, Any]) -> float:
+    return float(cfg.get("data", {}).get("subsample", 1.0) or 1.0)
+
+
+def _fraction_text(f: float) -> str:
+    return "full data" if f >= 1 else f"{100 * f:g}% of the data"
+
+
+def load_reference_cells(
+    root: str | Path, like: dict[str, dict[str, Any]] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Method -> the results documents of the committed cells under ``root``
+    (``root/cells/<setting>/<method>/seed<k>/results.json``) that share ``like``'s setting
+    (``CLAIM_KEYS``) and methods; without ``like``, every method of the first setting. An absent
+    folder or an unreadable cell gives nothing for it (the figure goes on without)."""
+    like = like or {}
+    base = Path(root) / "cells"
+    want = {_claim_key(d.get("config", {})) for d in like.values()}
+    names = {d.get("config", {}).get("algorithm", {}).get("name", k) for k, d in like.items()}
+    out: dict[str, list[dict[str, Any]]] = {}
+    settings = sorted(p.name for p in base.glob("*") if p.is_dir()) if base.is_dir() else []
+    for setting in settings if like else settings[:1]:
+        for path in sorted(
+            (base / setting).glob("*/seed*/results.json"),
+            key=lambda p: (p.parent.parent.name, len(p.parent.name), p.parent.name),  # seed2<seed10
+        ):
+            method = path.parent.parent.name
+            if like and method not in names:
+                continue
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                continue
+            if not isinstance(doc, dict) or not isinstance(doc.get("summary"), dict):
+                continue
+            if like and _claim_key(doc.get("config", {})) not in want:
+                continue
+            out.setdefault(method, []).append(doc)
+    return out
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float | None]:
+    """The mean and the half-width of its 95% Student-t interval (None below
+    ``MIN_SEEDS_FOR_INTERVAL`` values)."""
+
+    mean = float(np.mean(values))
+    if len(values) < MIN_SEEDS_FOR_INTERVAL:
+        return mean, None
+    from scipy.stats import t
+
+    sd = float(np.std(values, ddof=1))
+    return mean, float(t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
+
+
+def _relative(points: dict[str, tuple[float, float]]) -> tuple[str, str, str] | None:
+    """``(baseline, cheapest other method, text)``: the claim's two numbers on two lines, the
+    method's cost as a multiple of the baseline's and its accuracy gap to it in points, read
+    against ``BASELINE`` (the costliest method without it); None for fewer than two methods."""
+    if len(points) < 2:
+        return None
+    base = BASELINE if BASELINE in points else max(points, key=lambda m: points[m][0])
+    cheap = min((m for m in points if m != base), key=lambda m: points[m][0])
+    (bc, ba), (cc, ca) = points[base], points[cheap]
+    gap = f"{ca - ba:+.2f}".replace("-", "−")
+    return base, cheap, f"{cc / bc:.2f}× {base}'s cost\n{gap} pt accuracy"
+
+
+def _run_name(label: str, doc: dict[str, Any]) -> str:
+    return str(doc.get("config", {}).get("algorithm", {}).get("name", label))
+
+
+def _claim_panel(
+    ax: Any,
+    colors: dict[str, Any],
+    mine: dict[str, tuple[float, float]],
+    theirs: dict[str, dict[Any, tuple[float, float]]],
+) -> None:
+    """This run's point per method (filled circles) beside the committed cells' mean (open
+    squares, 95% t-interval whiskers on both axes; ``theirs``: method -> seed -> point), and per
+    group an arrow from the baseline to the cheapest method labelled with its cost ratio and
+    accuracy gap (for the cells with the paired 95% t-interval of the gap over their seeds)."""
+    means: dict[str, tuple[float, float]] = {}
+    for m, by_seed in theirs.items():
+        xs, ys = zip(*by_seed.values(), strict=True)
+        (cx, hx), (cy, hy) = mean_interval(xs), mean_interval(ys)
+        means[m] = (cx, cy)
+        ax.errorbar(
+            [cx],
+            [cy],
+            xerr=None if hx is None else [hx],
+            yerr=None if hy is None else [hy],
+            fmt="s",
+            ms=9,
+            mfc="white",
+            mec=colors[m],
+            mew=2,
+            ecolor=colors[m],
+            elinewidth=1.5,
+            capsize=5,
+            zorder=3,
+        )
+    for m, (x, y) in sorted(mine.items(), key=lambda kv: kv[0] == BASELINE):  # baseline on top
+        ax.plot([x], [y], "o", ms=10, color=colors[m], mec="black", mew=0.8, zorder=4)
+    for group in (mine, means):
+        rel = _relative(group)
+        if rel is None:
+            continue
+        base, cheap, text = rel
+        if group is means:  # the seeds pair up: the gap's own interval, as the claims read it
+            common = theirs[base].keys() & theirs[cheap].keys()
+            diffs = [theirs[cheap][k][1] - theirs[base][k][1] for k in common]
+            gap, half = mean_interval(diffs) if diffs else (0.0, None)
+            if half is not None:
+                text += f"\npaired 95% CI [{gap - half:+.2f}, {gap + half:+.2f}]".replace("-", "−")
+        ax.annotate(
+            "",
+            xy=group[cheap],
+            xytext=group[base],
+            arrowprops={
+                "arrowstyle": "->",
+                "color": "0.35",
+                "ls": "--",
+                "shrinkA": 9,
+                "shrinkB": 9,
+            },
+            zorder=2,
+        )
+        # Beside the cheap end, under the arrow (which comes from the costlier baseline).
+        ax.annotate(
+            f"{cheap}:\n{text}",
+            group[cheap],
+            xytext=(11, -8),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=8.5,
+            color="0.2",
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
+            zorder=5,
+        )
+    every = [*mine.values(), *means.values()]
+    ax.set_xlim(left=0, right=1.12 * max(x for x, _ in every))
+    lo, hi = min(y for _, y in every), max(y for _, y in every)
+    pad = max(0.6, 0.15 * (hi - lo))
+    # Room under the lowest point for its three-line label.
+    ax.set_ylim(lo - pad - 0.2 * (hi - lo + 2 * pad), hi + pad)
+    ax.set_xlabel(
+        "training cost, G (10$^9$ trainable parameters × examples over all\n"
+        "clients and rounds: the paper's Table 4 measure)"
+    )
+    ax.set_ylabel("test accuracy after local fine-tuning (%)")
+    ax.set_title("After fine-tuning: accuracy against training cost", fontsize=11)
+    ax.grid(alpha=0.3)
+
+
+def _curves_panel(
+    ax: Any,
+    colors: dict[str, Any],
+    runs: dict[str, dict[str, Any]],
+    ref: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Test accuracy per round before fine-tuning: this run's curves, or without a run the
+    committed cells' mean over seeds (band: its 95% t-interval)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for m, color in colors.items():
+        if runs:
+            pts = [
+                (r["round"], 100 * r["acc_weighted"])
+                for r in runs.get(m, {}).get("rounds", [])
+                if r.get("acc_weighted") is not None
+            ]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=color, lw=1.2)
+            continue
+        per: dict[int, list[float]] = {}
+        for d in ref.get(m, []):
+            for r in d.get("rounds", []):
+                if r.get("acc_weighted") is not None:
+                    per.setdefault(int(r["round"]), []).append(100 * r["acc_weighted"])
+        if per:
+            rs = sorted(per)
+            stats = [mean_interval(per[t]) for t in rs]
+            mean = np.array([v for v, _ in stats])
+            half = np.array([h or 0.0 for _, h in stats])
+            ax.plot(rs, mean, color=color, lw=1.2)
+            ax.fill_between(rs, mean - half, mean + half, color=color, alpha=0.2, lw=0)
+    ax.set_xlabel("round")
+    ax.set_xlim(left=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("test accuracy before fine-tuning (%)")
+    ax.grid(alpha=0.3)
+
+
+def plot_claim(
+    docs: dict[str, dict[str, Any]],
+    path: str | Path,
+    reference_cells: str | Path | None = REFERENCE_CELLS,
+    vector: bool = True,
+) -> bool:
+    """The claim's figure: (left) accuracy after local fine-tuning against training cost (the
+    paper's Table 4 measure, in G), this run's point per method beside the committed cells'
+    mean with 95% t-intervals over seeds on both axes; (right) the learning curves, test accuracy
+    per round before fine-tuning; the key and the claim's numbers below both, outside the data.
+    ``path`` (PNG) with SVG and PDF beside it (``vector``; PNG only without).
+
+    Without ``docs`` the figure is the committed cells' alone (mean curves with their interval as
+    a band; nothing is written without cells). Where no run has both an after-fine-tune
+    accuracy and a cost it degrades to ``plot_curves`` (the learning curves only); a missing
+    ``reference_cells`` folder (an installed package) or no cell of the runs' setting leaves this
+    run's points alone on the claim's axes. Returns whether the claim panel was drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    ref = load_reference_cells(reference_cells, docs) if reference_cells is not None else {}
+    runs = {_run_name(label, doc): doc for label, doc in docs.items()}
+    mine = {m: p for m, doc in runs.items() if (p := claim_point(doc)) is not None}
+    theirs = {
+        m: pts
+        for m, cells in ref.items()
+        if (pts := {d.get("seed", i): q for i, d in enumerate(cells) if (q := claim_point(d))})
+    }
+    if docs and not mine:  # no run fine-tunes and counts its cost: nothing to set beside
+        plot_curves(docs, path)
+        return False
+    if not mine and not theirs:  # no run and no cell
+        return False
+
+    found = list(dict.fromkeys([*runs, *ref]))
+    methods = sorted(
+        found, key=lambda m: (CLAIM_ORDER.index(m) if m in CLAIM_ORDER else 9, found.index(m))
+    )
+    palette = plt.get_cmap("tab10").colors
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+    cfg = (next(iter(runs.values()), None) or next(iter(ref.values()))[0]).get("config", {})
+    run_frac = _fraction_text(_fraction(cfg))
+    ref_cfg = next(iter(ref.values()))[0].get("config", {}) if ref else {}
+    ref_frac = _fraction_text(_fraction(ref_cfg))
+    seeds = max((len(v) for v in theirs.values()), default=0)
+    ref_label = f"committed {ref_frac.replace(' data', '-data')} cells, {seeds} seeds"
+
+    fig = plt.figure(figsize=(13, 6.6))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 0.12], hspace=0.42, wspace=0.22)
+    ax, curves_ax, key_ax = (
+        fig.add_subplot(grid[0, 0]),
+        fig.add_subplot(grid[0, 1]),
+        fig.add_subplot(grid[1, :]),
+    )
+    _claim_panel(ax, colors, mine, theirs)
+    _curves_panel(curves_ax, colors, runs, ref)
+    which = f"this run ({run_frac})" if runs else f"mean of {seeds} seeds, band: 95% t-interval"
+    curves_ax.set_title(f"Before fine-tuning: learning curves, {which}", fontsize=11)
+
+    # The key, shared by both panels, and what to read from it: below the data, never on it.
+    handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in methods]
+    if mine:
+        handles.append(Line2D([], [], color="0.5", marker="o", mec="black", ls="none", ms=9))
+        handles[-1].set_label(f"this run ({run_frac})")
+    if theirs:
+        handles.append(
+            Line2D([], [], color="0.5", marker="s", mfc="white", mew=2, ls="-", lw=1.5, ms=8)
+        )
+        handles[-1].set_label(f"{ref_label}: mean, 95% t-interval")
+    key_ax.axis("off")
+    key_ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=len(handles),
+        fontsize=9,
+        frameon=False,
+        handlelength=1.8,
+        columnspacing=1.6,
+    )
+    if mine and theirs and run_frac != ref_frac:
+        key_ax.text(
+            0.5,
+            0.15,
+            f"Circles and squares come from different data fractions ({run_frac} vs "
+            f"{ref_frac}): compare their shapes (cost ratios, accuracy gaps), not their "
+            "absolute values.",
+            ha="center",
+            va="top",
+            fontsize=9,
+            style="italic",
+            transform=key_ax.transAxes,
+        )
+    d, family = cfg.get("data", {}), cfg.get("model", {}).get("family", "")
+    part = d.get("partition", "")
+    if part == "dirichlet":
+        part = f"Dirichlet({d.get('alpha')})"
+    fig.suptitle(
+        f"{d.get('dataset', '')}, {d.get('num_clients', '')} clients, {part}, {family}, "
+        f"{cfg.get('train', {}).get('rounds', '')} rounds",
+        fontsize=12,
+    )
+    if vector:
+        save_figure(fig, path)
+    else:
+        png = Path(path)
+
+        def save(t: Path) -> None:
+            fig.savefig(t, format="png", bbox_inches="tight", dpi=FIGURE_DPI)
+
+        replace_all([(write_temp(png, save), png)])
+    plt.close(fig)
+    return True
+
+
 def format_table(docs: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of the summaries of several runs: accuracies in %, 1 KB = 1000 bytes;
+    """A plain-text table of the summaries of several runs: accuracies in %, 1 kB = 1000 bytes;
     below a method's row, every other accuracy it reports (``acc_head``: FedProto's heads beside
     its nearest-prototype headline, ...) and its accuracy after local fine-tuning."""
     header = (
@@ -234,7 +589,7 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
         "final acc (mean±std)",
         "best test",
         "s/round",
-        "KB up/client",
+        "kB up/client",
     )
     # Training compute where the methods count it (FedBABU, layer expansion: the paper's Table 4
     # measure, trainable parameters x examples over all clients and rounds).
@@ -296,3 +651,27 @@ def accuracy_modes(final: dict[str, Any]) -> list[str]:
 
 def _pct(v: Any) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.2f}%"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fedmosaic.report.results [OUT]``: the committed cells' claim figure (PNG only),
+    read from ``--cells`` relative to the current directory (run from the repository root)."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m fedmosaic.report.results",
+        description="The claim figure of committed cells: after-fine-tune accuracy against "
+        "training cost (mean, 95%% t-intervals over seeds) beside the mean learning curves.",
+    )
+    p.add_argument("out", nargs="?", default="docs/results/full_layer_expansion_curves.png")
+    p.add_argument("--cells", default=str(REFERENCE_CELLS), help="default: %(default)s")
+    args = p.parse_args(argv)
+    if not plot_claim({}, args.out, reference_cells=args.cells, vector=False):
+        print(f"no cell with an after-fine-tune accuracy and a cost under {args.cells}/cells")
+        return 1
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@ Accuracies are shown in % as mean ± the half-width of the 95% Student-t confide
 mean over seeds, from 3 seeds or more (``MIN_SEEDS_FOR_CI``); from two, "± n/a" and the seeds'
 range (a t-interval from two seeds is 12.7 standard errors wide: noise, not a statement); from
 one, "± n/a". ``table.csv`` holds fractions with the sample std (ddof=1), ci95 and n as computed.
-1 KB = 1000 bytes, 1 MB = 10^6 bytes. Each is a statistic of one run:
+1 kB = 1000 bytes, 1 MB = 10^6 bytes. Each is a statistic of one run:
 
 Accuracy is the metric named by ``suite.paper_metric`` (the paper's metric when the suite has a
 paper; the headers say "the paper's metric" only then): ``weighted`` =
@@ -23,7 +23,7 @@ per-client accuracies (FedGH, FedClassAvg); the other metric's final accuracy st
 - client std: the spread of per-client final accuracies (std over clients);
 - rounds to target: first round whose test accuracy (paper metric) reaches the suite's target, mean over the
   seeds that reached it (``k/n`` of the seeds did);
-- KB up / down per client per round; MB to target: all clients' traffic (up + down) until then;
+- kB up / down per client per round; MB to target: all clients' traffic (up + down) until then;
 - s/round: wall-clock seconds per round on this machine.
 """
 
@@ -58,8 +58,8 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("client_std", "per-client std", "pct"),
     ("rounds_run", "rounds run (plateau stop)", "int"),  # train.plateau_delta > 0 only
     ("rounds_to_target", "rounds to target", "int"),
-    ("kb_up", "KB up /client/round", "kb"),
-    ("kb_down", "KB down /client/round", "kb"),
+    ("kb_up", "kB up /client/round", "kb"),
+    ("kb_down", "kB down /client/round", "kb"),
     ("mb_to_target", "MB to target (all clients)", "mb"),
     ("seconds_per_round", "s/round", "s"),
     # Training compute over all clients and rounds, where the method reports it (layer expansion,
@@ -347,7 +347,7 @@ def markdown_table(suite: Suite, rows: Sequence[dict[str, Any]], cells: Sequence
         f"{METRIC_NAMES[suite.paper_metric]} accuracy "
         + ("(the metric the suite's paper reports) " if suite.paper else "")
         + "unless a column names the other; best-on-test "
-        "selects the round on the test set, as the papers report it. 1 KB = 1000 bytes, "
+        "selects the round on the test set, as the papers report it. 1 kB = 1000 bytes, "
         "1 MB = 10^6 bytes."
     )
     return "\n".join(lines) + "\n"
@@ -679,7 +679,7 @@ def html_report(
         parts.append(f"<p class='budget'><strong>{note_html}</strong></p>")
     parts.append(
         "<p>Accuracies in %, mean ± half-width of the 95% Student-t interval over seeds (from "
-        f"{MIN_SEEDS_FOR_CI} seeds; n/a below, with the seeds' range from two); 1 KB = 1000 "
+        f"{MIN_SEEDS_FOR_CI} seeds; n/a below, with the seeds' range from two); 1 kB = 1000 "
         "bytes, 1 MB = 10^6 bytes. <em>best-on-test</em> picks the round on the "
         "test set, as the papers report it; <em>best-on-val</em> picks it on a validation split.</p>"
     )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,11 +143,42 @@ def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
     loss = rec.get("train_loss", math.nan)
     return (
         f"{name} round {rec['round']}/{rounds}: {acc}, loss {loss:.4f}, {rec['seconds']:.1f} s, "
-        f"up {rec['bytes_up_per_client'] / 1e3:.1f} KB/client, "
-        f"down {rec['bytes_down_per_client'] / 1e3:.1f} KB/client"
+        f"up {rec['bytes_up_per_client'] / 1e3:.1f} kB/client, "
+        f"down {rec['bytes_down_per_client'] / 1e3:.1f} kB/client"
         + (f", server acc {100 * rec['server_acc']:.2f}%" if "server_acc" in rec else "")
         + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
     )
+
+
+class FinetuneLines:
+    """The fine-tuning's progress when no progress bar is shown: a line when it starts, one per
+    ``step`` clients (a tenth of them by default; not within ``min_seconds`` of the previous
+    line, so a fine-tuning of a few seconds prints two lines) and one at the end, each with the
+    time so far and the ETA. Called as ``on_finetune(done, total)`` by a transport
+    (``set_progress``)."""
+
+    def __init__(
+        self, name: str, emit: Callable[[str], None], step: int = 0, min_seconds: float = 2.0
+    ) -> None:
+        self.name, self.emit, self.step, self.min_seconds = name, emit, step, min_seconds
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done == 0:
+            self.started = self.last = now
+            self.emit(f"{self.name} fine-tune: {total} clients, each fine-tunes its model locally")
+            return
+        step = self.step or max(1, math.ceil(total / 10))
+        if done != total and (done % step or now - self.last < self.min_seconds):
+            return
+        self.last = now
+        took = now - self.started
+        eta = took / done * (total - done)
+        self.emit(
+            f"{self.name} fine-tune: clients {done}/{total}, {took:.1f} s"
+            + (f", ETA {eta:.0f} s" if done < total else "")
+        )
 
 
 def results_document(

@@ -36,7 +36,7 @@ def test_kilobytes_are_1000_bytes_as_in_the_round_log():
     table = format_table([_doc("lg_fedavg", 0.84, bytes_up_per_client_per_round=20776)])
     assert table.splitlines()[2].split()[-1] == "20.8"
     rec = {"round": 1, "seconds": 1.0, "bytes_up_per_client": 20776, "bytes_down_per_client": 0}
-    assert "up 20.8 KB/client" in round_line("lg_fedavg", rec, 3)
+    assert "up 20.8 kB/client" in round_line("lg_fedavg", rec, 3)
 
 
 def test_every_accuracy_a_method_reports_is_in_its_table():
