@@ -300,3 +300,61 @@ def test_a_corrupt_earlier_result_is_named_not_a_traceback(
     with pytest.raises(SystemExit, match="fml_dir01_s0.json: not a readable parity result"):
         harness.main([*args, "--skip", "reference"])
     assert (tmp_path / "fml_dir01_s0.json").read_text() == '{"setup": '
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--clients", "0"], "--clients 0: at least 2 clients"),
+        (["--subsample", "nan"], "--subsample nan: a fraction in (0, 1]"),
+        (["--subsample", "1.5"], "--subsample 1.5: a fraction in (0, 1]"),
+        (["--rounds", "-1"], "--rounds -1: at least 1"),
+        (["--seed", "-5"], "--seed -5: a seed is >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(
+    harness: ModuleType, tmp_path: Path, capsys, args: list[str], message: str
+) -> None:
+    ref = tmp_path / "ref"
+    (ref / "system").mkdir(parents=True)
+    (ref / "system" / "main.py").write_text("")
+    with pytest.raises(SystemExit) as info:
+        harness.main(["local", "--ref", str(ref), "--out", str(tmp_path / "o"), *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (ref / "dataset").exists()
+
+
+def test_a_missing_reference_checkout_creates_nothing(
+    harness: ModuleType, tmp_path: Path, capsys
+) -> None:
+    ref, out = tmp_path / "nowhere", tmp_path / "o"
+    with pytest.raises(SystemExit) as info:
+        harness.main(["local", "--ref", str(ref), "--out", str(out), "--skip", "fedmosaic"])
+    assert info.value.code == 2 and "no system/main.py" in capsys.readouterr().err
+    assert not ref.exists() and not out.exists()
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    (tmp_path / "r" / "system").mkdir(parents=True)
+    (tmp_path / "r" / "system" / "main.py").write_text("")
+    with pytest.raises(SystemExit) as info:
+        harness.main(["local", "--ref", str(tmp_path / "r"), "--out", str(afile)])
+    assert info.value.code == 2 and "a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"setup": "x"}, "setup is a str"),
+        ({"setup": {"data": 3}}, "setup.data is not an object"),
+        ({"reference": {"command": "python"}}, "reference.command is not a list"),
+        ({"variants": []}, "variants is a list"),
+    ],
+)
+def test_a_result_with_wrong_typed_fields_is_named(
+    harness: ModuleType, tmp_path: Path, doc: dict, field: str
+) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match=field):
+        harness._read_result(path)

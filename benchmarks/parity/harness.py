@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -520,6 +521,17 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+# the fields of a stored result the harness reads back, and their JSON types
+RESULT_FIELDS: dict[str, type] = {
+    "setup": dict,
+    "reference": dict,
+    "fedmosaic": dict,
+    "variants": dict,
+    "train_sizes": list,
+    "test_sizes": list,
+}
+
+
 def _read_result(path: Path) -> dict[str, Any]:
     """An earlier result of the harness; a missing, unreadable or malformed one is named."""
     try:
@@ -528,7 +540,36 @@ def _read_result(path: Path) -> dict[str, Any]:
         raise SystemExit(f"{path}: not a readable parity result ({e})") from None
     if not isinstance(doc, dict):
         raise SystemExit(f"{path}: not a parity result (a JSON object is expected)")
+    for key, kind in RESULT_FIELDS.items():
+        if key in doc and not isinstance(doc[key], kind):
+            raise SystemExit(
+                f"{path}: not a parity result ({key} is a {type(doc[key]).__name__}, "
+                f"a {kind.__name__} is expected)"
+            )
+    for key in ("data",):
+        if "setup" in doc and not isinstance(doc["setup"].get(key, {}), dict):
+            raise SystemExit(f"{path}: not a parity result (setup.{key} is not an object)")
+    command = doc.get("reference", {}).get("command", [])
+    if not isinstance(command, list):
+        raise SystemExit(f"{path}: not a parity result (reference.command is not a list)")
     return doc
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse a bad argument in one line (exit 2), before anything is built or written, as the
+    library's command line does."""
+    if a.clients < 2:
+        p.error(f"--clients {a.clients}: at least 2 clients")
+    if not (math.isfinite(a.subsample) and 0 < a.subsample <= 1):
+        p.error(f"--subsample {a.subsample}: a fraction in (0, 1]")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
+    if a.seed < 0:
+        p.error(f"--seed {a.seed}: a seed is >= 0")
+    if a.out.exists() and not a.out.is_dir():
+        p.error(f"--out {a.out}: a file, not a folder")
+    if a.ref_seed_offset < 0:
+        p.error(f"--ref-seed-offset {a.ref_seed_offset}: >= 0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -576,9 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     lib = LIBRARIES[a.library]
     if a.method not in lib.methods:
         p.error(f"{lib.name} methods: {', '.join(sorted(lib.methods))}")
+    _check_args(p, a)
     setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed, library=a.library)
     method = lib.methods[a.method]
-    a.out.mkdir(parents=True, exist_ok=True)
     base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
     # plugin files recorded relative to the repository (no machine path in the record)
@@ -595,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{keep.name} was recorded with another fedmosaic config, so --skip fedmosaic "
                 "cannot keep its side: run fedmosaic's side again (without --skip fedmosaic)"
             )
+    if not (a.ref / "system" / "main.py").is_file():
+        # checked before the split is exported into <ref>/dataset: nothing is created there
+        p.error(f"--ref {a.ref}: not a checkout of the reference (no system/main.py)")
+    a.out.mkdir(parents=True, exist_ok=True)
     dest = a.ref / "dataset" / setup.name
     fd = build_split(setup)
     config = export(fd, dest, {"fedmosaic_data": setup.fedmosaic_config({})["data"]})
