@@ -151,7 +151,7 @@ def _build_wheel(tmp: Path) -> Path:
     src = tmp / "src"
     skip = shutil.ignore_patterns("_build", "__pycache__", "*.egg-info", "*.so", "*.o")
     shutil.copytree(PACKAGE, src / "fedmosaic", ignore=skip)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     build = ["wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp), str(src)]
     out = subprocess.run(
@@ -199,6 +199,8 @@ def test_wheel_installs_beside_an_existing_torch_and_runs(tmp_path: Path):
         zipfile.ZipFile(wheel).read(f"{wheel.name.split('-')[0]}-0.1.0.dist-info/METADATA").decode()
     )
     assert "Requires-Python: >=3.10" in meta
+    assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
+    assert f"{wheel.name.split('-')[0]}-0.1.0.dist-info/licenses/LICENSE" in names
     (torch_req,) = re.findall(r"^Requires-Dist: torch\b.*$", meta, re.MULTILINE)
     assert "==" not in torch_req and ">=2.4" in torch_req and "<3" in torch_req, torch_req
 
