@@ -27,10 +27,12 @@ one line naming the path.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,8 +73,6 @@ RUN_FILES = (
     CHECKPOINT_FILE,
     FINAL_FILE,
 )
-# Temporaries of earlier fedmosaic versions (fixed names, no pid): nobody writes them any more.
-LEGACY_TEMPS = (f"{RESULTS_FILE}.tmp", f"{PROGRESS_FILE}.tmp")
 
 
 class RunFolderError(ValueError):
@@ -97,19 +97,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+# exactly what temp_path makes: <name>.tmp-<pid>-<8 hex digits>
+_TEMP_NAME = re.compile(rf"(.+){re.escape(TEMP_MARK)}(\d+)-[0-9a-f]{{8}}")
+
+
 def remove_dead_temps(folder: Path) -> list[Path]:
-    """Remove the temporaries (``<name>.tmp-<pid>-<random>``) in ``folder`` whose writer is
-    dead (killed mid-write); a live writer's are left alone. Returns what was removed."""
+    """Remove the temporaries ``temp_path`` made (``<name>.tmp-<pid>-<8 hex digits>``, a file
+    the run writes under its temporary name) in ``folder`` whose writer is dead (killed
+    mid-write); a live writer's are left alone, and so is every other file, whatever its name
+    (a user's ``notes.tmp-old`` or ``results.json.tmp``). Returns what was removed."""
     removed = []
     for p in folder.iterdir():
-        name = p.name
-        if TEMP_MARK in name:
-            pid = name.rsplit(TEMP_MARK, 1)[1].split("-")[0]
-            if not pid.isdigit() or pid_alive(int(pid)):
-                continue
-        elif name not in LEGACY_TEMPS:
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is None or pid_alive(int(m.group(2))):
             continue
-        if p.is_file() or p.is_symlink():
+        if p.is_file() and not p.is_symlink():
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
@@ -164,7 +166,15 @@ class FolderLock:
 
     def _lock(self, path: Path) -> int:
         for _ in range(100):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link: the pid would be written into whatever it names
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise RunFolderError(
+                        f"{path} is a symbolic link where the run's lock goes: refused (a run "
+                        f"writes nothing through a link); remove it or choose another {self.flag}"
+                    ) from None
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -251,7 +261,12 @@ class RunFolder:
         ``results.json`` fails now, not after training)."""
         for name in RUN_FILES:
             p = self.path / name
-            if (p.exists() or p.is_symlink()) and not p.is_file():
+            if p.is_symlink():
+                raise RunFolderError(
+                    f"{p} is a symbolic link where the run writes a file: refused (a run writes "
+                    f"nothing through a link); remove it or choose another {self.flag}"
+                )
+            if p.exists() and not p.is_file():
                 kind = "a directory" if p.is_dir() else "not a regular file"
                 raise RunFolderError(
                     f"{p} is {kind}, where the run writes a file: remove it or choose "

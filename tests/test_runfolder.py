@@ -244,3 +244,59 @@ def test_a_read_only_folder_is_one_line_and_changes_nothing(tmp_path: Path, caps
     finally:
         out.chmod(0o755)
     assert _state(out) == before
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_link_where_the_lock_goes_is_refused_and_nothing_is_written_through_it(
+    tmp_path: Path, capsys, dangling: bool
+) -> None:
+    """``out/.fedmosaic.lock`` a symbolic link to a file outside the folder: refused by name; the
+    file it names is neither overwritten nor (dangling) created."""
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    precious = tmp_path / "precious"
+    if not dangling:
+        precious.write_text("keep me\n")
+    (out / LOCK_FILE).symlink_to(Path("..") / "precious")
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 2
+    assert "is a symbolic link where the run's lock goes" in capsys.readouterr().err
+    if dangling:
+        assert not precious.exists()
+    else:
+        assert precious.read_text() == "keep me\n"
+    assert {p.name for p in out.iterdir()} == {LOCK_FILE}
+
+
+def test_a_link_where_a_run_file_goes_is_refused(tmp_path: Path, capsys) -> None:
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    target = tmp_path / "elsewhere.csv"
+    target.write_text("mine\n")
+    (out / "rounds.csv").symlink_to(target)
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 2
+    assert "rounds.csv is a symbolic link where the run writes a file" in capsys.readouterr().err
+    assert target.read_text() == "mine\n"
+
+
+def test_a_run_deletes_only_its_own_dead_temporaries(tmp_path: Path) -> None:
+    """The user's files named like temporaries stay; a killed writer's temporary goes."""
+    cfg = _cfg(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    mine = ["notes.tmp-old", "results.json.tmp", "rounds.csv.tmp", f"data.tmp-{dead}-zz"]
+    for name in mine:
+        (out / name).write_text("user\n")
+    junk = out / f"results.json.tmp-{dead}-0123abcd"
+    junk.write_text("half a write")
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    assert not junk.exists()
+    for name in mine:
+        assert (out / name).read_text() == "user\n", name
