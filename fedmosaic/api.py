@@ -349,7 +349,7 @@ def run_flower_in_memory(
     the Flower server leaves its ``FAILED`` file (the traceback) there, no ``results.json``."""
     try:  # the optional flower extra
         from fedmosaic.flower.app import client_app, run_server
-        from fedmosaic.flower.local import LocalGrid
+        from fedmosaic.flower.local import FIRST_NODE_ID, LocalGrid
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] != "flwr":
             raise
@@ -363,8 +363,14 @@ def run_flower_in_memory(
         if start.done is not None:
             return start.done
         n = cfg.data.num_clients
-        rc = {"experiment": json.dumps(cfg.to_dict()), "results-dir": str(results_dir)}
         nodes = [{"partition-id": i, "num-partitions": n} for i in range(n)]
+        rc = {
+            "experiment": json.dumps(cfg.to_dict()),
+            "results-dir": str(results_dir),
+            # the in-process grid knows which node serves which partition: the allow-list a
+            # deployment sets by hand (no "partitions bound to whoever declares them" warning)
+            "node-partitions": " ".join(f"{FIRST_NODE_ID + i}={i}" for i in range(n)),
+        }
         hook = _round_hook(on_round, cfg.train.rounds)
         return run_server(LocalGrid(client_app, nodes, rc), rc, on_round=hook)
 

@@ -188,3 +188,17 @@ def test_an_empty_or_odd_out_is_refused_before_anything_is_written(
     with pytest.raises(fm.ConfigError, match="out = .*: name a folder"):
         fm.run(cfg, out=out)
     assert _files(tmp_path) == {"c.toml"}
+
+
+def test_the_in_memory_flower_run_warns_of_nothing_when_nothing_is_wrong(
+    tmp_path: Path, caplog
+) -> None:
+    """The in-process grid binds each node to its partition (the allow-list a deployment sets):
+    an honest run logs no warning, the tutorial's output included."""
+    import logging
+
+    pytest.importorskip("flwr")
+    cfg = write_toml(tmp_path / "c.toml", _raw(train={"rounds": 1}))
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        fm.run_flower_in_memory(cfg, tmp_path / "fl")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
