@@ -6,6 +6,9 @@ each ``fedmosaic compare`` cell and ``fedmosaic.api`` go through it.
    the holder; the kernel drops the lock of a process that dies, so a killed run's lock is simply
    taken over (and its temporary files, whose names carry its pid, are removed). The lock file
    is removed on release, and a folder the lock created is removed again if nothing was written.
+   :func:`hold` takes it unless this thread has the folder open as a :class:`RunFolder` (the
+   deployed Flower ServerApp's ``run_server`` inside ``fedmosaic.api.run_flower_in_memory``'s
+   RunFolder): re-entrant for that run only, refused for every other holder.
 2. **Check** (:meth:`RunFolder.check`), nothing written yet: every file a run writes must be a
    file or absent (``results.json`` being a directory is refused before training); a finished
    run of the same config is kept and reported (``Start.done``) unless ``overwrite``; another
@@ -19,6 +22,30 @@ each ``fedmosaic compare`` cell and ``fedmosaic.api`` go through it.
 4. **Finish** (:meth:`RunFolder.finish`): ``rounds.csv``, the curve and ``results.json`` written
    to temporaries of this writer and renamed, ``results.json`` last; the checkpoint is kept as
    ``final.safetensors`` or removed.
+
+**Replacing a finished run** (``overwrite``, a compare cell run again; not ``extend``, which
+continues the finished run and leaves its files until it completes): ``results.json`` is what
+every reader takes for "done" (:meth:`RunFolder.check`, :func:`read_results`,
+``fedmosaic.api.load_run``, ``suite_runner.cell_status``), so the folder must never hold one
+run's ``results.json`` beside another run's rows or checkpoint. Before the new run writes
+anything, the finished run's files (``results.json`` first, then ``rounds.csv``, the curve and
+``final.safetensors``) are renamed aside to temporaries of this writer (atomic renames, nothing
+copied). Then:
+
+- the new run finishes: its own files are written and the old ones aside are deleted;
+- it fails or is stopped (an exception, Ctrl-C, ``on_round`` raising, a full disk while writing
+  its results) with no checkpoint of its own: everything it wrote is removed and the old run's
+  files are renamed back (``results.json`` last), so the old run is whole again, as if the
+  start had been refused;
+- it is interrupted with a checkpoint of its own: the old run's files aside are deleted and the
+  folder is the new run's interrupted run (its rows and checkpoint, no ``results.json``): no
+  reader calls it done, a plain start of any config is refused naming the checkpoint, and
+  ``--resume`` with the new config continues it;
+- the process is killed mid-run: the folder has no ``results.json`` either (an interrupted
+  run), and the old files aside, named as this writer's temporaries, are removed when the folder
+  is next locked.
+
+A refused start (:meth:`RunFolder.check`) changes nothing, as before.
 
 A file-system error (read-only, full, a directory where a file goes) is a :class:`RunFolderError`:
 one line naming the path.
@@ -34,8 +61,9 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -53,6 +81,7 @@ from fedmosaic.experiment import run_experiment
 from fedmosaic.report.results import (
     TEMP_MARK,
     replace_all,
+    temp_path,
     write_atomic,
     write_results,
     write_temp,
@@ -71,6 +100,15 @@ RUN_FILES = (
     "curve.svg",
     "curve.pdf",
     CHECKPOINT_FILE,
+    FINAL_FILE,
+)
+# A finished run's files, set aside (results.json first) while another run replaces it.
+PRODUCT_FILES = (
+    RESULTS_FILE,
+    PROGRESS_FILE,
+    "curve.png",
+    "curve.svg",
+    "curve.pdf",
     FINAL_FILE,
 )
 
@@ -115,6 +153,30 @@ def remove_dead_temps(folder: Path) -> list[Path]:
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
+
+
+# The run folders each thread has open (resolved path -> its RunFolder): hold() takes no lock
+# twice for the run that holds it already (run_flower_in_memory's RunFolder around run_server).
+_open = threading.local()
+
+
+def _open_here() -> dict[Path, RunFolder]:
+    if not hasattr(_open, "folders"):
+        _open.folders = {}
+    return _open.folders
+
+
+@contextlib.contextmanager
+def hold(folder: str | Path, flag: str = "--out") -> Iterator[None]:
+    """``folder``'s lock for the duration of the block, unless this thread has it open as a
+    :class:`RunFolder` already (the same run: nothing is taken twice, nor released at the
+    end). Any other holder, another process, another thread or a bare :class:`FolderLock`, is
+    refused in one line naming the folder (RunFolderError)."""
+    if Path(folder).resolve() in _open_here():
+        yield
+        return
+    with FolderLock(folder, flag):
+        yield
 
 
 class FolderLock:
@@ -239,6 +301,18 @@ def read_results(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+@dataclass
+class _Replacing:
+    """A finished run set aside while another replaces it (the module's "Replacing"): the
+    temporaries and the names they go back to, what the folder held once they were moved
+    (``before``, ``prior_rows``), and whether the new run trained a round."""
+
+    aside: list[tuple[Path, Path]] = field(default_factory=list)
+    before: set[str] | None = None
+    prior_rows: bytes | None = None
+    started: bool = False
+
+
 class RunFolder:
     """One run's output folder, locked while open (``with RunFolder(out) as folder``)."""
 
@@ -246,15 +320,27 @@ class RunFolder:
         self.path = Path(path)
         self.flag = flag
         self.lock = FolderLock(self.path, flag)
+        self.replacing: _Replacing | None = None  # a finished run set aside, until finish
+        self.key: Path | None = None  # the resolved path, while open (hold())
 
     def __enter__(self) -> RunFolder:
         self.lock.acquire()
+        self.key = self.path.resolve()
+        _open_here().setdefault(self.key, self)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.lock.release()
+        try:
+            if self.replacing is not None:  # run() returned but finish() never wrote
+                self._abandon()
+        finally:
+            folders = _open_here()
+            if self.key is not None and folders.get(self.key) is self:
+                del folders[self.key]
+            self.key = None
+            self.lock.release()
 
     def check_files(self) -> None:
         """Every file a run writes is a regular file or absent (a directory named
@@ -339,13 +425,29 @@ class RunFolder:
         rounds) and return the results document, not yet written (:meth:`finish`). A start that
         fails before its first round removes what it created; so does ``on_round`` raising when
         no checkpoint is there to resume from (its exception propagates). ``on_round`` gets each
-        round's record after the sinks; ``trained`` is ``run_experiment``'s."""
+        round's record after the sinks; ``trained`` is ``run_experiment``'s. A finished run in
+        the folder (not ``extend``) is set aside first, then deleted or put back whole (the
+        module's "Replacing a finished run")."""
         ckpt = self.path / CHECKPOINT_FILE
-        before = self._entries()
-        # The sinks rewrite rounds.csv at once: an earlier run's (an overwrite) is put back when
-        # this one is rolled back, so its results.json and rows still agree.
+        if not extend and (self.path / RESULTS_FILE).is_file():
+            # A finished run replaced (overwrite, a cell run again): set aside before anything
+            # is written, so that its results.json never stands beside this run's files.
+            self._set_aside(rows=not start.keep)
+        replacing = self.replacing
         rows = self.path / PROGRESS_FILE
-        prior_rows = rows.read_bytes() if rows.is_file() else None
+        try:
+            before = self._entries()
+            # The sinks rewrite rounds.csv at once: an earlier run's rows are put back when this
+            # one is rolled back, so its results.json and rows still agree.
+            prior_rows = rows.read_bytes() if rows.is_file() else None
+            if replacing is not None:
+                replacing.before, replacing.prior_rows = before, prior_rows
+        except BaseException as exc:
+            if replacing is not None:
+                self._abandon()
+            if isinstance(exc, OSError):
+                raise fs_error(exc, self.path) from exc
+            raise
         try:
             if start.source is not None:
                 # Continue from a copy: the finished run's final state stays as it was until the
@@ -353,14 +455,21 @@ class RunFolder:
                 source = start.source
                 replace_all([(write_temp(ckpt, lambda t: shutil.copyfile(source, t)), ckpt)])
             sinks = Sinks(self.path, keep_rounds=start.keep, config=cfg.to_dict())
-        except OSError as exc:
-            self._remove_new(before)
-            raise fs_error(exc, self.path) from exc
+        except BaseException as exc:
+            if replacing is not None:
+                self._abandon()
+            else:
+                self._remove_new(before)
+            if isinstance(exc, OSError):
+                raise fs_error(exc, self.path) from exc
+            raise
         started = stopped = False
 
         def each_round(rec: dict[str, Any]) -> None:
             nonlocal started, stopped
             started = True
+            if replacing is not None:
+                replacing.started = True
             sinks(rec)
             if on_round is not None:
                 try:
@@ -383,16 +492,22 @@ class RunFolder:
             )
         except BaseException:
             sinks.close()
-            # Failed before any round, or stopped by the caller with nothing saved to resume
-            # from: leave the folder as it was (rounds.csv alone would claim a run that is not
-            # there). Otherwise it is an interrupted run: its checkpoint and rows up to it.
-            if (not started or (stopped and not ckpt.exists())) and not start.keep:
+            if replacing is not None:
+                # the old run whole again, or this run's interrupted run (module docstring)
+                self._abandon()
+            elif (not started or (stopped and not ckpt.exists())) and not start.keep:
+                # Failed before any round, or stopped by the caller with nothing saved to
+                # resume from: leave the folder as it was (rounds.csv alone would claim a run
+                # that is not there). Otherwise it is an interrupted run: its checkpoint and
+                # rows up to it.
                 self._remove_new(before)
                 if prior_rows is not None:
                     with contextlib.suppress(OSError):  # the original error matters more
                         write_atomic(rows, prior_rows)
             raise
         sinks.close()
+        if replacing is not None:
+            replacing.started = True  # trained to the end: its checkpoint, if any, is this run's
         return doc
 
     def execute(
@@ -407,15 +522,80 @@ class RunFolder:
 
     def finish(self, doc: dict[str, Any], *, keep_final: bool = False) -> None:
         """Write the results (``results.json`` renamed last: a failed write keeps the previous
-        files), then keep the checkpoint as ``final.safetensors`` or remove it."""
+        files), then keep the checkpoint as ``final.safetensors`` or remove it. A finished run
+        set aside by :meth:`run` is deleted once this run's ``results.json`` is in place, or put
+        back whole when the write fails and this run has no checkpoint to resume from."""
         try:
             write_results(self.path, doc)
+        except BaseException as exc:
+            if self.replacing is not None:
+                self._abandon()
+            if isinstance(exc, OSError):
+                raise fs_error(exc, self.path) from exc
+            raise
+        replaced, self.replacing = self.replacing, None
+        if replaced is not None:  # this run's results.json is in place: the old files go
+            self._drop(replaced)
+        try:
             ckpt = self.path / CHECKPOINT_FILE
             if keep_final and ckpt.exists():  # kept: inspection, load_run, --extend
                 os.replace(ckpt, self.path / FINAL_FILE)
             ckpt.unlink(missing_ok=True)  # complete: results.json is the product
         except OSError as exc:
             raise fs_error(exc, self.path) from exc
+
+    def _set_aside(self, rows: bool) -> None:
+        """Rename the finished run's files (``PRODUCT_FILES``, ``results.json`` first; its
+        ``rounds.csv`` only when ``rows``) to temporaries of this writer; a failure puts back
+        what was moved and is one line naming the path."""
+        replacing = _Replacing()
+        try:
+            for name in PRODUCT_FILES:
+                path = self.path / name
+                if (name == PROGRESS_FILE and not rows) or path.is_symlink():
+                    continue
+                if path.is_file():
+                    tmp = temp_path(path)
+                    os.rename(path, tmp)
+                    replacing.aside.append((tmp, path))
+        except BaseException as exc:
+            self._put_back(replacing)
+            if isinstance(exc, OSError):
+                raise fs_error(exc, self.path) from exc
+            raise
+        self.replacing = replacing
+
+    def _abandon(self) -> None:
+        """The replacing run will not finish: with a checkpoint of its own the folder is its
+        interrupted run and the old files aside go; else what it wrote goes and the old run's
+        files are put back (``results.json`` last). Best effort: the error that stopped the run
+        is the one reported."""
+        replacing, self.replacing = self.replacing, None
+        if replacing is None:
+            return
+        if replacing.started and (self.path / CHECKPOINT_FILE).exists():
+            self._drop(replacing)
+            return
+        with contextlib.suppress(OSError):
+            if replacing.before is not None:
+                self._remove_new(replacing.before)  # the files aside were there: kept
+            if replacing.prior_rows is not None:
+                write_atomic(self.path / PROGRESS_FILE, replacing.prior_rows)
+        self._put_back(replacing)
+
+    @staticmethod
+    def _put_back(replacing: _Replacing) -> None:
+        for tmp, path in reversed(replacing.aside):  # results.json last
+            with contextlib.suppress(OSError):
+                os.replace(tmp, path)
+        replacing.aside = []
+
+    @staticmethod
+    def _drop(replacing: _Replacing) -> None:
+        for tmp, _ in replacing.aside:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        replacing.aside = []
 
     def _entries(self) -> set[str]:
         """Every path under the folder, relative (links are listed, never followed)."""

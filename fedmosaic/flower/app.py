@@ -357,6 +357,12 @@ def run_server(
 
     A run that fails leaves ``FAILED`` (the traceback) next to ``server.log`` in the results
     folder, so whoever waits for ``results.json`` can stop waiting.
+
+    The results folder (``results-dir``) is locked for the whole run with ``fedmosaic.runfolder``'s
+    lock, the one ``fedmosaic run --out`` takes: a second ServerApp (or a ``fedmosaic run``) into
+    it is refused in one line naming the folder (RunFolderError) before anything there changes.
+    A caller with the folder open as a RunFolder in this thread (``run_flower_in_memory``) is
+    not locked twice.
     """
     from fedmosaic.flower.settings import FlowerOptions, experiment_from_run_config
 
@@ -370,6 +376,22 @@ def run_server(
         options.results_dir
         or f"runs/flower-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm['name']}"
     )
+    from fedmosaic.runfolder import hold
+
+    with hold(out, flag="results-dir"):  # refused here: nothing of the holder's run touched
+        return _serve(grid, out, cfg, options, on_round, start, started)
+
+
+def _serve(
+    grid: Any,
+    out: Path,
+    cfg: Any,
+    options: Any,
+    on_round: Callable[[dict[str, Any]], None] | None,
+    start: float,
+    started: str,
+) -> dict[str, Any]:
+    """:func:`run_server`'s run, its results folder locked."""
     out.mkdir(parents=True, exist_ok=True)
     run_log = _RunLog(out / "server.log")
     (out / "FAILED").unlink(missing_ok=True)
