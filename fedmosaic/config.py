@@ -483,6 +483,7 @@ MAX_FEATURE_DIM = 1 << 16
 # generated a chunk of CHUNK_PIXELS at a time and their statistics computed directly (a float64
 # copy, ~16 bytes a pixel) only up to STATS_DIRECT_PIXELS (fedmosaic/data/datasets.py).
 MAX_SYNTHETIC_BYTES = 1 << 31
+MAX_SYNTHETIC_CLASSES = 100_000  # ImageNet-21k has ~21,800
 CHUNK_PIXELS = 1 << 22
 STATS_DIRECT_PIXELS = 1 << 25
 
@@ -542,6 +543,34 @@ def _check_rule_fits_round(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f"server.trim = {s.trim} would cut every value on {sampled}; it must be below "
             f"{trim_limit(k):.6g}"
+        )
+
+
+def _check_synthetic_pool(d: DataConfig) -> None:
+    """What is absurd on its face for a synthetic pool, refused before it is generated: more
+    classes than any dataset has, fewer than two images a class (one to train on, one to
+    test), more clients than there are images to share (each client needs one)."""
+    if d.synthetic_classes > MAX_SYNTHETIC_CLASSES:
+        raise ConfigError(
+            f"data.synthetic_classes = {d.synthetic_classes} must be <= "
+            f"{MAX_SYNTHETIC_CLASSES} (every client model has a head row per class)"
+        )
+    if d.synthetic_size < 2 * d.synthetic_classes:
+        raise ConfigError(
+            f"data.synthetic_classes = {d.synthetic_classes} leaves data.synthetic_size = "
+            f"{d.synthetic_size} images at fewer than 2 a class (one to train on, one to test); "
+            "lower data.synthetic_classes or raise data.synthetic_size"
+        )
+    # An upper bound on the rows the clients share: the stratified subsample keeps
+    # round(subsample x n_c) of each class, at least one.
+    # (The public and server splits come out of it later, refused by name if they leave none.)
+    pool = min(d.synthetic_size, int(d.subsample * d.synthetic_size) + d.synthetic_classes)
+    if d.num_clients > pool:
+        raise ConfigError(
+            f"data.num_clients = {d.num_clients} is more than the {pool} images there are to "
+            f"share (data.synthetic_size = {d.synthetic_size} x data.subsample = "
+            f"{d.subsample:g}): every client needs a training example; lower "
+            "data.num_clients or raise data.synthetic_size"
         )
 
 
@@ -672,6 +701,8 @@ def validate_values(cfg: ExperimentConfig) -> None:
             f"{d.synthetic_shape} images (at most {MAX_SYNTHETIC_BYTES / 2**30:g} GiB); the "
             f"largest accepted size here is {lo}"
         )
+    if d.dataset == "synthetic":
+        _check_synthetic_pool(d)
     if not 0 <= cfg.eval.holdout_clients < d.num_clients:
         raise ConfigError(
             f"eval.holdout_clients = {cfg.eval.holdout_clients} must be in "

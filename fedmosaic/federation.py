@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedmosaic import accel
+from fedmosaic import accel, memory
 from fedmosaic.algorithms import build_algorithm
-from fedmosaic.config import ExperimentConfig
+from fedmosaic.config import ExperimentConfig, planned_clients_per_round
 from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec
 from fedmosaic.core.client import ClientData
@@ -170,11 +170,65 @@ def _assemble(
             raise ConfigError(f"{key} = {dev!r} but CUDA is not available")
     algo = build_algorithm(cfg.algorithm)
     if data is None:
+        check_memory(cfg)  # before the data are generated, decompressed or partitioned
         data = build_federated_data(cfg.data, cfg.seed)
     clients = client_data(data, cfg.train.device)
     spec = make_spec(cfg, data, clients)
     algo.check(spec)
     return algo, data, clients, spec
+
+
+def model_state_bytes(cfg: ExperimentConfig, shape: tuple[int, int, int], classes: int) -> int:
+    """Mean bytes of one client model's parameters and buffers, built on the meta device (shapes
+    only: nothing allocated, no random stream drawn)."""
+    members = family_members(cfg.model.family)
+    sizes = []
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for member in dict.fromkeys(members):
+            m = build_client_model(
+                member, shape, classes, cfg.model.feature_dim, projection=model_projection(cfg)
+            )
+            sizes.append(module_nbytes(m) * members.count(member))
+    return sum(sizes) // len(members)
+
+
+def memory_parts(cfg: ExperimentConfig) -> list[memory.Part]:
+    """The run's memory estimate (:mod:`fedmosaic.memory`): the pooled data, the clients'
+    splits, and the client models kept in memory (all of them with ``sim.offload_clients =
+    "off"`` or the process backend at full participation; at most :data:`OFFLOAD_BUDGET` under
+    "auto", which moves a larger population to the on-disk state store; none with "on")."""
+    d = cfg.data
+    parts = memory.data_parts(d)
+    known = memory.dataset_shape(d)
+    if known is None:
+        return parts
+    _, shape, classes = known
+    off = cfg.sim.offload_clients
+    full = cfg.sim.backend == "processes" and planned_clients_per_round(cfg) >= (
+        d.num_clients - cfg.eval.holdout_clients
+    )
+    if off == "on":
+        return parts
+    try:
+        each = model_state_bytes(cfg, shape, classes)
+    except Exception:  # a model that cannot be sized here is sized by building it, later
+        return parts
+    total = d.num_clients * each
+    if off == "auto" and not full:
+        total = min(total, OFFLOAD_BUDGET)
+    what = (
+        f"data.num_clients x {memory.size_text(each)} of client model state (model.family = "
+        f'"{cfg.model.family}", sim.offload_clients = "{off}") = {memory.size_text(total)}'
+    )
+    keys = ("data.num_clients", "model.family", "sim.offload_clients")
+    return [*parts, memory.Part(what, total, keys)]
+
+
+def check_memory(cfg: ExperimentConfig) -> None:
+    """Refuse (ConfigError, one line naming the keys) a run whose estimate exceeds the available
+    memory, before anything is built."""
+    if memory.check_enabled():
+        memory.check_fits(memory_parts(cfg))
 
 
 def check_runs(runs: Sequence[tuple[str, ExperimentConfig]]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedmosaic import memory
 from fedmosaic.config import CHUNK_PIXELS, STATS_DIRECT_PIXELS, DataConfig
 from fedmosaic.core.checks import did_you_mean
 from fedmosaic.core.errors import DatasetError
@@ -218,10 +219,19 @@ def _stamp(paths: Sequence[Path]) -> tuple[tuple[str, int, int], ...]:
 # ----------------------------------------------------------------------------- IDX
 
 
-def _read_bytes(path: Path, stated: Callable[[bytes], int | None] | None = None) -> bytes:
+def _read_bytes(
+    path: Path, stated: Callable[[bytes], int | None] | None = None
+) -> bytes | bytearray:
     """File contents, gunzipped if the name ends in .gz or the data starts with the gzip magic
-    (``stated``: the size the first decompressed bytes declare, see :func:`_gunzip_bounded`)."""
+    (``stated``: the size the first decompressed bytes declare, see :func:`_gunzip_bounded`).
+    A file larger than ``MAX_DECOMPRESSED`` is refused unread: no dataset file is that large."""
     try:
+        size = path.stat().st_size
+        if size > MAX_DECOMPRESSED:
+            raise DatasetError(
+                f"{path}: {size} bytes, more than the {MAX_DECOMPRESSED} bytes any dataset file "
+                "decompresses to; not a dataset file"
+            )
         raw = path.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read file: {exc}") from exc
@@ -230,9 +240,36 @@ def _read_bytes(path: Path, stated: Callable[[bytes], int | None] | None = None)
     return raw
 
 
-MAX_DECOMPRESSED = 2**31  # no dataset file here decompresses to 2 GiB (EMNIST byclass: ~0.6 GB)
+# No dataset file here decompresses to 1 GiB (the largest, EMNIST letters' training images, is
+# 98 MB; EMNIST byclass, not offered, would be 0.55 GB); read at call time (tests lower it).
+MAX_DECOMPRESSED = 2**30
 _GZ_IN = 1 << 20  # compressed bytes fed at a time: zlib copies the unconsumed input per call
 _GZ_OUT = 1 << 24  # decompressed bytes asked for at a time
+_GZ_HEAD = 4096  # decompressed bytes asked for until the header has stated its size
+# Deflate's largest expansion: 258 bytes from a 2-bit code, ~1032:1; a gzip member adds 18
+# bytes of framing. A header stating more than the compressed file can expand to is a lie.
+_DEFLATE_RATIO = 1032
+
+
+def _check_stated(path: Path, size: int, compressed: int, limit: int) -> None:
+    """The size an output's header states, refused before it is decompressed: above ``limit``,
+    above what ``compressed`` bytes of deflate can expand to, or above the available memory."""
+    if size > limit:
+        raise DatasetError(
+            f"{path}: its header states {size} bytes; no dataset file decompresses to more than "
+            f"{limit} bytes; not a dataset file"
+        )
+    if size > _DEFLATE_RATIO * compressed + _GZ_HEAD:
+        raise DatasetError(
+            f"{path}: its header states {size} bytes, more than {compressed} bytes of gzip can "
+            "hold; the file is truncated or not a dataset file"
+        )
+    free = memory.available_bytes() if memory.check_enabled() else None
+    if free is not None and size > free:
+        raise DatasetError(
+            f"{path}: its header states {size} bytes ({memory.size_text(size)}) and "
+            f"{memory.size_text(free)} of memory is available; not read"
+        )
 
 
 def _gunzip_bounded(
@@ -240,15 +277,17 @@ def _gunzip_bounded(
     raw: bytes,
     limit: int | None = None,
     stated: Callable[[bytes], int | None] | None = None,
-) -> bytes:
+) -> bytearray:
     """gunzip in chunks, never holding more than ``limit`` + 1 output bytes (default
     ``MAX_DECOMPRESSED``, read at call time): a gzip bomb stops there, before it is in memory.
 
     ``stated(head)``: the total size the output's first bytes declare (an IDX header), or None
-    while they are too few; output beyond it is refused as soon as it appears, so a small header
-    in front of a bomb costs one chunk, not ``limit`` bytes of decompression."""
+    while they are too few. The first few kB are decompressed alone, so the header is read
+    before anything large: a stated size above ``limit``, above what the compressed bytes can
+    expand to, or above the available memory is refused there (:func:`_check_stated`), and
+    output beyond the stated size is refused as soon as it appears."""
     limit = MAX_DECOMPRESSED if limit is None else limit
-    cap, declared = limit, False
+    cap, declared = limit, stated is None
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     out = bytearray()
     pos, pending = 0, b""
@@ -257,15 +296,19 @@ def _gunzip_bounded(
             if not pending and pos < len(raw):
                 pending, pos = raw[pos : pos + _GZ_IN], pos + _GZ_IN
             # cap + 1: one byte past the cap tells a file that is too long from one that fits
-            chunk = d.decompress(pending, min(_GZ_OUT, cap + 1 - len(out)))
+            ask = _GZ_OUT if declared else _GZ_HEAD
+            chunk = d.decompress(pending, min(ask, cap + 1 - len(out)))
             pending = d.unconsumed_tail
             out += chunk
             if stated is not None and not declared:
-                size = stated(bytes(out[:4096]))
+                size = stated(bytes(out[:_GZ_HEAD]))
                 if size is not None:
-                    cap, declared = min(cap, size), True
+                    _check_stated(path, size, len(raw), limit)
+                    cap, declared = size, True
+                elif len(out) >= _GZ_HEAD:
+                    declared = True  # no header in the first kB: the limit alone bounds it
             if len(out) > cap:
-                if declared and cap < limit:
+                if cap < limit:
                     raise DatasetError(
                         f"{path}: decompresses to more than the {cap} bytes its header states; "
                         "not a dataset file"
@@ -283,7 +326,7 @@ def _gunzip_bounded(
                 raise zlib.error("incomplete gzip stream")
     except (zlib.error, EOFError) as exc:
         raise DatasetError(f"{path}: corrupt gzip file ({exc}); delete it and re-fetch") from exc
-    return bytes(out)
+    return out  # a bytearray: numpy reads it in place, writable (no copy of a large file)
 
 
 def _idx_header(path: Path, raw: bytes, ndim: int | None) -> tuple[int, tuple[int, ...]] | None:
@@ -339,8 +382,10 @@ def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
         raise DatasetError(
             f"{path}: {what}: expected {expected} bytes for shape {tuple(dims)}, found {len(raw)}"
         )
-    # Copy: frombuffer over bytes is read-only, and torch wants writable memory.
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims).copy()
+    array = np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+    # Over bytes it is read-only and torch wants writable memory: a copy. A decompressed file
+    # is a bytearray, writable: used in place.
+    return array if isinstance(raw, bytearray) else array.copy()
 
 
 def _read_idx_pair(images_path: Path, labels_path: Path) -> tuple[np.ndarray, np.ndarray]:
