@@ -48,6 +48,13 @@ HOST_AVX2 = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
 }
+HOST_SSE = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+}
+# the two levels forced on this host: its own and the next one down
+LEVELS = {"avx512": (HOST_AVX512, HOST_AVX2, "AVX512"), "avx2": (HOST_AVX2, HOST_SSE, "AVX2")}
 
 
 def _run(tmp_path: Path, tag: str, mode: str, host: dict[str, str]) -> dict:
@@ -74,18 +81,18 @@ def _numbers(doc: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    numerics.host_level() != "avx512", reason="needs an AVX-512 host to force two levels"
-)
+@pytest.mark.skipif(numerics.host_level() not in LEVELS, reason="needs AVX2 or AVX-512")
 def test_portable_cells_are_bitwise_across_forced_instruction_set_levels(tmp_path: Path) -> None:
-    """The same cell under an AVX-512 host's and an AVX2 host's library levels: native numerics
-    differ (the cross-host problem), portable numerics give every number bit for bit."""
-    wide = _run(tmp_path, "native512", "native", HOST_AVX512)
-    narrow = _run(tmp_path, "native2", "native", HOST_AVX2)
+    """The same cell under this host's library levels and the next level down's (AVX-512 and
+    AVX2 on an AVX-512 host, AVX2 and SSE on an AVX2 host): native numerics differ (the
+    cross-host problem), portable numerics give every number bit for bit."""
+    host, lower, capability = LEVELS[numerics.host_level()]
+    wide = _run(tmp_path, "native_host", "native", host)
+    narrow = _run(tmp_path, "native_lower", "native", lower)
     assert _numbers(wide) != _numbers(narrow)  # what a second host does today
-    assert wide["provenance"]["numerics"]["aten_capability"] == "AVX512"
-    p_wide = _run(tmp_path, "portable512", "portable", HOST_AVX512)
-    p_narrow = _run(tmp_path, "portable2", "portable", HOST_AVX2)
+    assert wide["provenance"]["numerics"]["aten_capability"] == capability
+    p_wide = _run(tmp_path, "portable_host", "portable", host)
+    p_narrow = _run(tmp_path, "portable_lower", "portable", lower)
     assert _numbers(p_wide) == _numbers(p_narrow)
     for doc in (p_wide, p_narrow):
         rec = doc["provenance"]["numerics"]
@@ -93,7 +100,7 @@ def test_portable_cells_are_bitwise_across_forced_instruction_set_levels(tmp_pat
         assert rec["onednn_convolutions"] is False
         assert rec["env"]["MKL_CBWR"] == "AVX2,STRICT"
         assert doc["config"]["sim"]["numerics"] == "portable"
-    assert p_wide["provenance"]["numerics"]["host_level"] == "avx512"
+    assert p_wide["provenance"]["numerics"]["host_level"] == numerics.host_level()
     assert p_wide["provenance"]["host"]["cpu_id"]["vendor_id"]
 
 
