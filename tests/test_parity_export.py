@@ -358,3 +358,38 @@ def test_a_result_with_wrong_typed_fields_is_named(
     path.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match=field):
         harness._read_result(path)
+
+
+def test_any_split_is_named_by_its_parameters(harness: ModuleType) -> None:
+    assert harness.register_setting("dirichlet", 0.5, 2) == "dir05"
+    assert harness.SETTINGS["dir05"] == {"partition": "dirichlet", "alpha": 0.5}
+    assert harness.register_setting("pathological", 0.1, 3) == "pat3"
+    assert harness.register_setting("dirichlet", 0.1, 2) == "dir01"  # the named one, unchanged
+    setup = harness.Setup("dir05", 0.05, 10, 5, 1)
+    cfg = from_dict(setup.fedmosaic_config({"name": "local"}))
+    assert (cfg.data.partition, cfg.data.alpha, cfg.data.num_clients) == ("dirichlet", 0.5, 10)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--partition", "dirichlet", "--alpha", "0"], "--alpha 0.0: a positive number"),
+        (["--partition", "dirichlet", "--alpha", "nan"], "--alpha nan: a positive number"),
+        (["--partition", "pathological", "--classes-per-client", "11"], "1 to 10"),
+        (["--alpha", "0.5"], "--alpha and --classes-per-client need --partition"),
+    ],
+)
+def test_bad_split_arguments_are_refused(
+    harness: ModuleType, tmp_path: Path, capsys, args: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        harness.main(["local", "--ref", str(tmp_path / "ref"), "--out", str(tmp_path / "o"), *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_fedtgps_code_form_is_a_method_with_its_paper_form_beside_it(harness: ModuleType) -> None:
+    code = harness.HTFLLIB["fedtgp_code"]
+    assert code.algorithm["lam"] == 10.0 and code.algorithm["distance"] == "mse"
+    assert code.ref_args[code.ref_args.index("-lam") + 1] == "10"
+    paper = {**code.algorithm, **code.variants["paper_form"]}
+    assert (paper["distance"], paper["lam"], paper["stale_prototypes"]) == ("euclidean", 0.1, False)
