@@ -319,6 +319,7 @@ def test_a_forged_checkpoint_with_huge_weights_is_refused(tmp_path: Path, monkey
     assert path.read_bytes() == before
 
 
+@pytest.mark.golden
 def test_a_later_key_at_its_old_behaviour_keeps_stored_hashes() -> None:
     """``server.peer_factor`` came after the committed cells and checkpoints: at its default
     (which drops no honest upload) a config hashes as one recorded without the key, so stored
@@ -338,6 +339,7 @@ def test_a_later_key_at_its_old_behaviour_keeps_stored_hashes() -> None:
     ("section", "key", "other"),
     [("train", "shuffle", False), ("model", "init", "architecture"), ("data", "split_seed", 3)],
 )
+@pytest.mark.golden
 def test_the_reference_pipeline_options_keep_stored_hashes_at_their_defaults(
     section: str, key: str, other: object
 ) -> None:
@@ -353,6 +355,7 @@ def test_the_reference_pipeline_options_keep_stored_hashes_at_their_defaults(
     assert config_hash(cfg) != config_hash(old)
 
 
+@pytest.mark.golden
 def test_committed_cells_keep_their_config_hashes() -> None:
     """A committed cell's config, rebuilt by today's code, hashes as the stored one (else
     ``compare`` would run every committed cell again)."""

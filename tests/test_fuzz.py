@@ -191,6 +191,7 @@ CLI_CASES = [(s, k, a) for s, k, a in KEYS if not a] + list(
 
 
 @pytest.mark.parametrize("section, key, algo", CLI_CASES, ids=[_label(*k) for k in CLI_CASES])
+@pytest.mark.integration
 def test_cli_refuses_a_bad_set_with_one_line_and_no_out(section, key, algo, tmp_path, capsys):
     cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": algo or "local"}))
     dotted = f"algorithm.{key}" if algo else (f"{section}.{key}" if section else key)
@@ -202,6 +203,7 @@ def test_cli_refuses_a_bad_set_with_one_line_and_no_out(section, key, algo, tmp_
         assert not out.exists(), (dotted, what)
 
 
+@pytest.mark.integration
 def test_cli_leaves_a_previous_run_untouched(tmp_path, capsys):
     cfg = write_toml(tmp_path / "c.toml", tiny_raw(data=SMALL, algorithm={"name": "local"}))
     out = tmp_path / "out"

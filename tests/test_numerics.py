@@ -82,6 +82,7 @@ def _numbers(doc: dict) -> tuple:
 
 @pytest.mark.slow
 @pytest.mark.skipif(numerics.host_level() not in LEVELS, reason="needs AVX2 or AVX-512")
+@pytest.mark.golden
 def test_portable_cells_are_bitwise_across_forced_instruction_set_levels(tmp_path: Path) -> None:
     """The same cell under this host's library levels and the next level down's (AVX-512 and
     AVX2 on an AVX-512 host, AVX2 and SSE on an AVX2 host): native numerics differ (the
@@ -140,6 +141,7 @@ def test_host_level_from_cpu_flags() -> None:
     assert numerics.host_level(set()) == "unknown"
 
 
+@pytest.mark.golden
 def test_the_native_default_keeps_every_stored_config_hash() -> None:
     """sim.numerics came later: at its default it is left out of the fingerprint, so committed
     cells and checkpoints keep their hashes; "portable" is another configuration."""

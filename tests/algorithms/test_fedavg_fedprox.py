@@ -20,6 +20,7 @@ def _numbers(doc):
     ]
 
 
+@pytest.mark.golden
 def test_fedprox_mu0_equals_fedavg_exactly():
     base = dict(train={"rounds": 3}, data={"num_clients": 4})
     avg = run_experiment(from_dict(tiny_raw(algorithm={"name": "fedavg"}, **base)), progress=False)
@@ -53,6 +54,7 @@ def test_proximal_term_hand_computed():
     assert float(proximal_term(m, g).detach()) == pytest.approx(6.0)
 
 
+@pytest.mark.integration
 def test_proximal_term_skips_what_the_broadcast_does_not_hold():
     """FedBN + FedProx (``bn = "local"``): local BatchNorm weights have no global anchor."""
     m = nn.Sequential(nn.Linear(2, 1), nn.BatchNorm1d(1))

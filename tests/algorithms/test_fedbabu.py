@@ -110,6 +110,7 @@ def test_finetuning_moves_the_head(part):
         assert body_kept == (part == "head")  # head-only fine-tuning leaves the shared body
 
 
+@pytest.mark.integration
 def test_two_rounds_on_the_zoo_with_wire_check_and_finetuning():
     models = pytest.importorskip("fedmosaic.models")
     if not hasattr(models, "family_members"):

@@ -205,6 +205,7 @@ def test_handmade_two_rounds_with_wire_check_and_bytes():
     assert set(state) == {"weight", "bias"} and state["weight"].shape == (c, d)
 
 
+@pytest.mark.integration
 def test_two_rounds_on_zoo_family_with_wire_check():
     raw = tiny_raw(
         model={"family": "htfe8-gray", "feature_dim": 32},

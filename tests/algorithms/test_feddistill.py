@@ -222,6 +222,7 @@ def test_zoo_free_rounds_learn_the_global_logits(distill, average):
 
 
 @pytest.mark.parametrize("distill", ["mse", "kl"])
+@pytest.mark.integration
 def test_two_rounds_heterogeneous_end_to_end(distill):
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment  # needs the model zoo

@@ -290,6 +290,7 @@ def test_handmade_two_rounds_with_wire_check_and_bytes():
     assert isinstance(state, FedGHState) and state.head["weight"].shape == (c, d)
 
 
+@pytest.mark.integration
 def test_two_rounds_on_zoo_family_with_wire_check():
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

@@ -261,6 +261,7 @@ def _bn_fit(model, msg: HeNNBroadcast, lr: float) -> client_ops.FitOutput:
 
 
 @pytest.mark.parametrize(("family", "member"), BN_MEMBERS)
+@pytest.mark.integration
 def test_alignment_pass_leaves_batchnorm_statistics_as_local_training_does(family, member):
     # lr = 0: the weights never move, so the only difference between the runs is the RAD pass
     # (inputs shifted by +3, another distribution than the training data).
@@ -319,6 +320,7 @@ def test_two_rounds_heterogeneous_toy_federation(kwargs):
     assert fed.state.kernel.shape == (16, 16) and fed.state.kernel_round == 3
 
 
+@pytest.mark.integration
 def test_two_rounds_with_config_and_wire_check():
     raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedhenn", "rad_size": 20})
     from fedmosaic.experiment import run_experiment
@@ -328,6 +330,7 @@ def test_two_rounds_with_config_and_wire_check():
     assert all(r["rejected"] == [] for r in doc["rounds"])
 
 
+@pytest.mark.integration
 def test_clients_of_different_widths_align_their_own_representations():
     # fedhenn5 at 1x28x28: widths 864, 120, 120, 84, 84, no projection layer (Sec. 4.1's CNNs).
     raw = tiny_raw(model={"family": "fedhenn5"}, algorithm={"name": "fedhenn", "rad_size": 20})

@@ -77,6 +77,7 @@ def test_global_kernel_is_the_received_models_and_starts_aligned():
 
 
 @pytest.mark.parametrize(("family", "member"), BN_MEMBERS)
+@pytest.mark.integration
 def test_batchnorm_statistics_untouched_and_one_mode_for_both_kernels(family, member):
     algo = FedHeNNHomo(rad_size=6)
     received = bn_model(family, member, seed=3).part_state("all")  # W(t-1), its statistics too
@@ -131,6 +132,7 @@ def test_payloads_validation_and_config():
         algo.init_server(_spec(None))
 
 
+@pytest.mark.integration
 def test_two_rounds_with_config_and_wire_check():
     raw = tiny_raw(
         model={"family": "fedavgcnn"}, algorithm={"name": "fedhenn_homo", "rad_size": 20}

@@ -209,6 +209,7 @@ def test_zoo_free_rounds(upload_mode):
     assert set(scores) == {"acc", "acc_mentee"}
 
 
+@pytest.mark.integration
 def test_two_rounds_heterogeneous_end_to_end():
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment  # needs the model zoo
@@ -375,6 +376,7 @@ def test_parity_options_route_compression_and_loss():
     assert not torch.allclose(loss, default)
 
 
+@pytest.mark.integration
 def test_htfllib_forms_end_to_end():
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment  # needs the model zoo

@@ -71,6 +71,7 @@ def test_server_momentum_accumulates_across_rounds():
     assert s2.model["w"].tolist() == pytest.approx([2.25 + 0.5 * m2[0], 3.5 + 0.5 * m2[1]])
 
 
+@pytest.mark.golden
 def test_fedavgm_without_momentum_at_server_lr_1_is_fedavg():
     base = dict(train={"rounds": 3}, data={"num_clients": 4})
     avg = run_experiment(from_dict(tiny_raw(algorithm={"name": "fedavg"}, **base)), progress=False)

@@ -239,6 +239,7 @@ def test_two_rounds_heterogeneous_toy_with_wire_check():
         assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_head_weighted"] <= 1.0
 
 
+@pytest.mark.integration
 def test_two_rounds_end_to_end_heterogeneous_family():
     from helpers.experiments import tiny_raw
 

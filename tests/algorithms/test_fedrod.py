@@ -136,6 +136,7 @@ def test_rejects_heterogeneous_family():
         from_dict(tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedrod"}))
 
 
+@pytest.mark.integration
 def test_two_rounds_end_to_end_single_arch():
     from helpers.experiments import tiny_raw
 

@@ -341,6 +341,7 @@ def _numbers(fed):
 
 
 @pytest.mark.parametrize("cls", [FedSeqVanilla, FedSeqAnti])
+@pytest.mark.golden
 def test_full_schedule_trains_exactly_like_fedbabu(cls):
     """Every block unfrozen from round 1 == FedBABU (layer expansion's last stage)."""
     babu = run_toy_rounds(FedBABU(finetune_epochs=1), rounds=3, finetune_epochs=-1)
@@ -359,6 +360,7 @@ def test_full_schedule_trains_exactly_like_fedbabu(cls):
 
 
 @pytest.mark.parametrize("cls", [FedSeqVanilla, FedSeqAnti])
+@pytest.mark.integration
 def test_toy_federation_end_to_end_with_wire_check(cls):
     fed = run_toy_rounds(cls(), rounds=3, finetune_epochs=1)  # schedule (0, 1): 1, 2, 2 blocks
     recs = fed.history.rounds
@@ -379,6 +381,7 @@ def zoo_or_skip() -> None:
 
 
 @pytest.mark.parametrize("name", ["fedseq_vanilla", "fedseq_anti"])
+@pytest.mark.integration
 def test_three_rounds_on_the_zoo_with_wire_check(name):
     zoo_or_skip()
     from helpers.experiments import tiny_raw

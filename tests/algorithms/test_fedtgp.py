@@ -367,6 +367,7 @@ def test_two_rounds_heterogeneous_toy_federation(kwargs):
     assert rounds[0]["bytes_up_per_client"] >= C * D * 4 + C
 
 
+@pytest.mark.integration
 def test_two_rounds_with_config_and_wire_check():
     raw = tiny_raw(model={"family": "htfe8-gray"}, algorithm={"name": "fedtgp", "server_epochs": 5})
     from fedmosaic.experiment import run_experiment

@@ -127,6 +127,7 @@ def test_zoo_free_rounds_train_both_models_and_average_memes():
     assert set(scores) == {"acc", "acc_meme"} and scores["acc_meme"].shape == (4, 3)
 
 
+@pytest.mark.integration
 def test_two_rounds_heterogeneous_end_to_end():
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment  # needs the model zoo

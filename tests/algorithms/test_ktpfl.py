@@ -318,6 +318,7 @@ def test_config_requires_public_split():
 # ---- end to end (data + model zoo) -----------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_two_rounds_heterogeneous_with_wire_check():
     from fedmosaic.config import from_dict
     from fedmosaic.experiment import run_experiment

@@ -170,6 +170,8 @@ CHAOTIC.update({name: (1e-4, 1e-7) for name in ("fedavgm", "fedadam", "fedyogi")
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.golden
+@pytest.mark.integration
 def test_golden_numbers(name: str, golden: dict[str, Any]):
     assert name in golden, f"no golden numbers for {name!r}: regenerate them (module docstring)"
     got, want = _numbers(trained(name)), golden[name]

@@ -1,7 +1,7 @@
 """The CUDA path: batched clients, the device map, bf16 and a FedTGP round on a GPU.
 
-Skipped where CUDA is absent (the CPU versions of these checks live in ``test_batched.py``,
-``test_precision.py`` and ``sim/test_devices.py``).
+Skipped where CUDA is absent (the CPU versions of these checks live in
+``accel/test_batched.py``, ``core/test_precision.py`` and ``sim/test_devices.py``).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers.experiments import tiny_raw
 
@@ -40,6 +41,7 @@ def test_bf16_runs_in_bfloat16_and_learns():
     assert losses[-1] < 0.1 * losses[0], losses  # measured 1.16 -> 0.006 (fp32: the same)
 
 
+@pytest.mark.golden
 def test_fp32_is_the_default_and_bitwise_unchanged():
     def numbers(**train):
         raw = tiny_raw(train=train, sim={"threads": 1})
@@ -56,6 +58,7 @@ def test_fp32_is_the_default_and_bitwise_unchanged():
     assert set(dtypes) == {torch.float32}
 
 
+@pytest.mark.integration
 def test_bf16_batched_clients_learn():
     fed = _fed(precision="bf16", lr=0.1, local_epochs=3)
     one = _fed(precision="bf16", lr=0.1, local_epochs=3)

@@ -273,6 +273,7 @@ def _named(field: str) -> re.Pattern[str]:
 
 
 @pytest.mark.parametrize("name", ALGORITHMS.names())
+@pytest.mark.integration
 def test_a_real_upload_passes_its_schema_and_each_damaged_field_is_named(name):
     algo, state, up, cid, view = real_upload(name)
     fields = schema.schema_of(type(up))

@@ -54,6 +54,7 @@ def test_the_split_is_the_servers_alone():
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedadam"])
+@pytest.mark.integration
 def test_server_acc_each_evaluated_round_matches_a_recomputation(name):
     raw = tiny_raw(
         algorithm={"name": name},
@@ -141,6 +142,7 @@ def test_bad_sizes_are_refused_by_name():
         build_federated_data(cfg.data, cfg.seed)
 
 
+@pytest.mark.integration
 def test_flower_reports_the_simulators_server_acc(tmp_path):
     pytest.importorskip("flwr")
     raw = tiny_raw(model=HOMO, data={"server_eval_size": 40}, train={"rounds": 2})

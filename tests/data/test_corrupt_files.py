@@ -223,6 +223,7 @@ def gigabyte_of_zeros() -> bytes:
 
 
 @pytest.mark.parametrize("header", ["idx-header", "no-header"])
+@pytest.mark.integration
 def test_a_gzip_bomb_is_refused_by_name_within_two_seconds(
     tmp_path: Path, gigabyte_of_zeros: bytes, header: str
 ) -> None:
@@ -275,6 +276,7 @@ def test_the_pickle_walk_counts_shared_references() -> None:
         datasets._check_pickle_size(Path("x"), looped)
 
 
+@pytest.mark.integration
 def test_a_pickle_of_shared_references_is_refused_by_name_in_milliseconds(tmp_path: Path) -> None:
     root = tmp_path / "cifar"
     write_cifar(root, "cifar10")

@@ -175,6 +175,7 @@ def test_tinyimagenet(tmp_path: Path) -> None:
     assert torch.allclose(gray[0], gray[1]) and abs(gray.mean().item() - 128) < 3
 
 
+@pytest.mark.integration
 def test_digits() -> None:
     ds = load_dataset(DataConfig(dataset="digits"), 0)
     assert ds.images.shape == (1797, 1, 8, 8) and ds.num_classes == 10
@@ -211,6 +212,7 @@ def _old_synthetic(seed: int, size: int, classes: int, shape: tuple[int, int, in
 @pytest.mark.parametrize(
     "args", [(0, 240, 4, (1, 28, 28)), (7, 12_000, 10, (3, 5, 7)), (2, 9000, 100, (3, 32, 32))]
 )
+@pytest.mark.golden
 def test_synthetic_images_are_bitwise_the_same_in_chunks(args) -> None:
     from fedmosaic.data import datasets
 
@@ -229,6 +231,7 @@ def test_channel_stats_of_a_large_dataset_in_bounded_memory() -> None:
         assert b == pytest.approx(a, rel=1e-12) and np.float32(a) == np.float32(b)
 
 
+@pytest.mark.integration
 def test_synthetic_generation_stays_within_a_memory_ceiling() -> None:
     """120,000 images of 28x28 are 94 MB; generating them used to take ~2 GB of float64."""
     result = run_capped(

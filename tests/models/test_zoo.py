@@ -34,8 +34,15 @@ def _natural_dim(arch: str, shape: tuple[int, int, int]) -> int:
     return ENCODERS.get(arch)(shape[0], shape[1])[1]
 
 
+# The deep ResNets take seconds each: they run in the full suite, not in the quick (unit) loop.
+DEEP = {"resnet34", "resnet50", "resnet101", "resnet152"}
+ARCHS = [
+    pytest.param(a, marks=pytest.mark.integration) if a in DEEP else a for a in ENCODERS.names()
+]
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("arch", ENCODERS.names())
+@pytest.mark.parametrize("arch", ARCHS)
 def test_encoder_contract(arch: str, shape: tuple[int, int, int]) -> None:
     model = _build(arch, shape)
     x = torch.randn(2, *shape)

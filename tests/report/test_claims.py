@@ -380,6 +380,7 @@ def _committed_pair() -> tuple[Comparison, dict, dict]:
         ("provenance.code.source_hash", "0" * 64, "made by different code"),
     ],
 )
+@pytest.mark.golden
 def test_a_mutated_committed_cell_breaks_its_pair(path: str, value, expect: str) -> None:
     """Edit one key of a committed cell (the layer-expansion Vanilla cell, seed 0): its pair with
     FedBABU becomes not comparable, naming the key (and the edit breaks the config hash)."""
@@ -504,6 +505,7 @@ def test_cli_names_a_corrupt_cell_and_writes_nothing(tmp_path: Path, capsys) -> 
     assert not out.exists()
 
 
+@pytest.mark.golden
 def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
     """docs/results/claims.md is generated from the committed cells under the committed plans;
     a stale page fails."""
@@ -514,6 +516,7 @@ def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
     assert page.read_text() == out.read_text()
 
 
+@pytest.mark.golden
 def test_results_page_carries_the_current_verdicts() -> None:
     """docs/results.md quotes the verdict table of the committed cells verbatim."""
     table = claims.summary_markdown(claims.evaluate(RESULTS)["claims"])
@@ -521,6 +524,7 @@ def test_results_page_carries_the_current_verdicts() -> None:
 
 
 @pytest.mark.parametrize("plan", load_plans(), ids=lambda p: p.suite)
+@pytest.mark.golden
 def test_every_published_pair_is_fair(plan) -> None:
     """The committed cells behind each claim: same seed, every training, data and model key,
     numerics, per-client parameter counts, code, config hash, the plan's equal budget, and the
@@ -531,6 +535,7 @@ def test_every_published_pair_is_fair(plan) -> None:
             assert j["problems"] == [], (j["comparison"], j["problems"][:3])
 
 
+@pytest.mark.golden
 def test_every_accuracy_row_with_seeds_has_a_power_column() -> None:
     for res in claims.evaluate(RESULTS)["claims"]:
         for j in res["comparisons"]:
@@ -605,6 +610,7 @@ def test_a_cell_whose_model_cannot_be_rebuilt_is_one_line_not_a_traceback() -> N
         claims.param_counts(doc)
 
 
+@pytest.mark.integration
 def test_claims_alone_sees_every_method_default():
     """In a fresh process that imports only the claims module, a cell without a hyperparameter
     compares at the method's default: the registry is filled by claims' own imports (a cell's

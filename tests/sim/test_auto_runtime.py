@@ -98,6 +98,7 @@ def test_auto_gives_the_numbers_of_serial_on_one_thread(monkeypatch):
     assert numbers(serial)[0][-1]["acc_weighted"] > 0
 
 
+@pytest.mark.golden
 def test_auto_keeps_the_identity_of_the_runs_recorded_before_it():
     """The committed cells were recorded as processes with threads 0; "auto" gives their numbers,
     so it hashes as them (compare reuses them) and serial with auto threads as serial with 1."""
