@@ -1083,8 +1083,10 @@ def claim_markdown(res: dict[str, Any]) -> list[str]:
         fraction = ", ".join(f"{f:g}" for f in j.get("fraction", [])) or "-"
         n = len(j["seeds"])
         seeds = str(n)
-        if len(j["schedule"]) > 1:
+        if len(j["schedule"]) > 1 and j["look"] >= 0:
             seeds += f" (look {j['look'] + 1} of {len(j['schedule'])})"
+        elif len(j["schedule"]) > 1:
+            seeds = f"{len(j['all_seeds'])} of {j['schedule'][0]} (first look)"
         t = j["test"]
         lines.append(
             f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | "
