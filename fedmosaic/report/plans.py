@@ -15,6 +15,7 @@ The page shows each plan beside its verdicts with the date it was committed (git
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -116,18 +117,25 @@ class Plan:
 
     def committed(self) -> str:
         """The date the plan was first committed (git), else its ``written`` field."""
-        try:
-            out = subprocess.run(
-                ["git", "log", "--diff-filter=A", "--format=%cI", "--", self.path.name],
-                cwd=self.path.parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=True,
-            ).stdout.split()
-        except (OSError, subprocess.SubprocessError):
-            out = []
-        return out[-1] if out else self.written
+        return _first_commit(self.path) or self.written
+
+
+@functools.lru_cache(maxsize=64)
+def _first_commit(path: Path) -> str | None:
+    """The commit date (ISO 8601) that added ``path``, once per process (one git call a plan,
+    not one per table that shows it); None outside a checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "log", "--diff-filter=A", "--format=%cI", "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[-1] if out else None
 
 
 _PLAN_KEYS = {
