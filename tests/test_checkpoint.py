@@ -105,6 +105,20 @@ def _good(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_diverged_clients_nan_state_is_kept_and_a_nan_server_state_refused(tmp_path: Path):
+    # A client whose training blew up keeps running in the federation (its uploads refused):
+    # its state is saved and resumed as it is; the server's state is never legitimately NaN.
+    nan = torch.tensor([1.0, math.nan])
+    path = tmp_path / ck.FILENAME
+    ck.write_checkpoint(path, {"version": ck.VERSION, "round": 3}, {"client/15/model/w": nan})
+    back = ck.read_checkpoint(path).tensors["client/15/model/w"]
+    assert back[0] == 1.0 and math.isnan(back[1])
+    with pytest.raises(CheckpointError, match="tensor 'server/w' has NaN or infinite values"):
+        ck.write_checkpoint(
+            tmp_path / "s.st", {"version": ck.VERSION, "round": 3}, {"server/w": nan}
+        )
+
+
 def test_corrupt_or_foreign_files_fail_clearly(tmp_path: Path):
     path = _good(tmp_path)
     assert ck.read_checkpoint(path).meta["round"] == 3
