@@ -20,7 +20,7 @@ simulator worker and in the Flower apps::
     name = "fedavg_plus"
 
 Contracts: ``Algorithm`` (server half: ``init_server``, ``broadcast``, ``aggregate``,
-``validate_upload``; client half: ``init_client``, ``receive``, ``phases``, ``loss``, ``upload``,
+``upload_names`` for its Upload's declared schema and guard roles; client half: ``init_client``, ``receive``, ``phases``, ``loss``, ``upload``,
 ``predict``), payloads are frozen ``Payload`` dataclasses of tensors/state dicts/scalars, and
 ``SharedWeights`` is the average-a-part base of FedAvg/FedPer/FedRep/... (``shared`` = a part,
 ``aggregate`` overridable; see ``fedmosaic/algorithms/fedopt.py`` for server optimizers on it).

@@ -134,6 +134,7 @@ KINDS: dict[str, str] = {
     "test_runfolder.py": "integration",
     "test_runfolder_replace.py": "integration",
     "test_transports.py": "integration",
+    "test_types.py": "integration",  # mypy over pyproject's [tool.mypy] files; slow
     "test_upfront_checks.py": "integration",
 }
 

@@ -154,6 +154,8 @@ def fit_clients(
 class _LossModule(nn.Module):
     """``algo.loss`` as a module forward, so ``functional_call`` can swap in one client's tensors."""
 
+    algo: Algorithm  # declared for the type checker: set below, past nn.Module's __setattr__
+
     def __init__(self, algo: Algorithm, model: ClientModel, extras: nn.Module) -> None:
         super().__init__()
         self.model = model
@@ -161,7 +163,7 @@ class _LossModule(nn.Module):
         object.__setattr__(self, "algo", algo)  # not a submodule: a frozen dataclass
 
     def forward(self, x: Tensor, y: Tensor, msg: Payload) -> Tensor:
-        return self.algo.loss(self.model, self.extras, x, y, msg)  # type: ignore[attr-defined]
+        return self.algo.loss(self.model, self.extras, x, y, msg)
 
 
 # ---- messages: shared (closed over) or per client (vmapped) ------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,14 @@ def sgd_linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     return F.linear(x, weight, bias)
 
 
+@overload
+def sgd_linear_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, need_dx: Literal[True]
+) -> Tensor: ...
+@overload
+def sgd_linear_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, need_dx: bool
+) -> Tensor | None: ...
 def sgd_linear_backward(
     grad: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, need_dx: bool
 ) -> Tensor | None:
@@ -69,7 +77,8 @@ class _SGDLinear(torch.autograd.Function):
         return sgd_linear_forward(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None]:
+        (grad,) = grads  # one output
         x, weight = ctx.saved_tensors
         gx = sgd_linear_backward(grad, x, weight, ctx.bias, ctx.lr, ctx.needs_input_grad[0])
         ctx.bias = None
@@ -118,22 +127,23 @@ class FusedSGDLinears:
 
     def _forward(self, layer: nn.Module) -> Callable[[Tensor], Tensor]:
         is_conv = type(layer) is nn.Conv2d
-        is_block = isinstance(layer, nn.Sequential)  # a conv -> pool -> ReLU block
-        owner = layer[0] if is_block else layer  # the module holding the weight
+        # a conv -> pool -> ReLU block (eligible() took it): its convolution holds the weight
+        block = fast_conv.block_conv(layer) if isinstance(layer, nn.Sequential) else None
+        owner = layer if block is None else block  # the module holding the weight
 
         def forward(x: Tensor) -> Tensor:
             w, b = owner.weight, owner.bias
             if (
                 not (torch.is_grad_enabled() and w.requires_grad and (b is None or b.requires_grad))
                 or (is_conv and x.dim() != 4)
-                or (is_block and not fast_conv.block_fits(x, owner))
+                or (block is not None and not fast_conv.block_fits(x, block))
             ):  # frozen right now (some losses freeze blocks per step), unbatched, or an input
                 return type(layer).forward(layer, x)  # the block op does not take: plain layers
             if id(layer) in self.calls:
                 raise _FusedConflict
             self.calls.add(id(layer))
-            if is_block:
-                return fast_conv.SGDConvPoolReLU.apply(x, w, b, self.lr, owner)
+            if block is not None:
+                return fast_conv.SGDConvPoolReLU.apply(x, w, b, self.lr, block)
             if is_conv:
                 return fast_conv.SGDConv2d.apply(x, w, b, self.lr, layer)
             return _SGDLinear.apply(x, w, b, self.lr)
@@ -142,7 +152,7 @@ class FusedSGDLinears:
 
     def start(self) -> None:
         for layer in self.layers:
-            layer.forward = self._forward(layer)  # type: ignore[method-assign]
+            layer.forward = self._forward(layer)
         self.active = True
 
     def stop(self) -> None:

@@ -7,7 +7,8 @@ equal to ``F.linear`` on a small case.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,12 @@ def _onednn_works() -> bool:
 _ONEDNN = _onednn_works()
 
 
+class _LinearForward(Protocol):
+    """``nn.Linear.forward``'s signature, for a replacement set on a layer."""
+
+    def __call__(self, input: Tensor) -> Tensor: ...
+
+
 @contextlib.contextmanager
 def fast_inference(*modules: nn.Module) -> Iterator[None]:
     """While active, the ``nn.Linear`` layers of ``modules`` compute through
@@ -69,16 +76,17 @@ def fast_inference(*modules: nn.Module) -> Iterator[None]:
         if type(m) is nn.Linear and "forward" not in m.__dict__
     ]
 
-    def patched(layer: nn.Linear) -> Callable[[Tensor], Tensor]:
-        def forward(x: Tensor) -> Tensor:
+    def patched(layer: nn.Linear) -> _LinearForward:
+        def forward(input: Tensor) -> Tensor:  # nn.Linear.forward's name: linear(input=x) works
             if torch.is_grad_enabled():
-                return F.linear(x, layer.weight, layer.bias)
+                return F.linear(input, layer.weight, layer.bias)
             engaged["inference_linear"] += 1
-            return linear_inference(x, layer.weight, layer.bias)
+            return linear_inference(input, layer.weight, layer.bias)
 
         return forward
 
     for layer in layers:
+        # an instance attribute over the method while active (mypy flags any method assigned to)
         layer.forward = patched(layer)  # type: ignore[method-assign]
     try:
         yield

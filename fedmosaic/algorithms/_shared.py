@@ -4,50 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.core import robust, schema
+from fedmosaic.core.aggregate import weighted_average  # noqa: F401  (the methods import it here)
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
-
-
-def weighted_average(
-    states: Sequence[dict[str, Tensor]],
-    weights: Sequence[float],
-    reference: dict[str, Tensor] | None = None,
-) -> dict[str, Tensor]:
-    """Sample-weighted mean of state dicts, under the server's robust rule (``core/robust.py``).
-
-    With the default rule (plain mean, no clipping): floating tensors ``sum_k (w_k / sum w) *
-    x_k`` in float32. Otherwise ``robust.average_states``: updates against ``reference`` (what
-    the server broadcast; the states themselves without it) clipped and aggregated by the
-    configured median / trimmed mean / Krum. Integer buffers (BatchNorm's
-    ``num_batches_tracked``) are not averaged; the maximum is kept.
-    """
-    if not states:
-        raise ValueError("weighted_average of no states")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("weighted_average: weights sum to zero")
-    rule = robust.rule()
-    if not rule.plain:
-        return robust.average_states(states, weights, rule, reference)
-    out: dict[str, Tensor] = {}
-    for k, first in states[0].items():
-        if first.is_floating_point():
-            acc = torch.zeros_like(first)
-            for s, w in zip(states, weights, strict=True):
-                acc.add_(s[k], alpha=float(w) / total)
-            out[k] = acc
-        else:
-            out[k] = torch.stack([s[k] for s in states]).amax(0)
-    return out
+from fedmosaic.core.schema import Update
 
 
 def check_state_like(state: dict[str, Tensor], template: dict[str, Tensor], what: str) -> None:
@@ -71,9 +39,23 @@ def check_state_like(state: dict[str, Tensor], template: dict[str, Tensor], what
 PROTO_BATCH = 100
 
 
+class FeatureModel(Protocol):
+    """What ``class_means`` reads of a model: a ClientModel, or a view of one whose "features"
+    are something else (FedDistill's logits)."""
+
+    training: bool
+    feature_dim: int
+
+    def eval(self) -> object: ...
+
+    def train(self, mode: bool = True) -> object: ...
+
+    def features(self, x: Tensor) -> Tensor: ...
+
+
 @torch.no_grad()
 def class_means(
-    model: ClientModel, data: ClientData, num_classes: int, batch_size: int = PROTO_BATCH
+    model: FeatureModel, data: ClientData, num_classes: int, batch_size: int = PROTO_BATCH
 ) -> tuple[Tensor, Tensor]:
     """Exact per-class mean representation over the training split, in eval mode.
 
@@ -97,7 +79,8 @@ def class_means(
 class SharedState(Payload):
     """A state dict of the shared part (parameters and buffers)."""
 
-    state: Annotated[dict[str, Tensor], "like shared"]  # shared: what the server holds of it
+    # shared: what the server holds of it; an update of it to the guard
+    state: Annotated[dict[str, Tensor], "like shared", Update("shared")]
 
 
 BNMode = Literal["average", "local_stats", "local"]
@@ -182,11 +165,8 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         self.load_shared(model, state)
         return model
 
-    def validate_upload(
-        self, state: dict[str, Tensor], upload: SharedState, client_id: int
-    ) -> None:
-        schema.check(upload, client_id, shared=state)
-        robust.check_update(upload.state, state, client_id, f"{self.shared} state")
+    def upload_names(self, state: dict[str, Tensor], upload: SharedState) -> dict[str, Any]:
+        return {"shared": state}
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
         self.load_shared(model, msg.state)

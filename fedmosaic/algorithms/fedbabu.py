@@ -25,18 +25,18 @@ Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights
-from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Update
 from fedmosaic.models.flops import paper_cost, training_macs
 
 FinetunePart = Literal["all", "head"]  # what fine-tuning trains
@@ -47,7 +47,8 @@ BODY = ("encoder",)  # what trains during the federated rounds: the body only
 class BodyUpload(Payload):
     """A client's body after local training, and what that training cost."""
 
-    state: Annotated[dict[str, Tensor], "like body"]  # encoder state dict (params and buffers)
+    # encoder state dict (params and buffers), an update of the server's body
+    state: Annotated[dict[str, Tensor], "like body", Update("body")]
     train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (models.flops)
     # this round's Table 4 cost: trainable parameters x examples (models.flops.paper_cost)
     paper_cost: Annotated[int, "int >= 0"]
@@ -111,12 +112,16 @@ class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUploa
         check_finetune(self.finetune_epochs)
 
     # ---- server half: SharedWeights (init from spec.build_model(0), weighted body average) ------
-    def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:
+    # The Upload is narrowed to BodyUpload (Algorithm[..., BodyUpload] among the bases, see
+    # core/algorithm.py) where SharedWeights declares SharedState: the checker sees an override
+    # that narrows an argument (or widens a return) and cannot follow the redeclaration.
+    def upload_metrics(self, upload: BodyUpload) -> dict[str, float]:  # type: ignore[override]
         return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
-    def validate_upload(self, state: dict[str, Tensor], upload: BodyUpload, client_id: int) -> None:
-        schema.check(upload, client_id, body=state)
-        robust.check_update(upload.state, state, client_id, "body state")
+    def upload_names(  # type: ignore[override]  # Upload narrowed to BodyUpload (above)
+        self, state: dict[str, Tensor], upload: BodyUpload
+    ) -> dict[str, Any]:
+        return {"body": state}
 
     # ---- client half -------------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
@@ -124,7 +129,7 @@ class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUploa
         return RoundCounter(spec.input_shape)
 
     def before_fit(self, ctx: FitContext[SharedState]) -> None:
-        ctx.extras.examples = 0
+        cast(RoundCounter, ctx.extras).examples = 0  # init_client's extras
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         return (Phase(BODY, epochs, name="body"),)  # the head never trains during the rounds
@@ -132,14 +137,15 @@ class FedBABU(SharedWeights, Algorithm[dict[str, Tensor], SharedState, BodyUploa
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
     ) -> Tensor:
-        extras.examples += int(x.shape[0])
+        cast(RoundCounter, extras).examples += int(x.shape[0])  # init_client's extras
         return F.cross_entropy(model(x), y)
 
-    def upload(
+    def upload(  # type: ignore[override]  # Upload narrowed to BodyUpload (above)
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> BodyUpload:
-        macs = training_macs(model, extras.input_shape, BODY, extras.examples)
-        cost = paper_cost(model, BODY, extras.examples)
+        counter = cast(RoundCounter, extras)  # init_client's extras
+        macs = training_macs(model, counter.input_shape, BODY, counter.examples)
+        cost = paper_cost(model, BODY, counter.examples)
         return BodyUpload(self.shared_state(model), macs, cost)
 
     def finetune_phases(self, epochs: int | None) -> tuple[Phase, ...]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +51,13 @@ from torch import Tensor, nn
 
 from fedmosaic.algorithms._distill import kl_rows
 from fedmosaic.algorithms._shared import class_means
-from fedmosaic.core import robust, schema
+from fedmosaic.core.aggregate import class_average, robust_rule_in_force
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Claims, Rows
 
 Distill = Literal["mse", "kl"]
 Average = Literal["others", "all"]
@@ -66,8 +67,9 @@ Average = Literal["others", "all"]
 class ClassLogits(Payload):
     """Per-class mean logits; ``known[c]`` is False where the class has no examples (row is 0)."""
 
-    logits: Annotated[Tensor, "[C, C] float32"]  # row c = mean logit vector of class-c examples
-    known: Annotated[Tensor, "[C] bool"]
+    # row c = mean logit vector of class-c examples; to the guard, the rows where known
+    logits: Annotated[Tensor, "[C, C] float32", Rows(where="known", ref="glob", known="held")]
+    known: Annotated[Tensor, "[C] bool", Claims()]
 
 
 @dataclass
@@ -146,7 +148,7 @@ def distill_loss(
 
 @ALGORITHMS.register("feddistill")
 @dataclass(frozen=True)
-class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
+class FedDistill(Algorithm[FDState, ClassLogits, ClassLogits]):
     """Share per-class mean logits; pull each example's logits towards its class's global mean."""
 
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
@@ -190,25 +192,18 @@ class FedDistill(Algorithm[ClassLogits, ClassLogits, ClassLogits]):
         known = torch.stack([u.payload.known.cpu() for u in uploads])  # [K, C]
         client_logits = torch.zeros_like(state.client_logits)  # this round's uploads only
         client_known = torch.zeros_like(state.client_known)
-        rule = robust.rule()
-        if not rule.plain:
+        if robust_rule_in_force():
             # Leave-one-out means of the raw uploads would let a poisoned row through: every
             # client gets the robust all-client aggregate (no per-client rows are kept).
-            robust_mean = robust.class_average(
-                logits, known, known.double(), rule, state.logits, state.known
-            )
+            robust_mean = class_average(logits, known, known.double(), state.logits, state.known)
             return FDState(*robust_mean, client_logits, client_known)
         for u, lg, kn in zip(uploads, logits, known, strict=True):
             client_logits[u.client_id] = torch.where(kn.unsqueeze(1), lg, 0.0)
             client_known[u.client_id] = kn
         return FDState(*aggregate_logits(logits, known), client_logits, client_known)
 
-    def validate_upload(self, state: FDState, upload: ClassLogits, client_id: int) -> None:
-        schema.check(upload, client_id, C=state.known.numel())
-        robust.check_claimed_classes(upload.known, client_id, "known")  # where the server knows
-        classes = upload.known.nonzero().flatten()
-        rows = upload.logits[upload.known]
-        robust.check_rows(rows, classes, state.logits, state.known, client_id, "logits")
+    def upload_names(self, state: FDState, upload: ClassLogits) -> dict[str, Any]:
+        return {"C": state.known.numel(), "glob": state.logits, "held": state.known}
 
     # ---- client half ---------------------------------------------------------------------
     def loss(

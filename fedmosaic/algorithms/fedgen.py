@@ -55,7 +55,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +64,13 @@ from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import weighted_average
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
-from fedmosaic.core import robust, schema, seeding
+from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Counts, Update
 from fedmosaic.models.build import build_head, split_member
 
 Teacher = Literal["logits", "losses"]
@@ -125,8 +126,9 @@ class FedGenBroadcast(Payload):
 class FedGenUpload(Payload):
     """A client's head after local training and its training label counts."""
 
-    head: Annotated[dict[str, Tensor], "like head"]  # like the server's global head
-    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES"]  # training label counts
+    head: Annotated[dict[str, Tensor], "like head", Update("head")]  # updates the global head
+    # training label counts
+    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES", Counts()]
 
 
 @dataclass
@@ -304,10 +306,8 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
         gen_state = {k: v.clone() for k, v in state.generator.items()}
         return FedGenBroadcast(state.head, gen_state, state.label_probs, state.trained)
 
-    def validate_upload(self, state: FedGenState, upload: FedGenUpload, client_id: int) -> None:
-        schema.check(upload, client_id, C=state.label_probs.shape[0], head=state.head)
-        robust.check_update(upload.head, state.head, client_id, "head")
-        robust.check_class_counts(upload.counts, client_id, "counts")
+    def upload_names(self, state: FedGenState, upload: FedGenUpload) -> dict[str, Any]:
+        return {"C": state.label_probs.shape[0], "head": state.head}
 
     def aggregate(
         self, state: FedGenState, uploads: Sequence[Weighted[FedGenUpload]], round_num: int
@@ -373,7 +373,7 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: FedGenBroadcast) -> None:
         model.load_part_state("head", msg.head)
-        extras.generator.load_state_dict(msg.generator)
+        cast(FedGenExtras, extras).generator.load_state_dict(msg.generator)  # init_client's
 
     def phases(self, round_num: int, epochs: int) -> Sequence[Phase]:
         # The generator is frozen on clients: never hand it to the optimizer.
@@ -387,7 +387,7 @@ class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
             return F.cross_entropy(model.head(features), y)
         b = x.shape[0]
         gen_feats, gen_y = generated_features(
-            extras.generator, msg.label_probs, b, self.noise_dim
+            cast(FedGenExtras, extras).generator, msg.label_probs, b, self.noise_dim
         )  # [B, d], [B]
         # One head call on real and generated rows (heads act row-wise): the same values as two
         # calls, and the head's layers stay eligible for the fused SGD update.

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +47,15 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import SharedState, class_means
-from fedmosaic.core import robust, schema, seeding
+from fedmosaic.core import seeding
+from fedmosaic.core.aggregate import server_points
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Claims, Rows
 
 ServerStep = Literal["pair", "client"]
 
@@ -62,8 +64,9 @@ ServerStep = Literal["pair", "client"]
 class ClassMeans(Payload):
     """A client's local averaged representations (LARs) of the classes it holds, with labels."""
 
-    protos: Annotated[Tensor, "[k, d] float32"]  # k = |C_k|; row i: the LAR of class classes[i]
-    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
+    # k = |C_k|; row i: the LAR of class classes[i] (no global rows: the peer guard bounds them)
+    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes")]
+    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)", Claims()]
 
 
 @dataclass
@@ -89,6 +92,8 @@ def check_linear_head(head: nn.Module, feature_dim: int, num_classes: int, where
 
 class FedGHClient(nn.Module):
     """Client extras: whether the client has trained (its head is then its own trained one)."""
+
+    trained: Tensor  # a buffer (registered below), declared for the checker
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,13 +193,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     def broadcast(self, state: FedGHState, client_id: int, round_num: int) -> SharedState:
         return SharedState({k: v.clone() for k, v in state.head.items()})
 
-    def validate_upload(self, state: FedGHState, upload: ClassMeans, client_id: int) -> None:
+    def upload_names(self, state: FedGHState, upload: ClassMeans) -> dict[str, Any]:
         c, d = state.head["weight"].shape
-        schema.check(upload, client_id, C=c, d=d)
-        claimed = torch.zeros(c, dtype=torch.bool)
-        claimed[upload.classes] = True
-        robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
-        robust.note_rows(upload.protos, upload.classes, client_id)  # for the peer guard
+        return {"C": c, "d": d}
 
     def aggregate(
         self, state: FedGHState, uploads: Sequence[Weighted[ClassMeans]], round_num: int
@@ -211,7 +212,7 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
                 for _ in range(self.server_epochs)
             ]
             # The server has no class means of its own: clipping bounds the LARs themselves.
-            points = robust.robust_points(torch.cat(protos), torch.cat(labels), robust.rule())
+            points = server_points(torch.cat(protos), torch.cat(labels))
             train_global_head(head, points, torch.cat(labels), epochs, self.eta_g)
         return FedGHState(head, state.seed)
 

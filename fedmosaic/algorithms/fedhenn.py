@@ -56,19 +56,21 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.core import schema, seeding
+from fedmosaic.core import seeding
+from fedmosaic.core.aggregate import weighted_mean
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Unguarded
 
 log = logging.getLogger("fedmosaic")
 
@@ -93,7 +95,14 @@ class HeNNBroadcast(Payload):
 @dataclass(frozen=True)
 class HeNNUpload(Payload):
     # K_j = kernel(A_j, A_j) on next_rad (L = the RAD's size), after training, eval mode
-    kernel: Annotated[Tensor, "[L, L] float32"]
+    # A kernel matrix (linear or RBF): symmetric with a non-negative diagonal, so a flipped or
+    # unrelated one is refused. Representations of different widths give kernels whose scale
+    # differs by two orders of magnitude between honest clients: no peer scale applies.
+    kernel: Annotated[
+        Tensor,
+        "[L, L] float32 symmetric diag >= 0",
+        Unguarded("honest kernels differ in scale by 100 x across widths; the schema bounds them"),
+    ]
 
 
 @dataclass
@@ -292,20 +301,14 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
             round_num,
         )
 
-    def validate_upload(self, state: HeNNState, upload: HeNNUpload, client_id: int) -> None:
-        schema.check(upload, client_id, L=state.rad_size)
+    def upload_names(self, state: HeNNState, upload: HeNNUpload) -> dict[str, Any]:
+        return {"L": state.rad_size}
 
     def aggregate(
         self, state: HeNNState, uploads: Sequence[Weighted[HeNNUpload]], round_num: int
     ) -> HeNNState:
-        if self.weighting == "samples":
-            total = sum(u.weight for u in uploads)
-            w = [u.weight / total if total > 0 else 1.0 / len(uploads) for u in uploads]
-        else:
-            w = [1.0 / len(uploads)] * len(uploads)
-        kbar = torch.zeros(state.rad_size, state.rad_size)
-        for wj, u in zip(w, uploads, strict=True):
-            kbar.add_(u.payload.kernel, alpha=wj)
+        w = [u.weight if self.weighting == "samples" else 1.0 for u in uploads]
+        kbar = weighted_mean([u.payload.kernel for u in uploads], w)  # [L, L]
         # The uploads were computed on this round's RAD (the broadcast's next_rad).
         return HeNNState(state.public, state.seed, state.rad_size, kbar, round_num)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,6 @@ from fedmosaic.algorithms.fedhenn import (
     rad_inputs,
     representation_kernel,
 )
-from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -67,6 +66,11 @@ class HomoState:
     public: Tensor  # [P, C, H, W] normalized float, server-held
     seed: int
     rad_size: int  # L (capped to P)
+
+
+def k_global(extras: nn.Module) -> Tensor:
+    """The client's ``k_global`` buffer (``init_client`` registers it, ``before_fit`` sets it)."""
+    return cast(Tensor, extras.k_global)
 
 
 @ALGORITHMS.register("fedhenn_homo")
@@ -112,9 +116,8 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
             state.weights, rad, eta_at(self.eta0, self.schedule, round_num), round_num
         )
 
-    def validate_upload(self, state: HomoState, upload: SharedState, client_id: int) -> None:
-        schema.check(upload, client_id, shared=state.weights)
-        robust.check_update(upload.state, state.weights, client_id, "model state")
+    def upload_names(self, state: HomoState, upload: SharedState) -> dict[str, Any]:
+        return {"shared": state.weights}
 
     def aggregate(
         self, state: HomoState, uploads: Sequence[Weighted[SharedState]], round_num: int
@@ -139,16 +142,16 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         if msg.eta > 0:
             extras.k_global = representation_kernel(ctx.model, msg.rad, self.kernel, self.sigma)
         else:
-            extras.k_global = torch.zeros(0, 0, device=extras.k_global.device)
+            extras.k_global = torch.zeros(0, 0, device=k_global(extras).device)
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: HomoBroadcast
     ) -> Tensor:
         ce = F.cross_entropy(model(x), y)
-        if msg.eta == 0 or extras.k_global.numel() == 0:
+        if msg.eta == 0 or k_global(extras).numel() == 0:
             return ce
         return ce + msg.eta * cka_distance(
-            model, msg.rad, extras.k_global, self.kernel, self.sigma, self.rad_batch
+            model, msg.rad, k_global(extras), self.kernel, self.sigma, self.rad_batch
         )
 
     def upload(

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,12 +90,12 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import weighted_average
-from fedmosaic.core import schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Update
 
 UploadMode = Literal["update", "state"]
 FirstBroadcast = Literal["full", "svd"]
@@ -118,8 +118,11 @@ class MenteeBroadcast(Payload):
 class MenteeUpload(Payload):
     """A client's mentee update (or state), SVD-compressed like the broadcast."""
 
-    # the mentee's entries, each dense or as U/S/V factors (``check_compressed``)
-    tensors: Annotated[dict[str, Tensor], "like mentee"]
+    # the mentee's entries, each dense or as U/S/V factors (``check_compressed``); to the guard,
+    # decoded, an update of ``base`` (the mentee, or nothing where the upload is a delta)
+    tensors: Annotated[
+        dict[str, Tensor], "like mentee", Update("base", scale="global", decode="dense")
+    ]
 
 
 @dataclass
@@ -391,8 +394,14 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
             avg = {k: state.mentee[k] + v if v.is_floating_point() else v for k, v in avg.items()}
         return self._publish(avg, self.threshold(round_num + 1, state.rounds), state.rounds)
 
-    def validate_upload(self, state: FedKDState, upload: MenteeUpload, client_id: int) -> None:
-        schema.check(upload, client_id, mentee=lambda x, w: check_compressed(x, state.mentee, w))
+    def upload_names(self, state: FedKDState, upload: MenteeUpload) -> dict[str, Any]:
+        return {
+            "mentee": lambda x, w: check_compressed(x, state.mentee, w),
+            "dense": lambda x: decompress(x, state.mentee),
+            # "update" uploads are deltas already: each entry is its own update
+            "base": {} if self.upload_mode == "update" else state.mentee,
+            "global": state.mentee,
+        }
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
@@ -401,18 +410,19 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
         return MenteeExtras(mentee, W_h.to(spec.device))
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: MenteeBroadcast) -> None:
-        mentee = extras.mentee
+        mentee = cast(MenteeExtras, extras).mentee  # init_client's extras
         mentee.load_part_state("all", decompress(msg.tensors, mentee.state_dict()))
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: MenteeBroadcast
     ) -> Tensor:
+        ex = cast(MenteeExtras, extras)  # init_client's extras
         h_t = model.features(x)  # [B, d_mentor]
-        h_s = extras.mentee.features(x)  # [B, d_mentee]
+        h_s = ex.mentee.features(x)  # [B, d_mentee]
         if self.loss_form == "htfllib":
-            return htfllib_loss(model.head(h_t), extras.mentee.head(h_s), h_t, extras.W_h(h_s), y)
+            return htfllib_loss(model.head(h_t), ex.mentee.head(h_s), h_t, ex.W_h(h_s), y)
         l_mentor, l_mentee = adaptive_mutual_losses(
-            model.head(h_t), extras.mentee.head(h_s), h_t, extras.W_h(h_s), y
+            model.head(h_t), ex.mentee.head(h_s), h_t, ex.W_h(h_s), y
         )
         # Detached targets: the sum trains each model (and W_h) on its own loss only.
         return l_mentor + l_mentee
@@ -420,7 +430,7 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: MenteeBroadcast
     ) -> MenteeUpload:
-        state = extras.mentee.part_state("all")
+        state = cast(MenteeExtras, extras).mentee.part_state("all")  # init_client's extras
         if self.upload_mode == "update":
             received = decompress(msg.tensors, state)
             state = {k: v - received[k] if v.is_floating_point() else v for k, v in state.items()}
@@ -429,4 +439,4 @@ class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     def predict(
         self, model: ClientModel, extras: nn.Module, x: Tensor, msg: MenteeBroadcast
     ) -> dict[str, Tensor]:
-        return {"acc": model(x), "acc_mentee": extras.mentee(x)}
+        return {"acc": model(x), "acc_mentee": cast(MenteeExtras, extras).mentee(x)}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -85,8 +85,8 @@ class FedOpt(SharedWeights):
     def server_model(self, state: FedOptState, spec: FederationSpec) -> ClientModel | None:  # type: ignore[override]
         return super().server_model(state.model, spec)
 
-    def validate_upload(self, state: FedOptState, upload: SharedState, client_id: int) -> None:  # type: ignore[override]
-        super().validate_upload(state.model, upload, client_id)
+    def upload_names(self, state: FedOptState, upload: SharedState) -> dict[str, Any]:  # type: ignore[override]
+        return super().upload_names(state.model, upload)
 
     def aggregate(  # type: ignore[override]
         self, state: FedOptState, uploads: Sequence[Weighted[SharedState]], round_num: int

@@ -44,19 +44,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.algorithms._shared import Distance, alignment_loss, class_means
-from fedmosaic.core import robust, schema
+from fedmosaic.core.aggregate import class_average
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Counts, Rows
 
 Weighting = Literal["uniform", "count"]
 Inference = Literal["all", "own"]
@@ -66,8 +67,9 @@ Inference = Literal["all", "own"]
 class ProtoUpload(Payload):
     """A client's local prototypes and how many training examples each one averages."""
 
-    protos: Annotated[Tensor, "[C, d] float32"]  # zero rows for classes the client does not have
-    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES"]
+    # zero rows for classes the client does not have; to the guard, the rows where counts > 0
+    protos: Annotated[Tensor, "[C, d] float32", Rows(where="counts", ref="glob", known="known")]
+    counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES", Counts()]
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) ->
 class OwnClasses(nn.Module):
     """Client extras: which classes the client holds (for ``inference = "own"``)."""
 
+    own: Tensor  # a buffer (registered below), declared for the checker
+
     def __init__(self, own: Tensor) -> None:
         super().__init__()
         self.register_buffer("own", own)  # [C] bool: training examples of the class exist
@@ -169,28 +173,25 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     def broadcast(self, state: ProtoState, client_id: int, round_num: int) -> ProtoBroadcast:
         return ProtoBroadcast(protos=state.protos, known=state.known)
 
-    def validate_upload(self, state: ProtoState, upload: ProtoUpload, client_id: int) -> None:
+    def upload_names(self, state: ProtoState, upload: ProtoUpload) -> dict[str, Any]:
         c, d = state.protos.shape
-        schema.check(upload, client_id, C=c, d=d)
-        p, n = upload.protos, upload.counts
-        robust.check_class_counts(n, client_id, "counts")  # vs. the partition, where known
-        has = n > 0
-        classes = has.nonzero().flatten()
-        robust.check_rows(p[has], classes, state.protos, state.known, client_id, "protos")
+        return {"C": c, "d": d, "glob": state.protos, "known": state.known}
 
     def aggregate(
         self, state: ProtoState, uploads: Sequence[Weighted[ProtoUpload]], round_num: int
     ) -> ProtoState:
         protos = torch.stack([u.payload.protos.cpu() for u in uploads])  # [K, C, d]
         counts = torch.stack([u.payload.counts.cpu() for u in uploads])  # [K, C]
-        rule = robust.rule()
-        if rule.plain:
-            mean, known = aggregate_prototypes(protos, counts, self.weighting)
-        else:  # clipped deviations from the global prototypes, median / trimmed mean / Krum
-            w = counts if self.weighting == "count" else (counts > 0)
-            mean, known = robust.class_average(
-                protos, counts > 0, w.double(), rule, state.protos, state.known
-            )
+        w = counts if self.weighting == "count" else (counts > 0)
+        # under a robust rule: clipped deviations from the global prototypes, median / Krum ...
+        mean, known = class_average(
+            protos,
+            counts > 0,
+            w.double(),
+            state.protos,
+            state.known,
+            plain=lambda: aggregate_prototypes(protos, counts, self.weighting),
+        )
         return ProtoState(protos=mean, known=known)
 
     # ---- client half ---------------------------------------------------------------------
@@ -221,7 +222,8 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
         logits = model.head(features)  # [B, C]
         known = msg.known
         if self.inference == "own":
-            known = known & extras.own.to(known.device)  # [C]
+            own = cast(OwnClasses, extras).own  # init_client's extras
+            known = known & own.to(known.device)  # [C]
         if not bool(known.any()):
             return {"acc": logits, "acc_head": logits}  # no prototype yet: the head decides
         return {

@@ -28,7 +28,7 @@ def proximal_term(model: nn.Module, global_state: dict[str, Tensor]) -> Tensor:
     With ``bn = "local"`` (FedBN) the BatchNorm affine weights are not in the broadcast: they
     are the client's own, and nothing anchors them (FedBN + FedProx regularizes the shared part).
     """
-    total = None
+    total: Tensor | None = None
     for name, p in model.named_parameters():
         if p.requires_grad and name in global_state:
             d = (p - global_state[name]).pow(2).sum()

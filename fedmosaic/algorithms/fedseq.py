@@ -41,7 +41,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ from fedmosaic.algorithms.fedbabu import (
     finetune_phase,
     start_from_server_init,
 )
-from fedmosaic.core import robust, schema
+from fedmosaic.core import schema
 from fedmosaic.core.algorithm import (
     Acceleration,
     Algorithm,
@@ -69,6 +69,7 @@ from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Update
 from fedmosaic.models.flops import paper_cost, training_macs
 
 __all__ = [
@@ -97,7 +98,8 @@ class ExpansionBroadcast(Payload):
 
 @dataclass(frozen=True)
 class ExpansionUpload(Payload):
-    state: Annotated[dict[str, Tensor], "like blocks"]  # the unfrozen blocks' body state only
+    # the unfrozen blocks' body state only; an update of those blocks of the server's body
+    state: Annotated[dict[str, Tensor], "like blocks", Update("body")]
     num_active: Annotated[int, "int in [1, B]"]  # the broadcast's num_active: which blocks
     train_macs: Annotated[int, "int >= 0"]  # this round's forward + backward MACs (models.flops)
     # this round's Table 4 cost: trainable parameters x examples (models.flops.paper_cost)
@@ -242,16 +244,13 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
     def upload_metrics(self, upload: ExpansionUpload) -> dict[str, float]:
         return {"train_macs": float(upload.train_macs), "paper_cost": float(upload.paper_cost)}
 
-    def validate_upload(
-        self, state: ExpansionState, upload: ExpansionUpload, client_id: int
-    ) -> None:
+    def upload_names(self, state: ExpansionState, upload: ExpansionUpload) -> dict[str, Any]:
         def blocks(x: dict[str, Tensor], where: str) -> None:  # num_active (a scalar) is checked
             keys = _active_keys(state.block_keys, upload.num_active, self.order)
             schema.check_like(x, {k: state.body[k] for k in keys}, where)
 
-        schema.check(upload, client_id, B=len(state.block_keys), blocks=blocks)
-        # Against the uploaded blocks only: check_update skips the body's keys the upload lacks.
-        robust.check_update(upload.state, state.body, client_id, "unfrozen blocks")
+        # The guard measures the update over the uploaded blocks only (the keys the upload has).
+        return {"B": len(state.block_keys), "blocks": blocks, "body": state.body}
 
     def aggregate(
         self, state: ExpansionState, uploads: Sequence[Weighted[ExpansionUpload]], round_num: int
@@ -295,7 +294,7 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
                 own[k].copy_(v)
 
     def before_fit(self, ctx: FitContext[ExpansionBroadcast]) -> None:
-        ctx.extras.examples = 0
+        cast(RoundCounter, ctx.extras).examples = 0  # init_client's extras
 
     def phases(self, round_num: int, epochs: int) -> tuple[Phase, ...]:
         # The body; frozen blocks are switched off in ``loss`` (the broadcast says which).
@@ -310,7 +309,7 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         msg: ExpansionBroadcast,
     ) -> Tensor:
         freeze_inactive(model, msg.num_active, self.order)  # before the forward: no graph for them
-        extras.examples += int(x.shape[0])
+        cast(RoundCounter, extras).examples += int(x.shape[0])  # init_client's extras
         return F.cross_entropy(model(x), y)
 
     def upload(
@@ -320,8 +319,9 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         keys = _active_keys(_block_keys(model, names), msg.num_active, self.order)
         own = model.encoder.state_dict()
         trainable = trainable_prefixes(names, msg.num_active, self.order)
-        macs = training_macs(model, extras.input_shape, trainable, extras.examples)
-        cost = paper_cost(model, trainable, extras.examples)
+        counter = cast(RoundCounter, extras)  # init_client's extras
+        macs = training_macs(model, counter.input_shape, trainable, counter.examples)
+        cost = paper_cost(model, trainable, counter.examples)
         return ExpansionUpload(
             {k: own[k].detach().clone() for k in keys}, msg.num_active, macs, cost
         )

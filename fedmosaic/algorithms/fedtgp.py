@@ -42,7 +42,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +50,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._shared import Distance, alignment_loss, class_means
-from fedmosaic.core import robust, schema, seeding, training
+from fedmosaic.core import seeding, training
+from fedmosaic.core.aggregate import robust_rule_in_force, server_points
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Claims, Rows
 
 Margin = Literal["adaptive", "fixed", "none"]
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
@@ -73,8 +75,9 @@ class Prototypes(Payload):
 class ClientPrototypes(Payload):
     """A client's prototypes of the classes it holds only: ``k = |C_i|`` rows, sorted classes."""
 
-    protos: Annotated[Tensor, "[k, d] float32"]
-    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)"]
+    # row i: the prototype of class classes[i]; to the guard, bounded by the global prototypes
+    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes", ref="glob", known="known")]
+    classes: Annotated[Tensor, "[k] int64 increasing in [0, C)", Claims()]
 
 
 class TrainablePrototypes(nn.Module):
@@ -217,6 +220,12 @@ def train_prototypes(
     return last
 
 
+def stale_buffers(extras: nn.Module) -> tuple[Tensor, Tensor]:
+    """The client's ``stale_protos [C, d]`` and ``stale_known [C]`` buffers (``init_client``
+    registers them with ``stale_prototypes``)."""
+    return cast(Tensor, extras.stale_protos), cast(Tensor, extras.stale_known)
+
+
 def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) -> Tensor:
     """Scores ``-||f - P_c||`` (``[B, C]``); classes without a global prototype get ``-inf``."""
     dist = euclidean_distances(features, protos)
@@ -269,16 +278,11 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         protos = protos.masked_fill(~state.known.unsqueeze(1), 0.0)
         return Prototypes(protos.contiguous(), state.known.clone())
 
-    def validate_upload(self, state: TGPState, upload: ClientPrototypes, client_id: int) -> None:
+    def upload_names(self, state: TGPState, upload: ClientPrototypes) -> dict[str, Any]:
         c, d = state.params["embedding.weight"].shape
-        schema.check(upload, client_id, C=c, d=d)
-        p, cls = upload.protos, upload.classes
-        claimed = torch.zeros(c, dtype=torch.bool)
-        claimed[cls] = True
-        robust.check_claimed_classes(claimed, client_id, "classes")  # where the server knows
         with torch.no_grad():
             glob = global_prototypes(state.params).float()  # [C, d]
-        robust.check_rows(p, cls, glob, state.known, client_id, "protos")
+        return {"C": c, "d": d, "glob": glob, "known": state.known}
 
     def margin_for(self, points: Tensor, labels: Tensor, num_classes: int) -> float:
         """delta(t) for this round's uploads, per the ``margin`` setting."""
@@ -295,11 +299,10 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         labels = torch.cat([u.payload.classes for u in uploads])  # [N]
         if points.shape[0] == 0:
             return state
-        rule = robust.rule()
-        if not rule.plain:  # clipped deviations from the global prototypes, robust per class
+        if robust_rule_in_force():  # clipped deviations from the global prototypes, per class
             with torch.no_grad():
                 glob = global_prototypes(state.params).float()  # [C, d]
-            points = robust.robust_points(points, labels, rule, glob, state.known)
+            points = server_points(points, labels, glob, state.known)
         num_classes = state.known.numel()
         delta = self.margin_for(points, labels, num_classes)
         params = {k: v.clone() for k, v in state.params.items()}  # the previous state stays as is
@@ -334,8 +337,9 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
             protos, counts = class_means(
                 ctx.model, data, data.num_classes, ctx.settings.eval_batch_size
             )
-            extras.stale_protos.copy_(protos)
-            extras.stale_known.copy_(counts > 0)
+            stale_protos, stale_known = stale_buffers(extras)
+            stale_protos.copy_(protos)
+            stale_known.copy_(counts > 0)
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: Prototypes
@@ -350,7 +354,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: Prototypes
     ) -> ClientPrototypes:
         if self.stale_prototypes:
-            protos, has = extras.stale_protos, extras.stale_known
+            protos, has = stale_buffers(extras)
         else:
             protos, counts = class_means(model, data, data.num_classes)
             has = counts > 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,7 +45,6 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import SharedState, weighted_average
-from fedmosaic.core import robust, schema
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -112,32 +111,30 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         states = [u.payload.state for u in uploads]
         return weighted_average(states, [u.weight for u in uploads], reference=state)
 
-    def validate_upload(
-        self, state: dict[str, Tensor], upload: SharedState, client_id: int
-    ) -> None:
-        schema.check(upload, client_id, shared=state)
-        robust.check_update(upload.state, state, client_id, "meme state")
+    def upload_names(self, state: dict[str, Tensor], upload: SharedState) -> dict[str, Any]:
+        return {"shared": state}
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
         return MemeExtras(build_shared_model(small_member(self.meme_arch, spec), spec))
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: SharedState) -> None:
-        extras.meme.load_part_state("all", msg.state)
+        cast(MemeExtras, extras).meme.load_part_state("all", msg.state)  # init_client's extras
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
     ) -> Tensor:
-        l_personal, l_meme = mutual_losses(model(x), extras.meme(x), y, self.alpha, self.beta)
+        meme = cast(MemeExtras, extras).meme  # init_client's extras
+        l_personal, l_meme = mutual_losses(model(x), meme(x), y, self.alpha, self.beta)
         # Detached targets: the sum trains each model on its own loss only.
         return l_personal + l_meme
 
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> SharedState:
-        return SharedState(extras.meme.part_state("all"))
+        return SharedState(cast(MemeExtras, extras).meme.part_state("all"))  # init_client's
 
     def predict(
         self, model: ClientModel, extras: nn.Module, x: Tensor, msg: SharedState
     ) -> dict[str, Tensor]:
-        return {"acc": model(x), "acc_meme": extras.meme(x)}
+        return {"acc": model(x), "acc_meme": cast(MemeExtras, extras).meme(x)}

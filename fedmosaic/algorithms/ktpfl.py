@@ -65,13 +65,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedmosaic.core import schema, seeding
+from fedmosaic.core import seeding
 from fedmosaic.core.algorithm import (
     Acceleration,
     Algorithm,
@@ -85,6 +85,7 @@ from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
+from fedmosaic.core.schema import Whole
 from fedmosaic.core.training import TrainSettings, TrainStats, train_epochs
 
 PREDICT_CHUNK = 500  # public inputs per forward pass when computing soft predictions
@@ -104,7 +105,7 @@ class KTpFLBroadcast(Payload):
 class KTpFLUpload(Payload):
     """A client's soft predictions on the public inputs after local training."""
 
-    soft: Annotated[Tensor, "[P, C] float32 in [0, 1] rows sum 1"]  # softmax(logits / T)
+    soft: Annotated[Tensor, "[P, C] float32 in [0, 1] rows sum 1", Whole()]  # softmax(logits / T)
 
 
 @dataclass
@@ -308,9 +309,9 @@ class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
             target = torch.zeros(state.soft.shape[1:])  # [P, C]
         return KTpFLBroadcast(state.public, target, has_target)
 
-    def validate_upload(self, state: KTpFLState, upload: KTpFLUpload, client_id: int) -> None:
+    def upload_names(self, state: KTpFLState, upload: KTpFLUpload) -> dict[str, Any]:
         _, p, c = state.soft.shape
-        schema.check(upload, client_id, P=p, C=c)
+        return {"P": p, "C": c}
 
     def aggregate(
         self, state: KTpFLState, uploads: Sequence[Weighted[KTpFLUpload]], round_num: int

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedmosaic.core import guard
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.robust import RobustRule
@@ -172,7 +173,8 @@ def _declared(cls: type) -> tuple[Any, ...] | None:
         if origin is Algorithm:
             return typing.get_args(base)
         if isinstance(origin, type) and issubclass(origin, Algorithm):
-            bound = dict(zip(origin.__parameters__, typing.get_args(base), strict=True))
+            params = origin.__parameters__  # type: ignore[attr-defined]  # set by Generic
+            bound = dict(zip(params, typing.get_args(base), strict=True))
             return tuple(bound.get(a, a) for a in origin._declaration)
     return None
 
@@ -200,7 +202,8 @@ class Algorithm(ABC, Generic[S, B, U]):
     # Derived in __init_subclass__ from the Generic parameters: never assigned by hand.
     Broadcast: ClassVar[type[Payload]]
     Upload: ClassVar[type[Payload]]
-    _declaration: ClassVar[tuple[Any, ...]] = (S, B, U)
+    # the type variables themselves until a subclass binds them (read at run time)
+    _declaration: ClassVar[tuple[Any, ...]] = (S, B, U)  # type: ignore[misc]
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = ""
     # False for a method that exchanges nothing (Local): its rounds report 0 bytes, not the
@@ -224,9 +227,14 @@ class Algorithm(ABC, Generic[S, B, U]):
                     f"{cls.__name__}.{old} is replaced by "
                     f"acceleration = Acceleration(batched=..., fused_sgd=...)"
                 )
+        if "validate_upload" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} overrides validate_upload: declare the Upload's fields (schema "
+                "and guard role, core/schema.py) and bind their names in upload_names instead"
+            )
         own = cls.__dict__.get("__post_init__")
         if own is not None:  # a method's own checks run after the choices' (Algorithm's below)
-            cls.__post_init__ = _after_choices(own)  # type: ignore[method-assign]
+            cls.__post_init__ = _after_choices(own)  # type: ignore[method-assign,assignment]
         declared = _declared(cls)
         if declared is not None:
             cls._declaration = declared  # else the parent's, inherited
@@ -264,12 +272,19 @@ class Algorithm(ABC, Generic[S, B, U]):
     @abstractmethod
     def aggregate(self, state: S, uploads: Sequence[Weighted[U]], round_num: int) -> S: ...
 
-    def validate_upload(self, state: S, upload: U, client_id: int) -> None:  # noqa: B027
-        """Check an upload against the server state before aggregation; raise PayloadError.
+    def upload_names(self, state: S, upload: U) -> Mapping[str, Any]:
+        """The values of the names the Upload's declarations use (``core/schema.py``): dims
+        (``C``, ``d``, ...), ``like`` references and the guard roles' references, bound from the
+        server state. The round loop checks every upload with them (``core/guard.py``); none by
+        default (an upload whose declarations name nothing)."""
+        return {}
 
-        Start with ``core.schema.check(upload, client_id, **names)``: the Upload's declared field
-        schemas with their names (``C``, ``d``, references) bound from ``state``; add only what a
-        schema cannot say (claims vs the partition, ``core.robust`` magnitude sanity)."""
+    @typing.final
+    def validate_upload(self, state: S, upload: U, client_id: int) -> None:
+        """Raise ``PayloadError`` for an upload the server must not use: its declared schema and
+        guard roles with the names of :meth:`upload_names` (``guard.check_upload``, what the
+        round loop runs on every upload). Declared, never overridden: a method cannot skip it."""
+        guard.check_upload(upload, client_id, self.upload_names(state, upload))
 
     def server_model(self, state: S, spec: FederationSpec) -> ClientModel | None:
         """The global model the server holds in ``state``, as a fresh model of ``spec`` (for the

@@ -7,7 +7,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedmosaic.core import robust, seeding
+from fedmosaic.core import guard, robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
@@ -348,7 +348,10 @@ def run_rounds(
         t0 = time.perf_counter()
         results = transport.fit(t, broadcast(algo, state, sampled, t))
         t1 = time.perf_counter()
-        uploads, rec["rejected"] = screen_replies(algo, state, spec, round_view, results, t)
+        watched = suspects(history.rounds, sampled)
+        uploads, rec["rejected"] = screen_replies(
+            algo, state, spec, round_view, results, t, watched
+        )
         rec.update(upload_totals(algo, uploads))
         state, rec["aggregated"] = aggregate_round(algo, state, uploads, plan, round_view, t)
         t2 = time.perf_counter()
@@ -436,9 +439,11 @@ def screen_replies(
     view: robust.ServerView,
     results: Sequence[FitResult],
     round_num: int,
+    watched: Collection[int] = (),
 ) -> tuple[list[Weighted], list[int]]:
     """The uploads that pass validation and the peer guard, and the clients whose reply was
-    dropped (each drop logged with its reason)."""
+    dropped (each drop logged with its reason). ``watched``: clients whose previous reply was
+    dropped (:func:`suspects`), held to the peer guard's stricter factor."""
     uploads, rejected = [], []
     for r in results:
         try:
@@ -453,7 +458,7 @@ def screen_replies(
     # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
     # drop nothing (so their numbers are those without the guard), but a late straggler can
     # be dropped (docs/robustness.md); claims treat a cell that dropped a reply as unfair.
-    far = robust.peer_screen(view, [(u.client_id, u.weight) for u in uploads])
+    far = robust.peer_screen(view, [(u.client_id, u.weight) for u in uploads], watched)
     for u in uploads:
         if u.client_id in far:
             log.warning(
@@ -466,11 +471,28 @@ def screen_replies(
     return [u for u in uploads if u.client_id not in far], rejected
 
 
+def suspects(rounds: Sequence[dict[str, Any]], clients: Iterable[int]) -> frozenset[int]:
+    """The ``clients`` whose last reply (the last round each took part in) the server dropped.
+
+    Read from the round records, so a resumed run (the records are in its checkpoint) and every
+    runtime watch the same clients."""
+    pending, out = set(clients), set()
+    for rec in reversed(rounds):
+        if not pending:
+            break
+        dropped = pending.intersection(rec.get("rejected", ()))
+        kept = pending.intersection(rec.get("participants", ()))
+        out |= dropped
+        pending -= dropped | kept
+    return frozenset(out)
+
+
 def check_reply(
     algo: Algorithm, state: Any, spec: FederationSpec, view: robust.ServerView, r: FitResult
 ) -> None:
     """Raise ``PayloadError`` for a reply the server cannot use: undecodable, an implausible
-    example count, or an upload the method refuses (``validate_upload``)."""
+    example count, or an upload its declarations refuse (``guard.check_upload``: the schema,
+    the claims, magnitude sanity; it also keeps what the round's peer guard needs)."""
     if r.error is not None or r.upload is None:
         raise PayloadError(r.error or "no upload")
     if r.num_examples < 0 or r.num_examples > MAX_EXAMPLES:
@@ -479,7 +501,7 @@ def check_reply(
     if held is not None and r.num_examples > held:
         raise PayloadError(f"claims {r.num_examples} training examples; its partition has {held}")
     with robust.serving(view):
-        algo.validate_upload(state, r.upload, r.client_id)
+        guard.check_upload(r.upload, r.client_id, algo.upload_names(state, r.upload))
 
 
 def upload_totals(algo: Algorithm, uploads: Sequence[Weighted]) -> dict[str, Any]:

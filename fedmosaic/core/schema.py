@@ -20,13 +20,26 @@ Forms:
 Constraints, on every element (or the scalar): ``>= X``, ``> X``, ``<= X``, ``< X``,
 ``in [A, B]`` (either bracket may be open: ``in [0, C)``); on the whole tensor: ``sum <= X``
 (in float64: no integer wrap-around), ``rows sum X`` (the last dim sums to X within 1e-3),
-``increasing`` (1-D, strictly). Operands are numbers or names (``MAX_EXAMPLES`` is built in).
+``increasing`` (1-D, strictly), ``symmetric`` (a square matrix equal to its transpose within
+1e-4 of its largest entry), ``diag >= X``. Operands are numbers or names (``MAX_EXAMPLES`` is built in).
 
 Names are bound by the caller (:func:`check`'s keywords: what the method's server state says the
 spec's ``C``, ``d``, ... are, and the references for ``like``); a dim name the caller leaves
 unbound is a free dimension, fixed by its first occurrence (``k`` rows of ``protos`` and ``k``
 class ids). Scalar fields are checked first, so a reference may depend on them (FedSeq's blocks).
 Every failure is a :class:`PayloadError` naming the client, the payload type and the field.
+
+A field may also declare what it *is* to the server's guard, a second annotation beside the
+string (:class:`Update`, :class:`Rows`, :class:`Claims`, :class:`Counts`, :class:`Whole`, or
+:class:`Unguarded` with the reason)::
+
+    state: Annotated[dict[str, Tensor], "like shared", Update("shared")]
+    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes", ref="glob", known="known")]
+
+The round loop applies what the roles say to every upload (``core/guard.py``): magnitude sanity
+against the server's reference, the claims against the partition and the peer guard. Every
+floating field of an upload carries a role (``tests/core/test_guard.py``), so a method cannot
+forget its protection; a role's names are bound like the schema's.
 """
 
 from __future__ import annotations
@@ -61,7 +74,8 @@ _RANGE = {"[": ">=", "(": ">", "]": "<=", ")": "<"}  # an ``in`` range's bracket
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _OPERAND = rf"(?:{_NAME}|[-+]?[0-9.]+(?:e[-+]?[0-9]+)?)"
 _CONSTRAINT = re.compile(
-    rf"\s*(?:(?P<inc>increasing)"
+    rf"\s*(?:(?P<inc>increasing)|(?P<sym>symmetric)"
+    rf"|diag\s*>=\s*(?P<diag>{_OPERAND})"
     rf"|in\s*(?P<lo_br>[\[(])\s*(?P<lo>{_OPERAND})\s*,\s*(?P<hi>{_OPERAND})\s*(?P<hi_br>[\])])"
     rf"|rows\s+sum\s+(?P<rows>{_OPERAND})"
     rf"|sum\s*<=\s*(?P<sum>{_OPERAND})"
@@ -71,6 +85,73 @@ _CONSTRAINT = re.compile(
 
 class SchemaError(TypeError):
     """A malformed schema declaration (a programming error, not a hostile upload)."""
+
+
+# ---- what a field is to the server's guard (core/guard.py applies them) ----------------------
+@dataclass(frozen=True)
+class Update:
+    """Weight-like: a state dict (or tensor) that updates the server's ``ref`` (a bound name).
+
+    Its update norm ``||value - ref||`` is checked against ``server.max_norm_ratio`` x
+    ``||scale||`` (``scale`` defaults to ``ref``) and enters the peer guard's norm test. ``decode``
+    names a bound function giving the dense state dict of a compressed value (FedKD's SVD
+    factors). A ``ref`` entry the value lacks is skipped; one of another shape counts as 0."""
+
+    ref: str
+    scale: str = ""
+    decode: str = ""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per-class vectors: row ``i`` belongs to class ``classes[i]`` (an int64 index field), or
+    the rows ``where`` a ``[C]`` field (bool, or counts) is nonzero belong to their classes.
+
+    Each row enters the peer guard against the other clients' rows of its class; with ``ref``
+    (bound ``[C, d]`` global rows) and ``known`` (bound ``[C]`` bool), a row of a class the server
+    has a global row for is also bounded by ``server.max_norm_ratio`` x the largest global norm."""
+
+    classes: str = ""
+    where: str = ""
+    ref: str = ""
+    known: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.classes) == bool(self.where):
+            raise SchemaError("Rows: name exactly one of classes= (indices) or where= (a mask)")
+        if bool(self.ref) != bool(self.known):
+            raise SchemaError("Rows: ref= and known= go together")
+
+
+@dataclass(frozen=True)
+class Claims:
+    """The classes a client says it holds (``[k]`` int64 ids, or a ``[C]`` bool mask): each
+    must be held by the client's partition, where the server knows it."""
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Per-class example counts (``[C]`` int64): none above the client's partition (per class
+    where the server knows it, else in total)."""
+
+
+@dataclass(frozen=True)
+class Whole:
+    """One vector compared as a whole with the other clients' values of this field (a kernel
+    matrix, soft labels on public data): the peer guard's row test with the round's uploads as
+    one class. Only for values whose honest scale is the same for every client (probabilities):
+    FedHeNN's kernels, whose scale follows each model's width, are bounded by their schema."""
+
+
+@dataclass(frozen=True)
+class Unguarded:
+    """No guard applies; ``reason`` says why (e.g. an integer cost the server only reports)."""
+
+    reason: str
+
+
+Role = Update | Rows | Claims | Counts | Whole | Unguarded
+ROLES = (Update, Rows, Claims, Counts, Whole, Unguarded)
 
 
 @dataclass(frozen=True)
@@ -110,6 +191,10 @@ def _constraints(text: str, rest: str) -> tuple[tuple[str, int | float | str], .
         pos = m.end()
         if m["inc"]:
             out.append(("increasing", 0))
+        elif m["sym"]:
+            out.append(("symmetric", 0))
+        elif m["diag"]:
+            out.append(("diag>=", _operand(m["diag"])))
         elif m["lo"]:
             out.append((m["lo_br"], _operand(m["lo"])))  # "[" or "(": the range's lower end
             out.append((m["hi_br"], _operand(m["hi"])))  # "]" or ")": its upper end
@@ -147,21 +232,41 @@ def parse(text: str) -> FieldSchema:
     raise SchemaError(f"schema {text!r}: expected '[dims] dtype ...', 'like NAME' or a scalar type")
 
 
+def _annotations(cls: type[Payload]) -> dict[str, tuple[Any, ...]]:
+    """Each field's ``Annotated`` metadata, in field order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: getattr(hints[f.name], "__metadata__", ()) for f in dataclasses.fields(cls)}
+
+
 def schema_of(cls: type[Payload]) -> dict[str, FieldSchema]:
     """Every field's declaration, in field order (cached per class); a field without one, or a
     declaration that does not parse, raises :class:`SchemaError`."""
     cache = cls.__dict__.get("_schema_cache")
     if cache is None:
-        hints = typing.get_type_hints(cls, include_extras=True)
         cache = {}
-        for f in dataclasses.fields(cls):
-            meta = [a for a in getattr(hints[f.name], "__metadata__", ()) if isinstance(a, str)]
-            if len(meta) != 1:
+        for name, meta in _annotations(cls).items():
+            texts = [a for a in meta if isinstance(a, str)]
+            if len(texts) != 1:
                 raise SchemaError(
-                    f"{cls.__qualname__}.{f.name}: declare its schema as Annotated[type, '...']"
+                    f"{cls.__qualname__}.{name}: declare its schema as Annotated[type, '...']"
                 )
-            cache[f.name] = parse(meta[0])
+            cache[name] = parse(texts[0])
         cls._schema_cache = cache  # type: ignore[attr-defined]
+    return cache
+
+
+def roles_of(cls: type[Payload]) -> dict[str, Role | None]:
+    """Each field's guard role (None: not declared), in field order (cached per class); more
+    than one role on a field raises :class:`SchemaError`."""
+    cache = cls.__dict__.get("_roles_cache")
+    if cache is None:
+        cache = {}
+        for name, meta in _annotations(cls).items():
+            roles = [a for a in meta if isinstance(a, ROLES)]
+            if len(roles) > 1:
+                raise SchemaError(f"{cls.__qualname__}.{name}: more than one guard role")
+            cache[name] = roles[0] if roles else None
+        cls._roles_cache = cache  # type: ignore[attr-defined]
     return cache
 
 
@@ -194,7 +299,7 @@ def _check_tensor(fs: FieldSchema, x: Any, env: dict[str, Any], where: str) -> N
         raise wrong()
     for i, d in enumerate(fs.dims):
         want = env.get(d) if isinstance(d, str) else d
-        if want is None:
+        if want is None and isinstance(d, str):
             env[d] = int(x.shape[i])  # a free dimension: fixed by its first occurrence
         elif int(x.shape[i]) != want:
             raise wrong()
@@ -205,11 +310,12 @@ def _check_tensor(fs: FieldSchema, x: Any, env: dict[str, Any], where: str) -> N
 
 def _check_scalar(fs: FieldSchema, x: Any, env: dict[str, Any], where: str) -> None:
     tp = fs.scalar
+    assert tp is not None  # a scalar declaration names its type (parse)
     ok = isinstance(x, tp) and not (tp in (int, float) and isinstance(x, bool))
     if tp is float and isinstance(x, int) and not isinstance(x, bool):
         ok = True
     if not ok:
-        raise PayloadError(f"{where} = {x!r} is not {tp.__name__}")  # type: ignore[union-attr]
+        raise PayloadError(f"{where} = {x!r} is not {tp.__name__}")
     if isinstance(x, float) and not math.isfinite(x):
         raise PayloadError(f"{where} = {x!r} is not finite")
     _check_constraints(fs, x, env, where)
@@ -240,6 +346,13 @@ def _check_constraints(fs: FieldSchema, x: Any, env: dict[str, Any], where: str)
         elif op == "increasing":
             if x.dim() != 1 or not bool((x.diff() > 0).all()):
                 raise PayloadError(f"{where} is not strictly increasing")
+        elif op == "symmetric":  # within float32 rounding of the larger entries
+            tol = 1e-4 * float(x.abs().max()) if x.numel() else 0.0
+            if x.dim() != 2 or x.shape[0] != x.shape[1] or not bool(((x - x.T).abs() <= tol).all()):
+                raise PayloadError(f"{where} is not a symmetric matrix")
+        elif op == "diag>=":
+            if x.dim() != 2 or not bool((x.diagonal() >= v).all()):
+                raise PayloadError(f"{where} has diagonal values not >= {v}")
 
 
 def _check_finite(value: Any, where: str) -> None:

@@ -22,15 +22,24 @@ AVX2, instead of 0.75 ms through torch's layers).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
+import torch.nn.grad  # torch.nn does not import it itself
 from torch import Tensor, nn
 
 from fedmosaic import kernels
 
 
-def eligible(m: nn.Module) -> bool:
+def _pair(v: str | tuple[int, ...]) -> tuple[int, int]:
+    """A Conv2d's ``kernel_size``, ``stride`` or ``padding``, which are pairs: torch types them as
+    ``tuple[int, ...]`` (shared with the 1-d and 3-d layers), ``padding`` also as a string
+    (``"same"``), which :func:`eligible` rules out."""
+    assert isinstance(v, tuple) and len(v) == 2, v
+    return v
+
+
+def eligible(m: nn.Module) -> TypeGuard[nn.Conv2d]:
     """A plain Conv2d of one input channel (zero padding, no dilation or groups)."""
     return (
         type(m) is nn.Conv2d
@@ -42,7 +51,7 @@ def eligible(m: nn.Module) -> bool:
     )
 
 
-def block_eligible(m: nn.Module) -> bool:
+def block_eligible(m: nn.Module) -> TypeGuard[nn.Sequential]:
     """``Conv2d(1 -> 8n, k x k, stride 1) -> ToChannelsLast -> MaxPool2d(2) -> ReLU``: the block
     :class:`SGDConvPoolReLU` computes (``ToChannelsLast`` only re-lays memory out)."""
     if not isinstance(m, nn.Sequential) or len(m) != 4:
@@ -66,10 +75,17 @@ def block_eligible(m: nn.Module) -> bool:
     )
 
 
+def block_conv(m: nn.Sequential) -> nn.Conv2d:
+    """The convolution opening a block that :func:`block_eligible` accepted."""
+    conv = m[0]
+    assert isinstance(conv, nn.Conv2d)
+    return conv
+
+
 def block_fits(x: Tensor, conv: nn.Conv2d) -> bool:
     """A batch the block op takes: ``[B, 1, H, W]`` float32 on the CPU, no input gradient, and a
     convolution output of at least 2 x 2."""
-    k, p = conv.kernel_size[0], conv.padding
+    k, p = conv.kernel_size[0], _pair(conv.padding)
     return (
         x.dim() == 4
         and x.shape[1] == 1
@@ -82,12 +98,12 @@ def block_fits(x: Tensor, conv: nn.Conv2d) -> bool:
 
 def block_ready(m: nn.Module, x: Tensor) -> bool:
     """Whether the native block op takes ``x`` through block ``m`` now (kernel built, shapes)."""
-    return kernels.load() is not None and block_eligible(m) and block_fits(x, m[0])
+    return kernels.load() is not None and block_eligible(m) and block_fits(x, block_conv(m))
 
 
 def _padded(x: Tensor, conv: nn.Conv2d) -> Tensor:
     """``[B, 1, H, W]`` -> ``[B, H + 2 ph, W + 2 pw]`` contiguous (zero padding)."""
-    ph, pw = conv.padding
+    ph, pw = _pair(conv.padding)
     xp = x if (ph, pw) == (0, 0) else torch.nn.functional.pad(x, (pw, pw, ph, ph))
     return xp.reshape(x.shape[0], xp.shape[2], xp.shape[3]).contiguous()
 
@@ -117,7 +133,7 @@ class SGDConv2d(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, lr: float, conv: nn.Conv2d
     ) -> Tensor:
-        k, s, p = conv.kernel_size, conv.stride, conv.padding
+        k, s, p = _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.padding)
         cols = im2col(x, k, s, p)  # [B*L, K]
         b, ho = x.shape[0], (x.shape[2] + 2 * p[0] - k[0]) // s[0] + 1
         wo = (x.shape[3] + 2 * p[1] - k[1]) // s[1] + 1
@@ -128,7 +144,8 @@ class SGDConv2d(torch.autograd.Function):
         return y.view(b, ho, wo, -1).permute(0, 3, 1, 2)  # [B, O, Ho, Wo], channels-last
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        (grad,) = grads  # one output
         x, weight, cols = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:  # with the old W
@@ -170,7 +187,8 @@ class SGDConvPoolReLU(torch.autograd.Function):
         return out.permute(0, 3, 1, 2)  # [B, O, Ho, Wo] in channels-last memory
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, None, None, None, None]:
+        (grad,) = grads  # one output
         mod = kernels.load()
         assert mod is not None
         xp, out, arg = ctx.saved_tensors
