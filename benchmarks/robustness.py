@@ -100,20 +100,24 @@ def poisoner(attack: str):
     return poison
 
 
-def run(name: str, attack: str, rule: str, rounds: int, seed: int) -> dict[str, Any]:
+def run(
+    name: str, attack: str, rule: str, rounds: int, seed: int, attackers: int = 1
+) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out = attacked_run(
-        experiment(name, rule, rounds, seed), None if attack == "none" else poisoner(attack)
-    )
+    ids = tuple(range(ATTACKER, ATTACKER + attackers))
+    poison = None if attack == "none" else poisoner(attack)
+    out = attacked_run(experiment(name, rule, rounds, seed), poison, ids)
     rejected = out.get("rejected", [])
     return {
         "method": name,
         "attack": attack,
         "rule": rule,
+        "attackers": attackers,
         "acc": out["acc"],
         "diverged": out["diverged"],
-        "attacker_dropped": sum(ATTACKER in r for r in rejected),
-        "honest_dropped": sum(len([c for c in r if c != ATTACKER]) for r in rejected),
+        # attacker-rounds dropped (one attacker: rounds), honest client-rounds dropped
+        "attacker_dropped": sum(len([c for c in r if c in ids]) for r in rejected),
+        "honest_dropped": sum(len([c for c in r if c not in ids]) for r in rejected),
         "rejected": rejected,
         "seconds": time.perf_counter() - t0,
     }
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attackers", type=int, default=1, help="clients 0..N-1 attack together")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--table", type=Path, default=None, help="print the docs' table of this JSON")
     p.add_argument(
@@ -237,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.methods.split(","):
         for rule in a.rules.split(","):
             for attack in ("none", *a.attacks.split(",")):
-                rows.append(run(name, attack, rule, a.rounds, a.seed))
+                rows.append(run(name, attack, rule, a.rounds, a.seed, a.attackers))
                 r = rows[-1]
                 print(
                     f"{name} {rule} {attack}: acc {r['acc']:.4f} attacker dropped "
-                    f"{r['attacker_dropped']}/{a.rounds} honest drops {r['honest_dropped']} "
+                    f"{r['attacker_dropped']}/{a.rounds * a.attackers} honest drops {r['honest_dropped']} "
                     f"({r['seconds']:.1f} s)",
                     flush=True,
                 )

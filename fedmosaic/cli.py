@@ -13,7 +13,7 @@ import sys
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import fedmosaic
 from fedmosaic import numerics
@@ -249,7 +249,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         full=args.full,
         methods=split(args.methods),
         settings=split(args.settings),
-        seeds=[int(x) for x in split(args.seeds)] if args.seeds else None,
+        seeds=[int(x) for x in split(args.seeds) or []] if args.seeds else None,
         check=not args.list,  # listing needs no data
     )
     out = Path(args.out or f"runs/compare-{suite.name}")
@@ -315,7 +315,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             het = "heterogeneous" if cls.supports_heterogeneous else "homogeneous only"
             print(f"{name}\t[{het}]\t{hp}")
     elif what in ("models", "families"):
-        shape = tuple(int(v) for v in args.input_shape.split("x"))
+        # [C, H, W] as the option asks; a model of another rank fails naming the shape
+        shape = cast(tuple[int, int, int], tuple(int(v) for v in args.input_shape.split("x")))
         if what == "models":
             for name in ENCODERS.names():
                 # On the meta device: shapes only, no weights drawn or initialized (ResNet-152
@@ -728,10 +729,11 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    except _loop_error("Interrupted") as exc:
-        hint = "rerun the same command with --resume to continue" if exc.saved else "no checkpoint"
+    except _loop_error("Interrupted") as caught:
+        stop: Any = caught  # the round loop's Interrupted (loaded lazily): saved, round_num
+        hint = "rerun the same command with --resume to continue" if stop.saved else "no checkpoint"
         print(
-            f"interrupted after round {exc.round_num}: checkpoint written; {hint}", file=sys.stderr
+            f"interrupted after round {stop.round_num}: checkpoint written; {hint}", file=sys.stderr
         )
         return 130
     except KeyboardInterrupt:

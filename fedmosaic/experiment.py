@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 from fedmosaic import kernels, numerics, provenance
 from fedmosaic.checkpoint import Checkpointer, for_federation, peek

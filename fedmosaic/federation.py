@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -63,7 +64,11 @@ def model_projection(cfg: ExperimentConfig) -> str:
     """The projection of every client model: the method's own (``Algorithm.model_projection``;
     FedHeNN keeps natural widths) or ``model.projection``."""
     name = cfg.algorithm.get("name")
-    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
+    fixed = (
+        ALGORITHMS.get(name).model_projection
+        if isinstance(name, str) and name in ALGORITHMS
+        else None
+    )
     return fixed or cfg.model.projection
 
 
@@ -113,7 +118,7 @@ def make_spec(
         num_clients=n,
         num_classes=data.num_classes,
         feature_dim=cfg.model.feature_dim,
-        input_shape=tuple(data.input_shape),
+        input_shape=cast(tuple[int, int, int], tuple(data.input_shape)),  # [C, H, W]
         members=tuple(members[i % len(members)] for i in range(n)),
         num_train=tuple(c.num_train for c in clients),
         seed=cfg.seed,

@@ -38,6 +38,7 @@ import os
 import platform
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +63,13 @@ def portable_env() -> dict[str, str]:
     return {FLAG: "portable", **PORTABLE_ENV}
 
 
-def requested(environ: dict[str, str] | None = None) -> str:
+def requested(environ: Mapping[str, str] | None = None) -> str:
     """The mode this process's environment asks for: ``portable`` or ``native``."""
     env = os.environ if environ is None else environ
     return "portable" if env.get(FLAG, "") == "portable" else "native"
 
 
-def env_in_place(environ: dict[str, str] | None = None) -> bool:
+def env_in_place(environ: Mapping[str, str] | None = None) -> bool:
     """Whether every portable pin is set, with its value, in ``environ`` (default: this process)."""
     env = os.environ if environ is None else environ
     return requested(env) == "portable" and all(env.get(k) == v for k, v in PORTABLE_ENV.items())
@@ -120,7 +121,8 @@ def apply_in_process() -> None:
         return
     import torch
 
-    torch.backends.mkldnn.enabled = False
+    # a module-level flag torch documents setting; its stubs type it as the descriptor
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
 
 
 def check(mode: str) -> None:

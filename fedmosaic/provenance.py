@@ -157,7 +157,7 @@ def file_digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 def data_files(paths: tuple[str, ...]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for p in paths:
         try:
             st = os.stat(p)

@@ -311,6 +311,7 @@ def _run_suite(
                 + (f"; ETA {_duration(eta)} for {left} more cell(s)" if left else ""),
                 flush=True,
             )
+        assert doc is not None  # cached statuses carry their results; run_cell returns one
         docs[cell.key] = doc
     manifest = {
         "suite": suite.name,

@@ -25,16 +25,19 @@ class Attacker(SimTransport):
     """The simulator's transport, with client ``ATTACKER``'s uploads rewritten by ``poison``."""
 
     poison: Poison | None = None
+    attackers: frozenset[int] = frozenset({ATTACKER})
 
     def fit(self, round_num, messages):
         out = super().fit(round_num, messages)
         for r in out:
-            if self.poison is not None and r.client_id == ATTACKER and r.upload is not None:
+            if self.poison is not None and r.client_id in self.attackers and r.upload is not None:
                 r.upload = self.poison(round_num, r.upload, messages[r.client_id])
         return out
 
 
-def attacked_run(raw: dict[str, Any], poison: Poison | None) -> dict[str, Any]:
+def attacked_run(
+    raw: dict[str, Any], poison: Poison | None, attackers: tuple[int, ...] = (ATTACKER,)
+) -> dict[str, Any]:
     """Run the experiment ``raw`` with the attacker (``poison`` None: honest): the final
     accuracy (NaN and ``diverged`` if the round loop gave up), the rejections and aggregation
     flags per round and the final server state."""
@@ -44,6 +47,7 @@ def attacked_run(raw: dict[str, Any], poison: Poison | None) -> dict[str, Any]:
         fed.cfg.train.local_epochs,
     )  # fmt: skip
     t.poison = poison
+    t.attackers = frozenset(attackers)
     try:
         history, state = run_rounds(fed.algo, fed.spec, t, fed.plan)
     except Diverged:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -519,7 +519,8 @@ def _safe_globals() -> dict[tuple[str, str], Any]:
         allowed[(mod, "_reconstruct")] = multiarray._reconstruct
         allowed[(mod, "scalar")] = multiarray.scalar
     for mod in ("numpy.core.numeric", "numpy._core.numeric"):
-        allowed[(mod, "_frombuffer")] = numeric._frombuffer
+        # private numpy function (what array pickles name), absent from numpy's stubs
+        allowed[(mod, "_frombuffer")] = numeric._frombuffer  # type: ignore[attr-defined]
     allowed[("numpy", "ndarray")] = np.ndarray
     allowed[("numpy", "dtype")] = np.dtype
     allowed[("_codecs", "encode")] = _latin1_encode
@@ -620,7 +621,7 @@ def _check_pickle_size(path: Path, obj: Any) -> None:
     stack: list[list[Any]] = [[obj, kids, 0, *_pickle_weight(obj)]]
     while stack:
         frame = stack[-1]
-        x, kids, i = frame[0], frame[1], frame[2]
+        x, kids, i = frame[0], cast("list[Any]", frame[1]), frame[2]  # frames hold containers
         child = None
         while i < len(kids):
             kid, i = kids[i], i + 1
@@ -920,7 +921,8 @@ def load_digits(cfg: DataConfig, seed: int) -> ImageDataset:
     There is no official train/test split, so the whole set is one pool: ``num_train = N``.
     Pixel values 0..16 are scaled to 0..255; mean/std are computed from the data.
     """
-    from sklearn.datasets import load_digits as sk_load_digits
+    # scikit-learn ships no type information
+    from sklearn.datasets import load_digits as sk_load_digits  # type: ignore[import-untyped]
 
     bunch = sk_load_digits()
     x = np.rint(np.asarray(bunch.images, dtype=np.float64) * (255.0 / 16.0)).astype(np.uint8)
@@ -985,7 +987,14 @@ def where_on_disk(name: str, cfg: DataConfig) -> dict[str, Path | None] | None:
         checks = {name: (name, lambda d: _idx_files(d, MNIST_FILES))}
     elif name == "emnist":
         checks = {
-            f"emnist-{split}": ("emnist", lambda d, s=split: _idx_files(d, _emnist_stems(s)))
+            f"emnist-{split}": (
+                "emnist",
+                # the default argument binds the loop's split; mypy cannot infer such a lambda
+                cast(
+                    "Callable[[Path], list[Path] | None]",
+                    lambda d, s=split: _idx_files(d, _emnist_stems(s)),
+                ),
+            )
             for split in EMNIST_CLASSES
         }
     elif name in ("cifar10", "cifar100"):

@@ -53,9 +53,10 @@ def _is_eval(split: str) -> bool:
 
 def _pyarrow(path: Path) -> Any:
     try:
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        # optional dependency (the hf extra), untyped; absent where the extra is not installed
+        import pyarrow  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        import pyarrow.ipc  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: F401
+        import pyarrow.parquet  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: F401
     except ImportError:
         raise DatasetError(
             f"{path}: reading Arrow/Parquet files needs pyarrow (pip install 'fedmosaic[hf]'); or "

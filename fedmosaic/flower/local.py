@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,14 +34,15 @@ def through_wire(content: RecordDict) -> RecordDict:
     with no_object_id_recompute():
         objects = get_all_nested_objects(content)
         blobs = {oid: obj.deflate() for oid, obj in objects.items()}
-    return inflate_object_from_contents(content.object_id, blobs)
+    return cast(RecordDict, inflate_object_from_contents(content.object_id, blobs))  # a copy
 
 
 def _deliver(msg: Message) -> Message:
     """A copy of ``msg`` as the receiver sees it (its records rebuilt from wire bytes)."""
     if msg.has_error():
         return msg
-    return Message(through_wire(msg.content), metadata=copy.deepcopy(msg.metadata))
+    # ``metadata=`` is Flower's internal constructor (its overloads leave it out)
+    return Message(through_wire(msg.content), metadata=copy.deepcopy(msg.metadata))  # type: ignore[call-overload]
 
 
 class LocalGrid(Grid):

@@ -71,7 +71,7 @@ REPLY_RECORDS: dict[str, dict[str, frozenset[str]]] = {
 def check_reply_records(content: RecordDict, kind: str) -> None:
     """Refuse a ``kind`` reply carrying a record the protocol does not expect there."""
     expected = REPLY_RECORDS[kind]
-    groups = {
+    groups: dict[str, Mapping[str, Any]] = {
         "arrays": content.array_records,
         "configs": content.config_records,
         "metrics": content.metric_records,

@@ -264,7 +264,7 @@ def cap_supernode_sleeps(poll_interval: float) -> None:
     loop.time = _CappedClock()  # type: ignore[assignment]
     # The SuperNode fetches a message's objects from the SuperLink while the ServerApp may still
     # be uploading them; Flower waits 1 s (then doubling) before looking again.
-    loop.pull_objects = functools.partial(  # type: ignore[assignment]
+    loop.pull_objects = functools.partial(
         loop.pull_objects,
         max_tries_per_object=None,  # bounded by Flower's max_time (2 h) instead
         initial_backoff=poll_interval,

@@ -132,6 +132,7 @@ class GridTransport:
         asked = {node for node, _ in self._hello.values()}
         known = set(self.node_of.values()) | self.ignored | asked
         new = sorted(online - known)
+        node: int | None  # None: a reply to no handshake of ours
         if new:
             msgs = [Message(m.with_header(RecordDict()), n, m.HELLO, ttl=ttl) for n in new]
             for node, mid in zip(new, self._push(msgs), strict=True):
@@ -222,6 +223,7 @@ class GridTransport:
         replies: dict[K, Message] = {}
         failures: dict[K, str] = {}
         pending: dict[str, K] = {}
+        key: K | None  # None: a reply to no message of ours
         for key, mid in zip(keys, self._push([msgs[k] for k in keys]), strict=True):
             if mid:
                 pending[mid] = key

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +85,8 @@ class ConvPoolReLU(nn.Sequential):
     def forward(self, x: Tensor) -> Tensor:
         if NATIVE_INFERENCE and not torch.is_grad_enabled() and not _functorch_wrapped(x):
             if not _hooked(self) and fast_conv.block_ready(self, x):
-                return fast_conv.conv_pool_relu_inference(x, self[0])
+                # self[0] is the Conv2d (see conv_pool_relu)
+                return fast_conv.conv_pool_relu_inference(x, cast(nn.Conv2d, self[0]))
         return super().forward(x)
 
 
@@ -146,7 +148,7 @@ def plain_cnn(
         ch = out_ch
     dim = ch * size * size
     if not fcs:
-        blocks[f"conv{len(convs)}"].append(nn.Flatten())
+        cast(nn.Sequential, blocks[f"conv{len(convs)}"]).append(nn.Flatten())  # conv_pool_relu
     for i, width in enumerate(fcs, start=1):
         blocks[f"fc{i}"] = fc_relu(dim, width, flatten=i == 1)
         dim = width

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -197,10 +198,11 @@ def layer_macs(module: nn.Module, output: Tensor) -> int:
     per_image = output.numel() // max(output.shape[0], 1)
     if isinstance(module, nn.Linear):
         return per_image * module.in_features
+    conv = cast("nn.Conv1d | nn.Conv2d | nn.Conv3d", module)  # the other COUNTED layers
     kernel = 1
-    for k in module.kernel_size:  # type: ignore[union-attr]
+    for k in conv.kernel_size:
         kernel *= int(k)
-    return per_image * (module.in_channels // module.groups) * kernel  # type: ignore[operator]
+    return per_image * (conv.in_channels // conv.groups) * kernel
 
 
 def layer_costs(
@@ -221,7 +223,7 @@ def layer_costs(
             LayerCost(
                 names[module],
                 layer_macs(module, output),
-                bool(module.weight.requires_grad),  # type: ignore[union-attr]
+                bool(module.weight.requires_grad),
                 bool(inputs[0].requires_grad),
             )
         )

@@ -16,6 +16,7 @@ layer, so every block owns parameters.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -87,7 +88,7 @@ def resnet(
             stage.append(block(ch, width, 2 if (i > 0 and j == 0) else 1))
             ch = width * block.expansion
         blocks[f"layer{i + 1}"] = nn.Sequential(*stage)
-    blocks[f"layer{len(depths)}"].append(GlobalAvgPool())
+    cast(nn.Sequential, blocks[f"layer{len(depths)}"]).append(GlobalAvgPool())  # a stage
     encoder = nn.Sequential(OrderedDict(blocks))
     init_conv_kaiming(encoder)
     return encoder, ch

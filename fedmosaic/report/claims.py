@@ -764,7 +764,7 @@ def climbing(plan: Plan | None, judged: Sequence[dict[str, Any]]) -> list[str]:
 def budget_rows(root: Path = RESULTS / "full") -> list[dict[str, Any]]:
     """Per suite folder under ``root``: its cells, seeds, data fractions, rounds run, the wall
     hours they took on this machine and the code versions (source hashes) that produced them."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     if not root.is_dir():
         return rows
     for suite_dir in sorted(p for p in root.iterdir() if (p / "cells").is_dir()):

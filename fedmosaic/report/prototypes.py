@@ -24,7 +24,7 @@ def embed_2d(points: np.ndarray, method: str = "tsne", seed: int = 0) -> np.ndar
     """``[n, d] -> [n, 2]``; t-SNE falls back to PCA below 6 points."""
     n = points.shape[0]
     if method == "tsne" and n >= 6:
-        from sklearn.manifold import TSNE
+        from sklearn.manifold import TSNE  # type: ignore[import-untyped]  # scikit-learn ships no types
 
         perplexity = float(min(30.0, max(2.0, (n - 1) / 3)))
         return TSNE(2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)

@@ -10,9 +10,12 @@ import os
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.colors import ListedColormap
 
 ROUND_COLUMNS = (
     "round",
@@ -62,7 +65,7 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def write_temp(path: Path, write: Callable[[Path], None]) -> Path:
+def write_temp(path: Path, write: Callable[[Path], object]) -> Path:
     """``write(tmp)`` to a fresh temporary beside ``path`` and return it (not yet renamed); on
     failure this writer's temporary is removed and the OSError names ``path``."""
     tmp = temp_path(path)
@@ -315,7 +318,7 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float | None]:
     mean = float(np.mean(values))
     if len(values) < MIN_SEEDS_FOR_INTERVAL:
         return mean, None
-    from scipy.stats import t
+    from scipy.stats import t  # type: ignore[import-untyped]  # scipy ships no type information
 
     sd = float(np.std(values, ddof=1))
     return mean, float(t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
@@ -502,7 +505,9 @@ def plot_claim(
     methods = sorted(
         found, key=lambda m: (CLAIM_ORDER.index(m) if m in CLAIM_ORDER else 9, found.index(m))
     )
-    palette = plt.get_cmap("tab10").colors
+    palette = cast(  # tab10 is a listed map of RGB colours
+        "Sequence[tuple[float, float, float]]", cast("ListedColormap", plt.get_cmap("tab10")).colors
+    )
     colors = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
     cfg = (next(iter(runs.values()), None) or next(iter(ref.values()))[0]).get("config", {})
     run_frac = _fraction_text(_fraction(cfg))
@@ -583,7 +588,7 @@ def format_table(docs: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of the summaries of several runs: accuracies in %, 1 kB = 1000 bytes;
     below a method's row, every other accuracy it reports (``acc_head``: FedProto's heads beside
     its nearest-prototype headline, ...) and its accuracy after local fine-tuning."""
-    header = (
+    header: tuple[str, ...] = (
         "algorithm",
         "final acc (w)",
         "final acc (mean±std)",

@@ -141,8 +141,8 @@ def wandb_module() -> Any | None:
     """The ``wandb`` package when installed (``pip install 'fedmosaic[wandb]'``), else None."""
     if "wandb" in sys.modules:
         return sys.modules["wandb"]
-    try:
-        import wandb
+    try:  # optional (tracking extra): absent, or present with or without type information
+        import wandb  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
         return None
     return wandb
@@ -173,7 +173,8 @@ class WandbSink:
 def tensorboard_writer() -> Any | None:
     """``SummaryWriter`` when the ``tensorboard`` package is installed, else None."""
     try:
-        import tensorboard  # noqa: F401
+        # optional (tracking extra): absent, or present with or without type information
+        import tensorboard  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: F401
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None

@@ -51,7 +51,7 @@ class Test:
         """The two-sided (1 - alpha) Student-t interval of the mean gap (None for one value)."""
         if self.sd is None:
             return None
-        from scipy.stats import t
+        from scipy.stats import t  # type: ignore[import-untyped]  # scipy ships no type information
 
         half = float(t.ppf(1 - alpha / 2, self.n - 1)) * self.sd / math.sqrt(self.n)
         return (self.mean - half, self.mean + half)
@@ -133,8 +133,9 @@ def z_boundaries(fractions: Sequence[float], alpha: float, kind: str) -> list[fl
     1969) on the score scale ``S_k = Z_k sqrt(t_k)``, a Brownian motion in the information
     fraction: the sub-density of ``S`` on the continuation region is carried from look to look
     by the normal increment of variance ``t_k - t_{k-1}``."""
-    from scipy.optimize import brentq
-    from scipy.special import ndtr, ndtri
+    # scipy ships no type information
+    from scipy.optimize import brentq  # type: ignore[import-untyped]
+    from scipy.special import ndtr, ndtri  # type: ignore[import-untyped]
 
     fr = [float(f) for f in fractions]
     if any(b <= a for a, b in zip(fr, fr[1:], strict=False)):

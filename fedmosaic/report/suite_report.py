@@ -141,7 +141,7 @@ def aggregate(values: Sequence[float | None]) -> dict[str, Any]:
     n = len(vals)
     std = ci = None
     if n > 1:
-        from scipy.stats import t
+        from scipy.stats import t  # type: ignore[import-untyped]  # scipy ships no type information
 
         std = float(np.std(vals, ddof=1))
         ci = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)

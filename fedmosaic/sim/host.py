@@ -23,11 +23,12 @@ from fedmosaic.accel import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
+from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.sim.store import StateStore
 
-Modules = tuple[nn.Module, nn.Module]  # (ClientModel, extras)
+Modules = tuple[ClientModel, nn.Module]  # (ClientModel, extras)
 MAX_SPARES = 2  # spare module sets kept per architecture
 
 
@@ -151,7 +152,7 @@ class ClientHost:
         try:
             return client_ops.evaluate(
                 self.algo,
-                mods[0],  # type: ignore[arg-type]
+                mods[0],
                 mods[1],
                 msg,
                 self.clients[cid],
@@ -166,7 +167,7 @@ class ClientHost:
         model, extras = self.take(cid)
         client_ops.finetune(
             self.algo,
-            model,  # type: ignore[arg-type]
+            model,
             extras,
             msg,
             self.clients[cid],

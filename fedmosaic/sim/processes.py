@@ -210,7 +210,7 @@ atexit.register(shutdown_workers)
 
 
 def _acquire(n: int) -> list[_Worker]:
-    out = []
+    out: list[_Worker] = []
     while _POOL and len(out) < n:
         w = _POOL.pop()
         if w.alive():

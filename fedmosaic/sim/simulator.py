@@ -112,7 +112,7 @@ class SimTransport:
                 algo,
                 self.data,
                 members,
-                build,  # type: ignore[arg-type]
+                build,
                 settings,
                 seed,
                 local_epochs,
@@ -129,7 +129,7 @@ class SimTransport:
     def _take(self, cid: int) -> Modules:
         if self.host is None:
             return self.models[cid], self.extras[cid]
-        return self.host.take(cid)  # type: ignore[return-value]
+        return self.host.take(cid)
 
     def _release(self, cids: Sequence[int]) -> None:
         """Offloaded: write the clients back to the store (their modules become spares)."""

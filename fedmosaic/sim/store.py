@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +55,8 @@ def state_nbytes(model: nn.Module, extras: nn.Module) -> int:
 
 
 def _bytes_view(t: Tensor) -> memoryview:
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    # An ndarray is a buffer; numpy's stubs only say so for Python >= 3.12.
+    return memoryview(cast(Any, t.detach().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _alive(pid: int) -> bool:
