@@ -42,6 +42,7 @@ METHODS = (
     "fedavg", "fedbabu", "fedseq_vanilla", "lg_fedavg", "fml", "fedkd", "fedgen",
     "fedproto", "fedtgp", "fedgh", "feddistill", "fedhenn", "ktpfl",
 )  # fmt: skip
+ROW_METHODS = ("fedtgp", "fedgh", "feddistill", "fedproto")  # uploads of per-class rows
 ATTACKS = ("absent", "x-50", "x-8", "x-5", "flip-9")
 RULES: dict[str, dict[str, Any]] = {
     "default": {},
@@ -213,10 +214,12 @@ def row_spread(names: list[str], rounds: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--methods", default=None, help="default: every family (--row-spread: the row-sharing ones)"
+    )
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--rules", default=",".join(RULES))
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=None, help="default: 8 (--row-spread: 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attackers", type=int, default=1, help="clients 0..N-1 attack together")
     p.add_argument("--out", type=Path, default=None)
@@ -229,17 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.row_spread:
         torch.set_num_threads(1)
-        methods = (
-            a.methods if a.methods != ",".join(METHODS) else "fedtgp,fedgh,feddistill,fedproto"
-        )
-        row_spread(methods.split(","), 20 if a.rounds == 8 else a.rounds)
+        row_spread((a.methods or ",".join(ROW_METHODS)).split(","), a.rounds or 20)
         return 0
     if a.table is not None:
         print(compact(json.loads(a.table.read_text())))
         return 0
     torch.set_num_threads(1)
+    a.rounds = a.rounds or 8
     rows: list[dict[str, Any]] = []
-    for name in a.methods.split(","):
+    for name in (a.methods or ",".join(METHODS)).split(","):
         for rule in a.rules.split(","):
             for attack in ("none", *a.attacks.split(",")):
                 rows.append(run(name, attack, rule, a.rounds, a.seed, a.attackers))

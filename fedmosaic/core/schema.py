@@ -261,11 +261,17 @@ def roles_of(cls: type[Payload]) -> dict[str, Role | None]:
     cache = cls.__dict__.get("_roles_cache")
     if cache is None:
         cache = {}
-        for name, meta in _annotations(cls).items():
+        fields = _annotations(cls)
+        for name, meta in fields.items():
             roles = [a for a in meta if isinstance(a, ROLES)]
             if len(roles) > 1:
                 raise SchemaError(f"{cls.__qualname__}.{name}: more than one guard role")
-            cache[name] = roles[0] if roles else None
+            role = roles[0] if roles else None
+            # a Rows role's classes come from another field of the same upload
+            other = role.classes or role.where if isinstance(role, Rows) else ""
+            if other and other not in fields:
+                raise SchemaError(f"{cls.__qualname__}.{name}: Rows names no field {other!r}")
+            cache[name] = role
         cls._roles_cache = cache  # type: ignore[attr-defined]
     return cache
 

@@ -47,6 +47,13 @@ def test_two_roles_on_a_field_and_malformed_rows_are_programming_errors():
         schema.roles_of(Two)
     with pytest.raises(SchemaError, match="exactly one"):
         Rows()
+
+    @dataclass(frozen=True)
+    class Orphan(Payload):
+        x: Annotated[Tensor, "[k, 2] float32", Rows(classes="labels")]
+
+    with pytest.raises(SchemaError, match="Rows names no field 'labels'"):
+        schema.roles_of(Orphan)
     with pytest.raises(SchemaError, match="go together"):
         Rows(classes="c", ref="g")
 
