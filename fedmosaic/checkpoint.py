@@ -48,6 +48,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 import fedmosaic
+from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.errors import ConfigError
 from fedmosaic.core.rounds import ClientState, EvalResult, History, LazyClientStates, Transport
 from fedmosaic.federation import Federation
@@ -74,6 +75,9 @@ LATER_KEYS: dict[str, Any] = {
     "data.split_seed": -1,
     "sim.numerics": "native",
 }
+# Tables added later, left out of the fingerprint when every key is at its default (the run
+# without them): ``[privacy]`` off.
+LATER_TABLES: dict[str, dict[str, Any]] = {"privacy": dataclasses.asdict(PrivacyRule())}
 
 
 class CheckpointError(ValueError):
@@ -293,6 +297,9 @@ def config_fingerprint(config: dict[str, Any]) -> dict[str, Any]:
         section, key = dotted.split(".")
         if key in cfg.get(section, {}) and cfg[section][key] == value:
             del cfg[section][key]
+    for table, default in LATER_TABLES.items():
+        if cfg.get(table) == default:
+            del cfg[table]
     # "auto" (sim.backend, sim.threads) came later: fingerprinted as the recorded value with the
     # same numbers. Every choice of "auto" with threads "auto", 0 or 1 runs each client's math on
     # one thread (sim/backend.py), as "processes" with threads 0 (every committed cell) does;

@@ -19,6 +19,7 @@ from typing import Any
 # rule and the round plan's count come from core/checks.py, the registries only in
 # validate_registry.
 from fedmosaic.core.checks import (
+    PrivacyRule,
     RobustRule,
     clients_per_round,
     did_you_mean,
@@ -199,6 +200,8 @@ class ExperimentConfig:
     # the server's aggregation: robust aggregators, update clipping, magnitude sanity, peer guard
     # (``core/robust.py``): aggregator, trim, f, clip_update_norm, max_norm_ratio, peer_factor
     server: RobustRule = field(default_factory=RobustRule)
+    # client-level differential privacy of every upload (core/privacy.py, docs/privacy.md)
+    privacy: PrivacyRule = field(default_factory=PrivacyRule)
     # the method: name plus its hyperparameters (fedmosaic list algorithms)
     algorithm: dict[str, Any] = field(default_factory=lambda: {"name": "lg_fedavg"})
 
@@ -213,6 +216,7 @@ SECTIONS: dict[str, type] = {
     "sim": SimConfig,
     "eval": EvalConfig,
     "server": RobustRule,
+    "privacy": PrivacyRule,
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -546,6 +550,27 @@ def _check_rule_fits_round(cfg: ExperimentConfig) -> None:
         )
 
 
+def _check_privacy_plan(cfg: ExperimentConfig) -> None:
+    """What ``[privacy]`` needs of the rest of the config (the method's part: ``validate_registry``)."""
+    p, s = cfg.privacy, cfg.server
+    if not p.on:
+        return
+    if p.mechanism == "central" and not s.plain:
+        raise ConfigError(
+            f'privacy.mechanism = "central" adds its noise to the plain sum of the clipped '
+            f'uploads; server.aggregator = "{s.aggregator}" with server.clip_update_norm = '
+            f'{s.clip_update_norm:g} is not that sum (use aggregator "mean" and no clipping, or '
+            "the local mechanism)"
+        )
+    trainers = cfg.data.num_clients - cfg.eval.holdout_clients
+    if p.accountant == "pld" and planned_clients_per_round(cfg) < trainers:
+        raise ConfigError(
+            f'privacy.accountant = "pld" cannot count rounds that sample '
+            f"{planned_clients_per_round(cfg)} of {trainers} clients without replacement; "
+            'use privacy.accountant = "rdp"'
+        )
+
+
 def _check_synthetic_pool(d: DataConfig) -> None:
     """What is absurd on its face for a synthetic pool, refused before it is generated: more
     classes than any dataset has, fewer than two images a class (one to train on, one to
@@ -709,6 +734,7 @@ def validate_values(cfg: ExperimentConfig) -> None:
             f"[0, data.num_clients - 1 = {d.num_clients - 1}] (at least one client trains)"
         )
     _check_rule_fits_round(cfg)
+    _check_privacy_plan(cfg)
     if sim.wandb and not _wandb_installed():
         raise ConfigError(
             f"sim.wandb = {sim.wandb!r} needs the wandb package: pip install 'fedmosaic[wandb]'"
@@ -761,5 +787,30 @@ def validate_registry(cfg: ExperimentConfig) -> None:
             f"model.family = {cfg.model.family!r} is heterogeneous; pick a single architecture "
             f'(e.g. model.family = "{members[0]}")'
         )
+    if cfg.privacy.on:
+        _check_method_privacy(cfg, algo)
     # What the method needs of the federation itself (a public split, identical heads) is checked
     # against the FederationSpec when the federation is assembled: Algorithm.check.
+
+
+def _check_method_privacy(cfg: ExperimentConfig, algo: Any) -> None:
+    """The method's uploads can be released under ``[privacy]`` (core/privacy.py)."""
+    from fedmosaic.core import privacy
+
+    try:  # the accountant's, needed from round 1: refused before anything trains
+        import dp_accounting  # type: ignore[import-untyped, unused-ignore]  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "[privacy] needs dp-accounting for its accountant: pip install 'fedmosaic[privacy]'"
+        ) from None
+    name = cfg.algorithm["name"]
+    try:
+        privacy.check_releasable(algo.Upload, algo.privacy_refusal)
+    except privacy.PrivacyError as exc:
+        raise ConfigError(f"[privacy] is not available for {name!r}: {exc}") from None
+    if cfg.privacy.mechanism == "central" and not algo.server_sums:
+        raise ConfigError(
+            f'privacy.mechanism = "central" needs a server that only averages the uploads; '
+            f"{name!r}'s server uses each client's upload on its own (it trains on them), so "
+            'noise on the sum would not cover what it releases; use privacy.mechanism = "local"'
+        )

@@ -204,6 +204,8 @@ class RoundBar:
     def round_done(self, rec: dict[str, Any]) -> None:
         self.rounds.append(rec)
         post = {"acc": f"{100 * rec['acc_weighted']:.2f}%"} if "acc_weighted" in rec else {}
+        if "epsilon" in rec:  # [privacy]: the budget spent so far
+            post["eps"] = f"{rec['epsilon']:.3g}"
         self.bar.set_postfix(**post, s=f"{rec['seconds']:.1f}", refresh=False)
         self.bar.update(1)
 

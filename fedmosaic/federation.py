@@ -128,6 +128,7 @@ def make_spec(
         device=cfg.train.device,
         projection=model_projection(cfg),
         robust=cfg.server,
+        privacy=cfg.privacy,
         class_counts=tuple(tuple(c.class_counts("train").tolist()) for c in clients),
         server_eval=server_eval,
     )
@@ -300,7 +301,7 @@ def build_federation(
                 if sum(sizes[i % probe] for i in range(len(clients))) > OFFLOAD_BUDGET:
                     models, extras, offload = [], [], True
                     break
-    settings = TrainSettings.from_config(cfg.train, algo)
+    settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy)
     plan = round_plan(cfg, data.num_clients)
     return Federation(
         cfg, data, algo, spec, clients, models, extras, settings, plan, offload=bool(offload)

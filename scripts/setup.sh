@@ -49,12 +49,12 @@ fi
 STAMP=.venv/.fedmosaic-installed
 WANT=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,flower-simulation,docs] into .venv"
+  echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,flower-simulation,docs,privacy] into .venv"
   # torch first and pinned exactly (constraints.txt): any looser spec would pull GBs of CUDA
   # wheels; the package metadata only asks for a range.
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
   # flower-simulation: ray, for the test of Flower's simulation runtime on a two-node Ray cluster
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,flower-simulation,docs]"
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,flower-simulation,docs,privacy]"
   echo "$WANT" > "$STAMP"
 fi
 

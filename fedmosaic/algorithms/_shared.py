@@ -114,6 +114,8 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     - ``local``: whole BatchNorm layers stay local, affine weights too (FedBN, Li et al., ICLR 2021).
     """
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     shared: ClassVar[str] = "all"
 
     # average | local_stats (PFLlib) | local (FedBN); see the class docstring

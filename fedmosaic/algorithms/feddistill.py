@@ -151,6 +151,8 @@ def distill_loss(
 class FedDistill(Algorithm[FDState, ClassLogits, ClassLogits]):
     """Share per-class mean logits; pull each example's logits towards its class's global mean."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     lam: float = 1.0  # weight of the distillation term (HtFLlib default)

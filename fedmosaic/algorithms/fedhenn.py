@@ -248,6 +248,8 @@ def need_public(spec: FederationSpec, name: str) -> Tensor:
 class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     """Heterogeneous FedHeNN: CKA alignment of each client's RAD kernel to the clients' mean."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)

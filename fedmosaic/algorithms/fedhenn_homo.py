@@ -78,6 +78,8 @@ def k_global(extras: nn.Module) -> Tensor:
 class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     """FedAvg plus a CKA proximal term to the global model's representation kernel on the RAD."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta0: float = 0.001  # eta_0: base weight of the CKA term (paper: 0.001 on CIFAR)

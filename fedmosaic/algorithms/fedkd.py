@@ -330,6 +330,13 @@ class MenteeExtras(nn.Module):
 class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     """Mentor/mentee mutual distillation; only the SVD-compressed mentee is communicated."""
 
+    # The rank of each SVD factor follows the energy threshold on the client's own update, so
+    # the upload's shape is data: no fixed-shape release exists for it.
+    privacy_refusal: ClassVar[str] = (
+        "fedkd's uploads are truncated SVD factors whose ranks depend on the client's data; "
+        "differential privacy needs a fixed shape (use fedavg or lg_fedavg with [privacy])"
+    )
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     T_start: float = 0.95  # SVD energy threshold in round 1 (PFLlib/HtFLlib default)

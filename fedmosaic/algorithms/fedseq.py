@@ -194,6 +194,8 @@ def freeze_inactive(model: ClientModel, num_active: int, order: str) -> None:
 class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, ExpansionUpload]):
     """FedBABU whose body blocks unfreeze one after another (``order`` set by the subclass)."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     supports_heterogeneous: ClassVar[bool] = False

@@ -80,6 +80,8 @@ def mutual_losses(
 class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     """Federated mutual learning: a shared meme model distils to and from each personal model."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     alpha: float = 0.5  # personal model: weight of CE vs (1 - alpha) of KL to the meme

@@ -24,6 +24,8 @@ from fedmosaic.core.registry import ALGORITHMS
 class Local(Algorithm[None, Empty, Empty]):
     """Local training only (no federation)."""
 
+    server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
+
     paper: ClassVar[str] = "baseline: local training only"
     communicates: ClassVar[bool] = False
     acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)

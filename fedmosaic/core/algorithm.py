@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import guard
+from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.robust import RobustRule
@@ -78,6 +79,9 @@ class FederationSpec:
     # The server's aggregation rule (``[server]``: robust aggregators, clipping, magnitude
     # sanity; ``core/robust.py``), applied by the round loop.
     robust: RobustRule = field(default_factory=RobustRule)
+    # Client-level differential privacy of the uploads (``[privacy]``): the round loop applies
+    # the central mechanism and counts epsilon; clients apply the local one (core/privacy.py).
+    privacy: PrivacyRule = field(default_factory=PrivacyRule)
     # Training examples per client and class, where the server reproduces the partition (the
     # simulator; Flower apps rebuild it from the config): claimed classes and per-class counts
     # in uploads are checked against it. None: unknown, those checks are skipped.
@@ -217,6 +221,14 @@ class Algorithm(ABC, Generic[S, B, U]):
     # same maths; none by default. Read through ``declared_acceleration`` (a subclass that
     # overrides ``loss``, ``phases`` or ``before_fit`` must declare it again).
     acceleration: ClassVar[Acceleration] = Acceleration()
+    # Differential privacy of the uploads (``[privacy]``, core/privacy.py). ``server_sums``: the
+    # server uses the uploads' private fields only through their uniform mean over the round
+    # (per class for per-class rows), so the trusted server's noise on the clipped sum
+    # (``central``) protects all it releases; False for a server that trains on each upload.
+    server_sums: ClassVar[bool] = False
+    # Non-empty: the reason this method's uploads cannot be made private (every mechanism is
+    # refused with it); e.g. a shape that depends on the data.
+    privacy_refusal: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

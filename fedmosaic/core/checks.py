@@ -92,14 +92,67 @@ class RobustRule:
         return self.aggregator == "mean" and self.clip_update_norm == 0
 
 
-def _number(key: str, value: Any, tp: type) -> None:
+PRIVACY_MECHANISMS = ("none", "local", "central")
+PRIVACY_ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclass(frozen=True)
+class PrivacyRule:
+    """Client-level differential privacy of every upload: the ``[privacy]`` config table.
+
+    Each upload's data-dependent floats are clipped to L2 norm ``clip`` as one vector and get
+    Gaussian noise of standard deviation ``noise_multiplier x clip`` per coordinate: by the client
+    before it sends (``local``), or by the server on the round's clipped sum (``central``, a
+    trusted server). ``core/privacy.py`` says what is clipped for each kind of field, and
+    ``core/accountant.py`` how ``epsilon`` at ``delta`` is counted (docs/privacy.md)."""
+
+    mechanism: str = "none"  # none | local | central
+    clip: float = 1.0  # L2 bound of one upload's data-dependent part (its update, its rows)
+    noise_multiplier: float = 1.0  # noise sd / clip; 0 = clipping only (epsilon is infinite)
+    delta: float = 1e-5  # the delta epsilon is reported at
+    target_epsilon: float = 0.0  # > 0: stop before the round that would exceed it; 0 = none
+    accountant: str = "rdp"  # rdp | pld (dp-accounting's Renyi or privacy-loss-distribution)
+
+    def __post_init__(self) -> None:
+        if self.mechanism not in PRIVACY_MECHANISMS:
+            raise ValueError(
+                f"privacy.mechanism = {self.mechanism!r}; choose one of "
+                f"{', '.join(PRIVACY_MECHANISMS)}{did_you_mean(str(self.mechanism), PRIVACY_MECHANISMS)}"
+            )
+        if self.accountant not in PRIVACY_ACCOUNTANTS:
+            raise ValueError(
+                f"privacy.accountant = {self.accountant!r}; choose one of "
+                f"{', '.join(PRIVACY_ACCOUNTANTS)}"
+            )
+        for key in ("clip", "noise_multiplier", "delta", "target_epsilon"):
+            _number(key, getattr(self, key), float, "privacy")
+        if self.clip <= 0:
+            raise ValueError(f"privacy.clip = {self.clip} must be > 0")
+        if self.noise_multiplier < 0:
+            raise ValueError(f"privacy.noise_multiplier = {self.noise_multiplier} must be >= 0")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"privacy.delta = {self.delta} must be in (0, 1)")
+        if self.target_epsilon < 0:
+            raise ValueError(f"privacy.target_epsilon = {self.target_epsilon} must be >= 0")
+        if self.target_epsilon > 0 and self.noise_multiplier == 0:
+            raise ValueError(
+                f"privacy.target_epsilon = {self.target_epsilon:g} cannot be met without noise "
+                "(privacy.noise_multiplier = 0 gives an infinite epsilon)"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.mechanism != "none"
+
+
+def _number(key: str, value: Any, tp: type, table: str = "server") -> None:
     ok = isinstance(value, (int, float)) if tp is float else isinstance(value, int)
     if isinstance(value, bool) or not ok:
         raise ValueError(
-            f"server.{key} = {value!r} must be {'an int' if tp is int else 'a number'}"
+            f"{table}.{key} = {value!r} must be {'an int' if tp is int else 'a number'}"
         )
     if not math.isfinite(value):
-        raise ValueError(f"server.{key} = {value} must be a finite number")
+        raise ValueError(f"{table}.{key} = {value} must be a finite number")
 
 
 def largest_f(k: int) -> int:

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from fedmosaic.core import seeding
+from fedmosaic.core import privacy, seeding
 from fedmosaic.core.algorithm import Algorithm, FitContext, Phase, payload_to
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
@@ -96,6 +96,8 @@ def fit(
     gen = seeding.torch_generator(seed, round_num, cid, "batches")
     msg = payload_to(msg, settings.device)
     algo.receive(model, extras, msg)
+    local_dp = settings.privacy.mechanism == "local"
+    refs = received_state(algo, model, extras, data, msg) if local_dp else {}
     algo.before_fit(FitContext(model, extras, data, msg, settings, gen, round_num))
     stats = run_phases(
         algo, model, extras, msg, data, algo.phases(round_num, epochs), settings, gen
@@ -103,8 +105,44 @@ def fit(
     model.eval()
     extras.eval()
     with torch.no_grad(), accelerated_inference(model, extras):
-        upload = algo.upload(model, extras, data, msg)
-    return FitOutput(payload_to(upload, "cpu"), data.num_train, stats)
+        upload = payload_to(algo.upload(model, extras, data, msg), "cpu")
+    if local_dp:  # the client's own noise, before anything leaves it
+        rule = settings.privacy
+        upload = privacy.release(
+            upload,
+            refs,
+            rule.clip,
+            rule.noise_multiplier * rule.clip,
+            privacy.local_generator(seed, round_num, cid),
+            data.num_classes,
+        )
+    return FitOutput(upload, data.num_train, stats)
+
+
+def received_state(
+    algo: Algorithm, model: ClientModel, extras: nn.Module, data: ClientData, msg: Payload
+) -> dict[str, object]:
+    """The Update fields of the upload a client would send right after ``receive``: what it was
+    given, the reference its private update is taken from (none without Update fields)."""
+    cls = algo.Upload
+    if not privacy.needs_reference(cls):
+        return {}
+    model.eval()
+    extras.eval()
+    with torch.no_grad():
+        before = payload_to(algo.upload(model, extras, data, msg), "cpu")
+    model.train()
+    extras.train()
+    plan = privacy.release_plan(cls)
+    # copies: an upload may hold the model's own tensors, which training then changes
+    out: dict[str, object] = {}
+    for name in plan.updates:
+        value = getattr(before, name)
+        if isinstance(value, Tensor):
+            out[name] = value.detach().clone()
+        else:
+            out[name] = {k: v.detach().clone() for k, v in value.items()}
+    return out
 
 
 def evaluate(

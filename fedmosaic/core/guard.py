@@ -33,12 +33,18 @@ from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.schema import Claims, Counts, Rows, Unguarded, Update, Whole
 
 
-def check_upload(upload: Payload, client_id: int, names: Mapping[str, Any]) -> None:
+def check_upload(
+    upload: Payload, client_id: int, names: Mapping[str, Any], fixed_classes: bool = False
+) -> None:
     """Raise ``PayloadError`` for an upload its declarations refuse (see the module docstring);
-    otherwise record what the round's peer guard needs. ``names``: the method's bindings."""
+    otherwise record what the round's peer guard needs. ``names``: the method's bindings.
+    ``fixed_classes``: the privacy protocol fixed the class set (every class claimed, counts
+    one: ``core/privacy.py``), so the claims say nothing to check against the partition."""
     schema.check(upload, client_id, **names)
     env = {**schema.BUILTINS, **names}
     roles = schema.roles_of(type(upload)).items()
+    if fixed_classes:
+        roles = [(f, r) for f, r in roles if not isinstance(r, (Claims, Counts))]
     # The claims first (cheap, and a refused upload keeps nothing for the peer guard).
     ordered = sorted(roles, key=lambda fr: not isinstance(fr[1], (Claims, Counts)))
     try:

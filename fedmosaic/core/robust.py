@@ -81,6 +81,10 @@ class ServerView:
     num_train: tuple[int, ...] | None = None  # training examples per client (the partition)
     class_counts: tuple[tuple[int, ...], ...] | None = None  # per client, per class
     round_num: int = 0  # the round being screened and aggregated (0: outside the round loop)
+    # The local privacy mechanism's announced noise (``[privacy]``): ``(clip, sd)``, or None.
+    # Its uploads are the clipped value plus N(0, sd^2) per coordinate: the magnitude checks
+    # allow for that much (:func:`noise_slack`), or every private upload would be dropped.
+    private_noise: tuple[float, float] | None = None
     # what was already said this round (a rule that does not fit is said once, not per class)
     said: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
     # what each client's upload showed while it was validated, for the peer guard: its update
@@ -135,6 +139,19 @@ def current() -> ServerView:
 def rule() -> RobustRule:
     """The robust rule in force (the plain mean outside :func:`serving`)."""
     return current().rule
+
+
+NOISE_SIGMAS = 6.0  # the noise norm of n coordinates stays below sd (sqrt(n) + 6): P < 1e-7
+
+
+def noise_slack(n: int) -> float:
+    """How far beyond the honest bound a locally private value of ``n`` floats may lie: its
+    clip plus the Gaussian noise's norm, which concentrates within ``sd (sqrt(n) + 6)``."""
+    noise = current().private_noise
+    if noise is None:
+        return 0.0
+    clip, sd = noise
+    return clip + sd * (math.sqrt(n) + NOISE_SIGMAS)
 
 
 # ---- aggregators over rows ------------------------------------------------------------------
@@ -344,10 +361,14 @@ def check_update(
     if ratio <= 0 and peers is None:
         return
     du, dr = update_norm(state, reference, scale)
-    if ratio > 0 and dr > 0 and not du <= ratio * dr:  # ``not <=``: a NaN norm is rejected too
+    n = sum(t.numel() for k, t in state.items() if t.is_floating_point() and k in reference)
+    slack = noise_slack(n)
+    # ``not <=``: a NaN norm is rejected too
+    if ratio > 0 and dr > 0 and not du <= ratio * dr + slack:
+        allowed = f" + {slack:.3g} for the privacy noise" if slack else ""
         raise PayloadError(
             f"client {client_id} {what}: update norm {du:.3g} exceeds {ratio:g} x the "
-            f"broadcast's norm {dr:.3g} (server.max_norm_ratio)"
+            f"broadcast's norm {dr:.3g}{allowed} (server.max_norm_ratio)"
         )
     if peers is not None:  # parts checked one by one add up to the upload's update norm
         peers.peer_sq[client_id] = peers.peer_sq.get(client_id, 0.0) + du * du
@@ -509,11 +530,14 @@ def check_rows(
         return
     known = ref_known[classes]  # [k]
     dev = (rows.to(torch.float64) - ref[classes]).norm(dim=1)[known]  # [k'] deviations
-    if dev.numel() and not bool((dev <= ratio * scale).all()):
+    slack = noise_slack(rows.shape[-1]) if rows.dim() else 0.0
+    if dev.numel() and not bool((dev <= ratio * scale + slack).all()):
         worst = float(dev.nan_to_num(math.inf).max())
+        allowed = f" (+ {slack:.3g} for the privacy noise)" if slack else ""
         raise PayloadError(
             f"client {client_id} {what}: a row deviates by {worst:.3g} from the global one, more "
-            f"than {ratio:g} x the largest global norm {scale:.3g} (server.max_norm_ratio)"
+            f"than {ratio:g} x the largest global norm {scale:.3g}{allowed} "
+            "(server.max_norm_ratio)"
         )
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedmosaic.core import guard, robust, seeding
+from fedmosaic.core import accountant, guard, privacy, robust, schema, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
@@ -334,17 +334,22 @@ def run_rounds(
     state, history, last_eval, done = resume(algo, spec, checkpoint)
     # The server's robust rule and what it knows of the partition, in force while uploads are
     # screened and aggregated (``core/robust.py``).
-    view = robust.ServerView(spec.robust, spec.num_train, spec.class_counts)
+    p = spec.privacy
+    noise = (p.clip, p.noise_multiplier * p.clip) if p.mechanism == "local" else None
+    view = robust.ServerView(spec.robust, spec.num_train, spec.class_counts, private_noise=noise)
     server_eval = server_evaluates(algo, state, spec)
     last = done
     # a restored run that had already stopped on its plateau runs no more rounds
     stopped = bool(history.rounds) and bool(history.rounds[-1].get("plateau"))
     diverged = 0
+    ledger = privacy_ledger(spec, plan, history.rounds) if algo.communicates else None
     for t in range(plan.rounds + 1 if stopped else done + 1, plan.rounds + 1):
-        last = t
         rec: dict[str, Any] = {"round": t}
         round_view = dataclasses.replace(view, round_num=t)  # what it says names the round
         sampled = sample_round(spec, plan, t)
+        if over_budget(spec, ledger, sampled, t):
+            break
+        last = t
         t0 = time.perf_counter()
         results = transport.fit(t, broadcast(algo, state, sampled, t))
         t1 = time.perf_counter()
@@ -353,9 +358,16 @@ def run_rounds(
             algo, state, spec, round_view, results, t, watched
         )
         rec.update(upload_totals(algo, uploads))
+        if spec.privacy.mechanism == "central":
+            uploads = central_release(algo, state, spec, uploads, t)
         state, rec["aggregated"] = aggregate_round(algo, state, uploads, plan, round_view, t)
         t2 = time.perf_counter()
         rec.update(reply_stats(algo, sampled, results, uploads))
+        if ledger is not None:
+            ledger.record(released(rec))
+            rec["epsilon"] = ledger.current()
+        elif spec.privacy.on:  # a method that sends nothing releases nothing
+            rec["epsilon"] = 0.0
         diverged = diverged + 1 if no_finite_loss(results, t) else 0
         evaluated = t % plan.eval_every == 0 or t == plan.rounds
         if evaluated:
@@ -387,6 +399,86 @@ def run_rounds(
     finetune(algo, state, transport, plan, history, last + 1)
     serve_newcomers(algo, state, transport, plan, history, last + 1)
     return history, state
+
+
+def privacy_ledger(
+    spec: FederationSpec, plan: RoundPlan, rounds: Sequence[dict[str, Any]]
+) -> accountant.Ledger | None:
+    """The run's privacy bookkeeping under ``[privacy]`` (None without), with the rounds already
+    run (a resumed run) counted from their records."""
+    rule = spec.privacy
+    if not rule.on:
+        return None
+    ledger = accountant.Ledger(
+        rule.mechanism,
+        rule.accountant,
+        rule.noise_multiplier,
+        rule.delta,
+        spec.num_clients,
+        min(plan.clients_per_round, len(plan.pool)),
+    )
+    for rec in rounds:
+        ledger.record(released(rec))
+    return ledger
+
+
+def released(rec: dict[str, Any]) -> list[int]:
+    """The clients whose upload a round released: those aggregated and those the server
+    dropped (counted too: their noisy upload left them all the same)."""
+    return sorted({*rec.get("participants", ()), *rec.get("rejected", ())})
+
+
+def over_budget(
+    spec: FederationSpec, ledger: accountant.Ledger | None, sampled: Sequence[int], t: int
+) -> bool:
+    """Whether round ``t`` would take the run past ``privacy.target_epsilon`` (then it is not
+    run, and a line says so)."""
+    target = spec.privacy.target_epsilon
+    if ledger is None or target <= 0:
+        return False
+    eps = ledger.after_next(sampled)
+    if eps <= target:
+        return False
+    log.warning(
+        "privacy: stopped before round %d: it would bring epsilon to %.4g, past "
+        "privacy.target_epsilon = %g (delta %g)",
+        t,
+        eps,
+        target,
+        spec.privacy.delta,
+    )
+    return True
+
+
+def central_release(
+    algo: Algorithm, state: Any, spec: FederationSpec, uploads: list[Weighted], round_num: int
+) -> list[Weighted]:
+    """The central mechanism (a trusted server): each of the round's ``K`` uploads clipped and
+    given a ``1/sqrt(K)`` share of the sum's noise, so the uniform mean the method computes is
+    the clipped sum plus ``N(0, (z C)^2)``, over ``K`` (``core/privacy.py``)."""
+    if not uploads:
+        return uploads
+    rule = spec.privacy
+    share = rule.noise_multiplier * rule.clip / math.sqrt(len(uploads))
+    out = []
+    for u in uploads:
+        names = algo.upload_names(state, u.payload)
+        plan = privacy.release_plan(type(u.payload))
+        refs = {}
+        for f in plan.updates:
+            role = schema.roles_of(type(u.payload))[f]
+            assert isinstance(role, schema.Update)  # release_plan put it there
+            refs[f] = names[role.ref]
+        payload = privacy.release(
+            u.payload,
+            refs,
+            rule.clip,
+            share,
+            privacy.central_generator(spec.seed, round_num, u.client_id),
+            spec.num_classes,
+        )
+        out.append(Weighted(u.client_id, u.weight, payload))
+    return out
 
 
 def resume(
@@ -453,7 +545,10 @@ def screen_replies(
             rejected.append(r.client_id)
             continue
         assert r.upload is not None  # check_reply refuses a missing one
-        uploads.append(Weighted(r.client_id, float(r.num_examples), r.upload))
+        # Under [privacy] the example count is not used: a client's weight would reveal its size
+        # and scale its share of the sum past the clip (uniform weights, as DP-FedAvg's).
+        weight = 1.0 if spec.privacy.on else float(r.num_examples)
+        uploads.append(Weighted(r.client_id, weight, r.upload))
     # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
     # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
     # drop nothing (so their numbers are those without the guard), but a late straggler can
@@ -500,8 +595,11 @@ def check_reply(
     held = spec.num_train[r.client_id] if r.client_id < len(spec.num_train) else None
     if held is not None and r.num_examples > held:
         raise PayloadError(f"claims {r.num_examples} training examples; its partition has {held}")
+    local_dp = spec.privacy.mechanism == "local"
     with robust.serving(view):
-        guard.check_upload(r.upload, r.client_id, algo.upload_names(state, r.upload))
+        guard.check_upload(
+            r.upload, r.client_id, algo.upload_names(state, r.upload), fixed_classes=local_dp
+        )
 
 
 def upload_totals(algo: Algorithm, uploads: Sequence[Weighted]) -> dict[str, Any]:

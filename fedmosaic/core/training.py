@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from fedmosaic.core.algorithm import Phase, declared_acceleration
+from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.model import PARTS, ClientModel
 
 if TYPE_CHECKING:
@@ -35,9 +36,13 @@ class TrainSettings:
     shuffle: bool = True  # false: the same order every epoch (HtFLlib's train loader)
     batched_clients: bool | str = "auto"  # see ``batched_enabled``
     precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
+    # ``[privacy]``: with the local mechanism each client releases its upload (core/privacy.py)
+    privacy: PrivacyRule = PrivacyRule()
 
     @classmethod
-    def from_config(cls, t: Any, algo: Any = None) -> TrainSettings:
+    def from_config(
+        cls, t: Any, algo: Any = None, privacy: PrivacyRule | None = None
+    ) -> TrainSettings:
         """From the ``[train]`` table (``config.TrainConfig``; core does not import config).
 
         ``train.fused_sgd = "auto"`` fuses only where ``algo`` declares ``Acceleration.fused_sgd``.
@@ -59,6 +64,7 @@ class TrainSettings:
             shuffle=t.shuffle,
             batched_clients=t.batched_clients,
             precision=t.precision,
+            privacy=privacy or PrivacyRule(),
         )
 
     @property
@@ -66,6 +72,8 @@ class TrainSettings:
         """Whether clients of one architecture may train as one batched computation: forced by
         ``True``/``False``; ``"auto"`` turns it on for CUDA only (on CPU one client at a time
         measured faster: see README, Speed)."""
+        if self.privacy.mechanism == "local":  # each client releases its own upload
+            return False
         if isinstance(self.batched_clients, bool):
             return self.batched_clients
         return torch.device(self.device).type == "cuda"

@@ -113,7 +113,7 @@ def _node_setup(run_config: Any) -> _NodeSetup:
             algo,
             clients,
             spec,
-            TrainSettings.from_config(cfg.train, algo),
+            TrainSettings.from_config(cfg.train, algo, cfg.privacy),
             eval_splits(clients),
         )
     return _SETUPS[key]

@@ -35,6 +35,8 @@ ROUND_COLUMNS = (
     "seconds_aggregate",
     "seconds_eval",
 )
+# Columns only some runs have, after the fixed ones: ``[privacy]`` runs add the epsilon spent.
+PRIVACY_COLUMNS = ("epsilon",)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -134,7 +136,7 @@ def rounds_csv(rounds: Sequence[dict[str, Any]]) -> bytes:
     extra = sorted(
         {k for r in rounds for k in r if k.startswith("acc_head") or k.startswith("acc_proto")}
     )
-    cols = [c for c in ROUND_COLUMNS if any(c in r for r in rounds)] + extra
+    cols = [c for c in (*ROUND_COLUMNS, *PRIVACY_COLUMNS) if any(c in r for r in rounds)] + extra
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
     w.writerow(cols)

@@ -26,16 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.config import ConfigError
-from fedmosaic.report.results import ROUND_COLUMNS, write_atomic
+from fedmosaic.report.results import PRIVACY_COLUMNS, ROUND_COLUMNS, write_atomic
 
 log = logging.getLogger("fedmosaic")
 PROGRESS_FILE = "rounds.csv"
 
 
 class CSVSink:
-    """Appends each round's record (the fixed ``ROUND_COLUMNS``) to ``rounds.csv``."""
+    """Appends each round's record (the fixed ``ROUND_COLUMNS``, and the privacy columns in a
+    run under ``[privacy]``) to ``rounds.csv``."""
 
-    def __init__(self, out_dir: str | Path, keep_rounds: int = 0) -> None:
+    def __init__(self, out_dir: str | Path, keep_rounds: int = 0, private: bool = False) -> None:
+        self.columns = (*ROUND_COLUMNS, *PRIVACY_COLUMNS) if private else ROUND_COLUMNS
         self.path = Path(out_dir) / PROGRESS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[list[str]] = []
@@ -43,17 +45,17 @@ class CSVSink:
             with open(self.path, newline="") as fh:
                 reader = csv.reader(fh)
                 header = next(reader, None)
-                if header == list(ROUND_COLUMNS):
+                if header == list(self.columns):
                     rows = [r for r in reader if r and r[0].isdigit() and int(r[0]) <= keep_rounds]
         buf = io.StringIO(newline="")
         w = csv.writer(buf)
-        w.writerow(ROUND_COLUMNS)
+        w.writerow(self.columns)
         w.writerows(rows)
         write_atomic(self.path, buf.getvalue().encode())  # a failed start keeps the old file
 
     def __call__(self, rec: dict[str, Any]) -> None:
         with open(self.path, "a", newline="") as fh:
-            csv.writer(fh).writerow([_cell(rec.get(c)) for c in ROUND_COLUMNS])
+            csv.writer(fh).writerow([_cell(rec.get(c)) for c in self.columns])
 
     def close(self) -> None:
         pass
@@ -194,7 +196,8 @@ class Sinks:
         """``config``: the run's config as a dict (``ExperimentConfig.to_dict()``): its
         flattened keys become TensorBoard hparams and the W&B config; ``sim.wandb`` (a project
         name) turns W&B on."""
-        self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds)]
+        private = (config or {}).get("privacy", {}).get("mechanism", "none") != "none"
+        self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds, private)]
         flat = flatten_config(config) if config else None
         writer = tensorboard_writer() if tensorboard else None
         if writer is not None:

@@ -52,6 +52,8 @@ def summarize(history: History) -> dict[str, Any]:
             "acc_weighted": best_val["acc_weighted"],
             "acc_mean": best_val["acc_mean"],
         }
+    if "epsilon" in history.rounds[-1]:  # [privacy]: the budget spent, at privacy.delta
+        summary["epsilon"] = history.rounds[-1]["epsilon"]
     secs = [r["seconds"] for r in history.rounds]
     summary["seconds_per_round"] = sum(secs) / len(secs)
     summary["bytes_up_per_client_per_round"] = sum(
@@ -146,6 +148,7 @@ def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
         f"up {rec['bytes_up_per_client'] / 1e3:.1f} kB/client, "
         f"down {rec['bytes_down_per_client'] / 1e3:.1f} kB/client"
         + (f", server acc {100 * rec['server_acc']:.2f}%" if "server_acc" in rec else "")
+        + (f", epsilon {rec['epsilon']:.3g}" if "epsilon" in rec else "")
         + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
     )
 
