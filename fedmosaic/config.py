@@ -563,12 +563,26 @@ def _check_privacy_plan(cfg: ExperimentConfig) -> None:
             "the local mechanism)"
         )
     trainers = cfg.data.num_clients - cfg.eval.holdout_clients
-    if p.accountant == "pld" and planned_clients_per_round(cfg) < trainers:
+    k = planned_clients_per_round(cfg)
+    if p.accountant == "pld" and k < trainers:
         raise ConfigError(
             f'privacy.accountant = "pld" cannot count rounds that sample '
-            f"{planned_clients_per_round(cfg)} of {trainers} clients without replacement; "
+            f"{k} of {trainers} clients without replacement; "
             'use privacy.accountant = "rdp"'
         )
+    if p.epsilon > 0:  # the noise that ends the planned rounds at epsilon
+        from fedmosaic.core import accountant
+
+        # local: a client may take part in every round (its epsilon counts its own uploads)
+        try:
+            z = accountant.noise_for(
+                p.mechanism, p.accountant, p.epsilon, p.delta, cfg.train.rounds, trainers, k
+            )
+        except ImportError as exc:
+            raise ConfigError(f"privacy.epsilon: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"privacy.epsilon = {p.epsilon:g}: {exc}") from None
+        cfg.privacy = dataclasses.replace(p, noise_multiplier=z)
 
 
 def _check_synthetic_pool(d: DataConfig) -> None:

@@ -178,6 +178,34 @@ def epsilon(
     return float(eps)
 
 
+def noise_for(
+    mechanism: str,
+    accountant: str,
+    target: float,
+    delta: float,
+    steps: int,
+    num_clients: int = 1,
+    per_round: int = 1,
+) -> float:
+    """The smallest noise multiplier (to 1e-4 relative) whose :func:`epsilon` after ``steps``
+    is at most ``target``: bisection on a log scale, epsilon falling as the noise grows."""
+    if not _is_number(target) or not math.isfinite(target) or target <= 0:
+        raise ValueError(f"target = {target!r} must be a finite number > 0")
+
+    def eps(z: float) -> float:
+        return epsilon(mechanism, accountant, z, delta, steps, num_clients, per_round)
+
+    lo, hi = 1e-3, 1e6
+    if eps(hi) > target:
+        raise ValueError(f"epsilon {target:g} at delta {delta:g} needs more noise than {hi:g}")
+    if eps(lo) <= target:
+        return lo
+    while hi / lo > 1 + 1e-4:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > target else (lo, mid)
+    return hi
+
+
 @dataclass
 class Ledger:
     """Per-run bookkeeping the round loop keeps: participations per client, epsilon per round.

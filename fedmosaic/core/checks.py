@@ -111,6 +111,9 @@ class PrivacyRule:
     noise_multiplier: float = 1.0  # noise sd / clip; 0 = clipping only (epsilon is infinite)
     delta: float = 1e-5  # the delta epsilon is reported at
     target_epsilon: float = 0.0  # > 0: stop before the round that would exceed it; 0 = none
+    # > 0: noise_multiplier is solved so that train.rounds rounds end at this epsilon (the
+    # resolved config records the multiplier); 0 = noise_multiplier as given
+    epsilon: float = 0.0
     accountant: str = "rdp"  # rdp | pld (dp-accounting's Renyi or privacy-loss-distribution)
 
     def __post_init__(self) -> None:
@@ -124,7 +127,7 @@ class PrivacyRule:
                 f"privacy.accountant = {self.accountant!r}; choose one of "
                 f"{', '.join(PRIVACY_ACCOUNTANTS)}"
             )
-        for key in ("clip", "noise_multiplier", "delta", "target_epsilon"):
+        for key in ("clip", "noise_multiplier", "delta", "target_epsilon", "epsilon"):
             _number(key, getattr(self, key), float, "privacy")
         if self.clip <= 0:
             raise ValueError(f"privacy.clip = {self.clip} must be > 0")
@@ -134,6 +137,13 @@ class PrivacyRule:
             raise ValueError(f"privacy.delta = {self.delta} must be in (0, 1)")
         if self.target_epsilon < 0:
             raise ValueError(f"privacy.target_epsilon = {self.target_epsilon} must be >= 0")
+        if self.epsilon < 0:
+            raise ValueError(f"privacy.epsilon = {self.epsilon} must be >= 0")
+        if self.epsilon > 0 and self.mechanism == "none":
+            raise ValueError(
+                f"privacy.epsilon = {self.epsilon:g} needs privacy.mechanism = \"local\" or "
+                '"central"'
+            )
         if self.target_epsilon > 0 and self.noise_multiplier == 0:
             raise ValueError(
                 f"privacy.target_epsilon = {self.target_epsilon:g} cannot be met without noise "

@@ -258,3 +258,21 @@ def test_a_resumed_private_run_has_the_numbers_and_epsilon_of_an_uninterrupted_o
     assert round_numbers(got) == round_numbers(ref)
     eps = [r["epsilon"] for r in ref["rounds"]]
     assert eps == sorted(eps) and got["summary"]["epsilon"] == eps[-1]
+
+
+@pytest.mark.parametrize(("mechanism", "per_round"), [("central", 4), ("central", 2), ("local", 2)])
+def test_privacy_epsilon_solves_the_noise_that_ends_the_planned_rounds_there(mechanism, per_round):
+    from fedmosaic.core import accountant
+
+    cfg = from_dict(
+        tiny_raw(
+            privacy={"mechanism": mechanism, "epsilon": 4.0},
+            train={"rounds": 5, "clients_per_round": per_round},
+        )
+    )
+    z = cfg.privacy.noise_multiplier
+    spent = accountant.epsilon(mechanism, "rdp", z, 1e-5, 5, 4, per_round)
+    assert 4.0 * (1 - 1e-3) < spent <= 4.0
+    assert accountant.epsilon(mechanism, "rdp", z * 0.999, 1e-5, 5, 4, per_round) > 4.0
+    with pytest.raises(ConfigError, match="needs privacy.mechanism"):
+        from_dict(tiny_raw(privacy={"epsilon": 4.0}))
