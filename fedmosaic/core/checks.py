@@ -141,8 +141,7 @@ class PrivacyRule:
             raise ValueError(f"privacy.epsilon = {self.epsilon} must be >= 0")
         if self.epsilon > 0 and self.mechanism == "none":
             raise ValueError(
-                f"privacy.epsilon = {self.epsilon:g} needs privacy.mechanism = \"local\" or "
-                '"central"'
+                f'privacy.epsilon = {self.epsilon:g} needs privacy.mechanism = "local" or "central"'
             )
         if self.target_epsilon > 0 and self.noise_multiplier == 0:
             raise ValueError(
