@@ -67,6 +67,7 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     # "FLOPs"), and forward + backward multiply-accumulates in T.
     ("paper_cost_g", "Table 4 cost: trainable params x examples (G)", "g"),
     ("train_tmacs", "train TMACs fwd+bwd", "tflop"),
+    ("epsilon", "epsilon spent ([privacy], at its delta)", "eps"),
 )
 
 METRIC_KEYS = {"weighted": "acc_weighted", "unweighted": "acc_mean"}
@@ -107,6 +108,7 @@ def run_metrics(
         "seconds_per_round": s.get("seconds_per_round"),
         "paper_cost_g": _div(s.get("paper_cost_total"), 1e9),
         "train_tmacs": _div(s.get("train_macs_total"), 1e12),
+        "epsilon": s.get("epsilon"),
         "rounds_to_target": None,
         "mb_to_target": None,
         "rounds_run": None,
@@ -218,6 +220,8 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
         text = f"{m:.3f}"
     elif unit == "g":
         text = f"{m:.1f}"
+    elif unit == "eps":
+        text = f"{m:.3g}"
     else:
         text = f"{m:.2f}"
     if with_count and agg["n"] < agg["of"]:
@@ -234,6 +238,7 @@ OPTIONAL_METRICS = (
     "paper_cost_g",
     "train_tmacs",
     "rounds_run",
+    "epsilon",
 )
 
 

@@ -717,3 +717,23 @@ def test_grid_curves_show_the_after_fine_tune_point(monkeypatch):
         [90.0]
     )
     assert "(%)" in ax.get_ylabel()
+
+
+def test_a_private_grid_reports_the_epsilon_spent_and_a_plain_one_has_no_such_column(
+    tmp_path: Path,
+):
+    text = TINY_SUITE.replace(
+        '"data.alpha" = 1.0',
+        '"data.alpha" = 1.0\n"privacy.mechanism" = "central"\n"privacy.epsilon" = 8.0',
+    )
+    out = tmp_path / "out"
+    assert main(["compare", str(_suite(tmp_path, text)), "--out", str(out), "--quiet"]) == 0
+    md = (out / "table.md").read_text()
+    assert "epsilon spent" in md
+    rows = list(csv.DictReader(open(out / "table.csv")))
+    eps = {r["method"]: r["epsilon_mean"] for r in rows}
+    assert eps["local"] == "0.0" and 7.99 < float(eps["proto"]) <= 8.0, eps
+    assert run_metrics({"summary": {}}, None)["epsilon"] is None
+    plain = (tmp_path / "plain").mkdir() or tmp_path / "plain"
+    assert main(["compare", str(_suite(plain)), "--out", str(plain / "out"), "--quiet"]) == 0
+    assert "epsilon" not in (plain / "out" / "table.md").read_text()
