@@ -801,7 +801,7 @@ def validate_registry(cfg: ExperimentConfig) -> None:
             f"model.family = {cfg.model.family!r} is heterogeneous; pick a single architecture "
             f'(e.g. model.family = "{members[0]}")'
         )
-    if cfg.privacy.on:
+    if cfg.privacy.on or cfg.privacy.dpsgd:
         _check_method_privacy(cfg, algo)
     # What the method needs of the federation itself (a public split, identical heads) is checked
     # against the FederationSpec when the federation is assembled: Algorithm.check.
@@ -818,6 +818,28 @@ def _check_method_privacy(cfg: ExperimentConfig, algo: Any) -> None:
             "[privacy] needs dp-accounting for its accountant: pip install 'fedmosaic[privacy]'"
         ) from None
     name = cfg.algorithm["name"]
+    if cfg.privacy.dpsgd:
+        from fedmosaic.core import dpsgd
+
+        if not dpsgd.declares_per_example_loss(algo):
+            raise ConfigError(
+                f"privacy.sample_clip = {cfg.privacy.sample_clip:g} (DP-SGD) needs a loss that "
+                f"is a mean of per-example terms; {name!r} does not declare one "
+                "(per_example_loss: its loss couples a batch's examples, uses other data or "
+                "counts as it goes)"
+            )
+        try:
+            plan = privacy.release_plan(algo.Upload)
+        except privacy.PrivacyError as exc:
+            raise ConfigError(f"[privacy] is not available for {name!r}: {exc}") from None
+        if not cfg.privacy.on and (plan.values or plan.fixed):
+            raise ConfigError(
+                f"privacy.sample_clip (DP-SGD) protects what {name!r} trains, but its upload also "
+                f"carries values computed on the data ({', '.join(plan.values + plan.fixed)}), "
+                'which DP-SGD does not cover: add privacy.mechanism = "local" (or "central")'
+            )
+    if not cfg.privacy.on:
+        return
     try:
         privacy.check_releasable(algo.Upload, algo.privacy_refusal)
     except privacy.PrivacyError as exc:

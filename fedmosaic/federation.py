@@ -8,6 +8,7 @@ function of (config, seed, client id), so the same client is built identically i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -18,7 +19,7 @@ from torch import nn
 from fedmosaic import accel, memory
 from fedmosaic.algorithms import build_algorithm
 from fedmosaic.config import ExperimentConfig, planned_clients_per_round
-from fedmosaic.core import seeding
+from fedmosaic.core import dpsgd, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
@@ -28,6 +29,8 @@ from fedmosaic.core.rounds import RoundPlan, clients_per_round, holdout_clients
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.data import FederatedData, build_federated_data
 from fedmosaic.models import build_client_model, family_members
+
+log = logging.getLogger("fedmosaic")
 
 # Speed is opt-in (``fedmosaic.accel``: fused SGD, fast inference, FedTGP's server step by hand);
 # every runtime assembles its federation here, so every runtime takes it. Core stays plain.
@@ -75,6 +78,7 @@ def model_projection(cfg: ExperimentConfig) -> str:
 def model_builder(cfg: ExperimentConfig, data: FederatedData) -> Callable[[int], ClientModel]:
     members = family_members(cfg.model.family)
     projection = model_projection(cfg)
+    reported: set[str] = set()
 
     def build(client_id: int) -> ClientModel:
         # Each client's initial weights come from its own stream: same seed, same model. With
@@ -82,13 +86,18 @@ def model_builder(cfg: ExperimentConfig, data: FederatedData) -> Callable[[int],
         # holding it (client i mod the family's size), so they start identical.
         key = client_id % len(members) if cfg.model.init == "architecture" else client_id
         seeding.seed_torch(cfg.seed, 0, key, "init")
-        return build_client_model(
-            members[client_id % len(members)],
-            data.input_shape,
-            data.num_classes,
-            cfg.model.feature_dim,
-            projection=projection,
-        ).to(cfg.train.device)
+        member = members[client_id % len(members)]
+        model = build_client_model(
+            member, data.input_shape, data.num_classes, cfg.model.feature_dim, projection=projection
+        )
+        if cfg.privacy.dpsgd:  # BatchNorm mixes a batch's examples: GroupNorm under DP-SGD
+            replaced = dpsgd.replace_batchnorm(model)
+            if replaced and member not in reported:
+                reported.add(member)
+                log.info(
+                    "DP-SGD: %s has %d BatchNorm layers, replaced by GroupNorm", member, replaced
+                )
+        return model.to(cfg.train.device)
 
     return build
 
@@ -161,6 +170,8 @@ def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
         plateau_delta=cfg.train.plateau_delta,
         plateau_window=cfg.train.plateau_window,
         plateau_min_rounds=cfg.train.plateau_min_rounds,
+        local_epochs=cfg.train.local_epochs,
+        batch_size=cfg.train.batch_size,
     )
 
 

@@ -145,6 +145,8 @@ class OwnClasses(nn.Module):
 class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
     """Share per-class mean features; pull local features towards the global prototypes."""
 
+    per_example_loss: ClassVar[bool] = True  # cross-entropy + the prototype term per row
+
     server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
 
     lam: float = 1.0  # weight of the prototype MSE term (PFLlib/HtFLlib default; FedTGP used 0.1)

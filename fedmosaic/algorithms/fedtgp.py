@@ -238,6 +238,8 @@ def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) ->
 class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
 
+    per_example_loss: ClassVar[bool] = True  # cross-entropy + the prototype term per row
+
     lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)
     distance: Distance = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
     tau: float = 100.0  # threshold capping the adaptive margin delta(t)

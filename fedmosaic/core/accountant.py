@@ -178,6 +178,34 @@ def epsilon(
     return float(eps)
 
 
+@functools.lru_cache(maxsize=4096)
+def sample_epsilon(
+    accountant: str, noise_multiplier: float, delta: float, q: float, steps: int
+) -> float:
+    """DP-SGD's (epsilon at delta) per training example after ``steps`` steps of Poisson
+    sampling at rate ``q`` (``1``: every example every step) with Gaussian noise
+    ``noise_multiplier`` x the per-example clip: add-or-remove one example, whose clipped
+    gradient moves the sum by at most the clip (core/dpsgd.py). ``inf`` without noise."""
+    if not 0 < q <= 1:
+        raise ValueError(f"q = {q!r} must be in (0, 1]")
+    if not _is_int(steps) or steps < 0:
+        raise ValueError(f"steps = {steps!r} must be an int >= 0")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant = {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
+    if steps == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    dp = _dp()
+    event = dp.GaussianDpEvent(float(noise_multiplier))
+    if q < 1:
+        event = dp.PoissonSampledDpEvent(float(q), event)
+    acc = dp.rdp.RdpAccountant() if accountant == "rdp" else dp.pld.PLDAccountant()
+    with _quiet_absl():
+        acc.compose(event, steps)
+        return float(acc.get_epsilon(delta))
+
+
 def noise_for(
     mechanism: str,
     accountant: str,

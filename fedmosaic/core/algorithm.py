@@ -229,6 +229,10 @@ class Algorithm(ABC, Generic[S, B, U]):
     # Non-empty: the reason this method's uploads cannot be made private (every mechanism is
     # refused with it); e.g. a shape that depends on the data.
     privacy_refusal: ClassVar[str] = ""
+    # The loss is a mean over the batch of per-example terms (DP-SGD's per-example gradients,
+    # core/dpsgd.py). Read from the class that defines ``loss``: a subclass that overrides it
+    # declares again (cross-entropy here: True).
+    per_example_loss: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -114,6 +114,10 @@ class PrivacyRule:
     # > 0: noise_multiplier is solved so that train.rounds rounds end at this epsilon (the
     # resolved config records the multiplier); 0 = noise_multiplier as given
     epsilon: float = 0.0
+    # > 0: DP-SGD in local training (core/dpsgd.py): every example's gradient clipped to this
+    # L2 norm, Gaussian noise of sd sample_noise_multiplier x sample_clip on their sum
+    sample_clip: float = 0.0
+    sample_noise_multiplier: float = 1.0
     accountant: str = "rdp"  # rdp | pld (dp-accounting's Renyi or privacy-loss-distribution)
 
     def __post_init__(self) -> None:
@@ -127,7 +131,15 @@ class PrivacyRule:
                 f"privacy.accountant = {self.accountant!r}; choose one of "
                 f"{', '.join(PRIVACY_ACCOUNTANTS)}"
             )
-        for key in ("clip", "noise_multiplier", "delta", "target_epsilon", "epsilon"):
+        for key in (
+            "clip",
+            "noise_multiplier",
+            "delta",
+            "target_epsilon",
+            "epsilon",
+            "sample_clip",
+            "sample_noise_multiplier",
+        ):
             _number(key, getattr(self, key), float, "privacy")
         if self.clip <= 0:
             raise ValueError(f"privacy.clip = {self.clip} must be > 0")
@@ -137,6 +149,12 @@ class PrivacyRule:
             raise ValueError(f"privacy.delta = {self.delta} must be in (0, 1)")
         if self.target_epsilon < 0:
             raise ValueError(f"privacy.target_epsilon = {self.target_epsilon} must be >= 0")
+        if self.sample_clip < 0:
+            raise ValueError(f"privacy.sample_clip = {self.sample_clip} must be >= 0 (0: off)")
+        if self.sample_noise_multiplier < 0:
+            raise ValueError(
+                f"privacy.sample_noise_multiplier = {self.sample_noise_multiplier} must be >= 0"
+            )
         if self.epsilon < 0:
             raise ValueError(f"privacy.epsilon = {self.epsilon} must be >= 0")
         if self.epsilon > 0 and self.mechanism == "none":
@@ -151,7 +169,13 @@ class PrivacyRule:
 
     @property
     def on(self) -> bool:
+        """Whether the uploads are released (the local or central mechanism)."""
         return self.mechanism != "none"
+
+    @property
+    def dpsgd(self) -> bool:
+        """Whether local training is DP-SGD."""
+        return self.sample_clip > 0
 
 
 def _number(key: str, value: Any, tp: type, table: str = "server") -> None:

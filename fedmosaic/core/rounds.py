@@ -152,6 +152,9 @@ class RoundPlan:
     plateau_delta: float = 0.0
     plateau_window: float = 0.2
     plateau_min_rounds: int = 20
+    # what a client's local training is made of (DP-SGD's accounting counts its steps)
+    local_epochs: int = 1
+    batch_size: int = 10
 
     @property
     def pool(self) -> list[int]:
@@ -343,6 +346,11 @@ def run_rounds(
     stopped = bool(history.rounds) and bool(history.rounds[-1].get("plateau"))
     diverged = 0
     ledger = privacy_ledger(spec, plan, history.rounds) if algo.communicates else None
+    sample_steps: dict[int, int] | None = None  # DP-SGD steps per client so far
+    if spec.privacy.dpsgd:
+        sample_steps = {}
+        for done_rec in history.rounds:
+            count_sample_steps(algo, spec, plan, done_rec, sample_steps)
     for t in range(plan.rounds + 1 if stopped else done + 1, plan.rounds + 1):
         rec: dict[str, Any] = {"round": t}
         round_view = dataclasses.replace(view, round_num=t)  # what it says names the round
@@ -368,6 +376,8 @@ def run_rounds(
             rec["epsilon"] = ledger.current()
         elif spec.privacy.on:  # a method that sends nothing releases nothing
             rec["epsilon"] = 0.0
+        if sample_steps is not None:
+            rec["epsilon_sample"] = count_sample_steps(algo, spec, plan, rec, sample_steps)
         diverged = diverged + 1 if no_finite_loss(results, t) else 0
         evaluated = t % plan.eval_every == 0 or t == plan.rounds
         if evaluated:
@@ -420,6 +430,31 @@ def privacy_ledger(
     for rec in rounds:
         ledger.record(released(rec))
     return ledger
+
+
+def count_sample_steps(
+    algo: Algorithm,
+    spec: FederationSpec,
+    plan: RoundPlan,
+    rec: dict[str, Any],
+    steps: dict[int, int],
+) -> float:
+    """Add round ``rec``'s DP-SGD steps to ``steps`` (client -> steps so far) and return the
+    largest per-example epsilon over the clients (``accountant.sample_epsilon``): each trained
+    client took ``ceil(n / batch_size)`` Poisson steps an epoch, for its phases' epochs."""
+    epochs = sum(p.epochs for p in algo.phases(rec["round"], plan.local_epochs))
+    rule = spec.privacy
+    for cid in sorted({*rec.get("participants", ()), *rec.get("rejected", ())}):
+        n = spec.num_train[cid]
+        steps[cid] = steps.get(cid, 0) + epochs * math.ceil(n / plan.batch_size)
+    worst = 0.0
+    for cid, k in steps.items():
+        q = min(1.0, plan.batch_size / max(spec.num_train[cid], 1))
+        eps = accountant.sample_epsilon(
+            rule.accountant, rule.sample_noise_multiplier, rule.delta, q, k
+        )
+        worst = max(worst, eps)
+    return worst
 
 
 def released(rec: dict[str, Any]) -> list[int]:

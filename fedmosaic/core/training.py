@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from fedmosaic.core import dpsgd
 from fedmosaic.core.algorithm import Phase, declared_acceleration
 from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.model import PARTS, ClientModel
@@ -72,7 +73,7 @@ class TrainSettings:
         """Whether clients of one architecture may train as one batched computation: forced by
         ``True``/``False``; ``"auto"`` turns it on for CUDA only (on CPU one client at a time
         measured faster: see README, Speed)."""
-        if self.privacy.mechanism == "local":  # each client releases its own upload
+        if self.privacy.mechanism == "local" or self.privacy.dpsgd:  # one client at a time
             return False
         if isinstance(self.batched_clients, bool):
             return self.batched_clients
@@ -247,15 +248,32 @@ def train_epochs(
     gen: torch.Generator,
     lr: float | None = None,
     modules: Sequence[nn.Module] = (),
+    private: bool = False,
 ) -> TrainStats:
     """Minibatch training of ``params`` on ``loss_fn(x, y)``; ``sample(positions) -> (x, y)``.
 
     ``modules``: the modules ``params`` belong to, for the installed accelerator's fast steps.
+    ``private``: a client's own training, DP-SGD when ``s.privacy.dpsgd`` (core/dpsgd.py).
     """
     stats = TrainStats()
     if not params or epochs <= 0:
         return stats
     opt = make_optimizer(params, s, lr)
+    if private and s.privacy.dpsgd:
+        steps, examples, loss_sum = dpsgd.private_epochs(
+            params,
+            loss_fn,
+            sample,
+            n,
+            epochs,
+            s.batch_size,
+            s.privacy.sample_clip,
+            s.privacy.sample_noise_multiplier,
+            opt,
+            gen,
+            modules,
+        )
+        return TrainStats(steps, examples, loss_sum)
     step_lr = s.lr if lr is None else lr
     unique = list({id(m): m for mod in modules for m in mod.modules()}.values())
     fast = _accelerator.steps(unique, params, s, step_lr) if _accelerator is not None else None
@@ -319,6 +337,7 @@ def run_phases(
                 s,
                 gen,
                 modules=(model, extras),
+                private=True,
             )
             total.steps += st.steps
             total.examples += st.examples

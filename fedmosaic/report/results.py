@@ -36,7 +36,7 @@ ROUND_COLUMNS = (
     "seconds_eval",
 )
 # Columns only some runs have, after the fixed ones: ``[privacy]`` runs add the epsilon spent.
-PRIVACY_COLUMNS = ("epsilon",)
+PRIVACY_COLUMNS = ("epsilon", "epsilon_sample")
 
 
 def _jsonable(obj: Any) -> Any:

@@ -196,7 +196,8 @@ class Sinks:
         """``config``: the run's config as a dict (``ExperimentConfig.to_dict()``): its
         flattened keys become TensorBoard hparams and the W&B config; ``sim.wandb`` (a project
         name) turns W&B on."""
-        private = (config or {}).get("privacy", {}).get("mechanism", "none") != "none"
+        priv = (config or {}).get("privacy", {})
+        private = priv.get("mechanism", "none") != "none" or priv.get("sample_clip", 0) > 0
         self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds, private)]
         flat = flatten_config(config) if config else None
         writer = tensorboard_writer() if tensorboard else None

@@ -52,8 +52,9 @@ def summarize(history: History) -> dict[str, Any]:
             "acc_weighted": best_val["acc_weighted"],
             "acc_mean": best_val["acc_mean"],
         }
-    if "epsilon" in history.rounds[-1]:  # [privacy]: the budget spent, at privacy.delta
-        summary["epsilon"] = history.rounds[-1]["epsilon"]
+    for key in ("epsilon", "epsilon_sample"):  # [privacy]: the budget spent, at privacy.delta
+        if key in history.rounds[-1]:
+            summary[key] = history.rounds[-1][key]
     secs = [r["seconds"] for r in history.rounds]
     summary["seconds_per_round"] = sum(secs) / len(secs)
     summary["bytes_up_per_client_per_round"] = sum(

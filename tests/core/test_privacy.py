@@ -173,7 +173,13 @@ def private_run(
         algorithm={"name": name},
         train={"rounds": 2, **TRAIN.get(name, {}), **(train or {})},
         privacy={"mechanism": mechanism, "clip": 1.0, "noise_multiplier": 0.5, **(privacy or {})},
-        sim={"check_wire": False, "progress": False, "threads": 1, **(sim or {})},
+        sim={
+            "check_wire": False,
+            "progress": False,
+            "threads": 1,
+            "backend": "serial",
+            **(sim or {}),
+        },
     )
     return api.run(from_dict(raw))
 
@@ -222,9 +228,10 @@ def test_the_privacy_page_lists_every_method_with_what_it_supports():
     from pathlib import Path
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "privacy.md").read_text()
-    table = page.split("## Methods", 1)[1].split("\n\n", 2)[1]
+    section = page.split("## Methods", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| ")]
     listed: dict[str, tuple[bool, bool]] = {}
-    for row in table.splitlines()[2:]:
+    for row in table[1:]:
         names, local, central = (c.strip() for c in row.strip("|").split("|"))
         for n in names.split(","):
             listed[n.strip()] = (local == "yes", central == "yes")
@@ -249,7 +256,7 @@ def test_a_resumed_private_run_has_the_numbers_and_epsilon_of_an_uninterrupted_o
         algorithm={"name": "fedproto"},
         train={"rounds": 3, "participation": 0.5},
         privacy={"mechanism": mechanism, "clip": 1.0, "noise_multiplier": 0.5},
-        sim={"check_wire": False, "progress": False, "threads": 1},
+        sim={"check_wire": False, "progress": False, "threads": 1, "backend": "serial"},
     )
     cfg = from_dict(raw)
     ref = run_experiment(cfg, progress=False)
