@@ -117,7 +117,7 @@ class PrivacyRule:
     # > 0: DP-SGD in local training (core/dpsgd.py): every example's gradient clipped to this
     # L2 norm, Gaussian noise of sd sample_noise_multiplier x sample_clip on their sum
     sample_clip: float = 0.0
-    sample_noise_multiplier: float = 1.0
+    sample_noise_multiplier: float = 1.0  # DP-SGD's noise sd / sample_clip
     accountant: str = "rdp"  # rdp | pld (dp-accounting's Renyi or privacy-loss-distribution)
 
     def __post_init__(self) -> None:
