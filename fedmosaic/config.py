@@ -18,6 +18,7 @@ from typing import Any
 # Nothing here imports torch (the command line checks a config before it loads any): the server
 # rule and the round plan's count come from core/checks.py, the registries only in
 # validate_registry.
+from fedmosaic.core import accountant  # torch-free (dp-accounting only when it counts)
 from fedmosaic.core.checks import (
     PrivacyRule,
     RobustRule,
@@ -571,8 +572,6 @@ def _check_privacy_plan(cfg: ExperimentConfig) -> None:
             'use privacy.accountant = "rdp"'
         )
     if p.epsilon > 0:  # the noise that ends the planned rounds at epsilon
-        from fedmosaic.core import accountant
-
         # local: a client may take part in every round (its epsilon counts its own uploads)
         try:
             z = accountant.noise_for(

@@ -79,7 +79,7 @@ def _grid_output(rel: Path) -> bool:
     mkdocs.yml's ``exclude_docs`` leaves out; the folders' README pages are in the site."""
     return (
         rel.parts[:1] == ("results",)
-        and rel.parts[1:2] in (("full",), ("converged",))
+        and rel.parts[1:2] in (("full",), ("converged",), ("equal",))
         and len(rel.parts) > 3
     )
 

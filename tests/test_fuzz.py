@@ -61,6 +61,11 @@ ZERO_OK = {
     "server.clip_update_norm": "no clipping",
     "server.max_norm_ratio": "magnitude check off",
     "server.peer_factor": "peer guard off",
+    "privacy.noise_multiplier": "clipping only (an infinite epsilon, reported)",
+    "privacy.target_epsilon": "no target",
+    "privacy.epsilon": "the noise multiplier as given",
+    "privacy.sample_clip": "DP-SGD off",
+    "privacy.sample_noise_multiplier": "DP-SGD's clipping only",
     # server optimizers: no first/second moment memory; FedAvgM has no tau at all
     "fedadagrad.beta1": "no momentum",
     "fedadagrad.beta2": "no second-moment memory",

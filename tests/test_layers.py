@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "fedmosaic"
 # package works without them.
 OPTIONAL = {"flwr", "matplotlib", "wandb", "tensorboard", "pyarrow", "PIL", "sklearn", "scipy"}
 OPTIONAL.add("ray")  # the flower-simulation extra (Flower's Ray runtime)
+OPTIONAL.add("dp_accounting")  # the privacy extra (the accountant of [privacy])
 
 # Function-level imports of other kinds, each with its reason. Anything else is hoisted.
 ALLOWED_LAZY: dict[tuple[str, str], str] = {
@@ -27,6 +28,9 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     # TOML checked) by tools that never train; validate() needs the registries
     ("fedmosaic.config", "fedmosaic.algorithms"): "registries for validate()",
     ("fedmosaic.config", "fedmosaic.models"): "registries for validate()",
+    # what [privacy] asks of the method (its upload's release, its loss) needs torch
+    ("fedmosaic.config", "fedmosaic.core.privacy"): "the method's privacy checks in validate()",
+    ("fedmosaic.config", "fedmosaic.core.dpsgd"): "the method's privacy checks in validate()",
     # Flower starts a ClientApp process per message in deployment: keep its imports light
     ("fedmosaic.flower.app", "*"): "per-message ClientApp processes",
     # the SuperNode launcher's own process never needs torch; its worker imports it at start

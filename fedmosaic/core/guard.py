@@ -42,7 +42,7 @@ def check_upload(
     one: ``core/privacy.py``), so the claims say nothing to check against the partition."""
     schema.check(upload, client_id, **names)
     env = {**schema.BUILTINS, **names}
-    roles = schema.roles_of(type(upload)).items()
+    roles = list(schema.roles_of(type(upload)).items())
     if fixed_classes:
         roles = [(f, r) for f, r in roles if not isinstance(r, (Claims, Counts))]
     # The claims first (cheap, and a refused upload keeps nothing for the peer guard).
