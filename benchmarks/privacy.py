@@ -69,25 +69,6 @@ def experiment(name: str, rounds: int, seed: int, privacy: dict[str, Any]) -> di
     }
 
 
-def noise_for(epsilon: float, mechanism: str, rounds: int) -> float:
-    """The noise multiplier whose epsilon after ``rounds`` rounds (every client every round) is
-    ``epsilon`` at ``DELTA`` (bisection on the accountant, to 1e-3 relative)."""
-
-    def eps(z: float) -> float:
-        return accountant.epsilon(mechanism, "rdp", z, DELTA, rounds, CLIENTS, CLIENTS)
-
-    lo, hi = 1e-2, 1e4
-    for _ in range(80):
-        mid = math.sqrt(lo * hi)
-        if eps(mid) > epsilon:
-            lo = mid
-        else:
-            hi = mid
-        if hi / lo < 1 + 1e-3:
-            break
-    return hi
-
-
 def leak(result: api.Result) -> float:
     """The loss-threshold attack's AUC, mean over the clients' final models."""
     from fedmosaic.federation import build_federated_data, client_data
@@ -111,7 +92,8 @@ def cell(name: str, mechanism: str, epsilon: float, rounds: int, seed: int) -> d
     privacy: dict[str, Any] = {}
     z = 0.0
     if math.isfinite(epsilon):
-        z = noise_for(epsilon, mechanism, rounds)
+        # every client every round: n = k = CLIENTS
+        z = accountant.noise_for(mechanism, "rdp", epsilon, DELTA, rounds, CLIENTS, CLIENTS)
         privacy = {"mechanism": mechanism, "clip": CLIPS[name], "noise_multiplier": z}
         privacy["delta"] = DELTA
     t0 = time.perf_counter()
@@ -154,7 +136,7 @@ def pilot(rounds: int) -> None:
         for r in t.fit(1, msgs):
             plan = privacy.release_plan(type(r.upload))
             names = fed.algo.upload_names(state, r.upload)
-            refs = {f: names[privacy.schema.roles_of(type(r.upload))[f].ref] for f in plan.updates}
+            refs = privacy.server_refs(r.upload, names)
             out = privacy.release(r.upload, refs, 1e30, 0.0, torch.Generator(), 10)
             sq = 0.0
             for f in plan.updates:

@@ -33,17 +33,16 @@ from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.core.schema import Claims, Counts, Rows, Unguarded, Update, Whole
 
 
-def check_upload(
-    upload: Payload, client_id: int, names: Mapping[str, Any], fixed_classes: bool = False
-) -> None:
+def check_upload(upload: Payload, client_id: int, names: Mapping[str, Any]) -> None:
     """Raise ``PayloadError`` for an upload its declarations refuse (see the module docstring);
     otherwise record what the round's peer guard needs. ``names``: the method's bindings.
-    ``fixed_classes``: the privacy protocol fixed the class set (every class claimed, counts
-    one: ``core/privacy.py``), so the claims say nothing to check against the partition."""
+    Under the local privacy mechanism (the server view's ``private_noise``) the protocol fixed
+    the class set (every class claimed, counts one: ``core/privacy.py``), so the claims say
+    nothing to check against the partition."""
     schema.check(upload, client_id, **names)
     env = {**schema.BUILTINS, **names}
     roles = list(schema.roles_of(type(upload)).items())
-    if fixed_classes:
+    if robust.current().private_noise is not None:
         roles = [(f, r) for f, r in roles if not isinstance(r, (Claims, Counts))]
     # The claims first (cheap, and a refused upload keeps nothing for the peer guard).
     ordered = sorted(roles, key=lambda fr: not isinstance(fr[1], (Claims, Counts)))

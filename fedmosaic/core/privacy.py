@@ -106,6 +106,18 @@ def needs_reference(cls: type[Payload]) -> bool:
     return bool(release_plan(cls).updates)
 
 
+def server_refs(upload: Payload, names: Mapping[str, Any]) -> dict[str, Any]:
+    """Each Update field's reference on the server: the value its role names in ``names`` (the
+    method's ``upload_names``: what the server broadcast)."""
+    roles = schema.roles_of(type(upload))
+    out = {}
+    for name in release_plan(type(upload)).updates:
+        role = roles[name]
+        assert isinstance(role, Update)  # release_plan put it there
+        out[name] = names[role.ref]
+    return out
+
+
 def _as_state(x: Any) -> dict[str, Tensor]:
     return {"": x} if isinstance(x, Tensor) else dict(x)
 

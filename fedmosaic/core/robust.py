@@ -43,7 +43,7 @@ import contextvars
 import dataclasses
 import logging
 import math
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,14 +144,16 @@ def rule() -> RobustRule:
 NOISE_SIGMAS = 6.0  # the noise norm of n coordinates stays below sd (sqrt(n) + 6): P < 1e-7
 
 
-def noise_slack(n: int) -> float:
-    """How far beyond the honest bound a locally private value of ``n`` floats may lie: its
-    clip plus the Gaussian noise's norm, which concentrates within ``sd (sqrt(n) + 6)``."""
+def noise_slack(n: Callable[[], int]) -> float:
+    """How far beyond the honest bound a locally private value of ``n()`` floats may lie: its
+    clip plus the Gaussian noise's norm, which concentrates within ``sd (sqrt(n) + 6)``; 0
+    without the local mechanism (``n`` is then not counted: every upload of every run passes
+    here)."""
     noise = current().private_noise
     if noise is None:
         return 0.0
     clip, sd = noise
-    return clip + sd * (math.sqrt(n) + NOISE_SIGMAS)
+    return clip + sd * (math.sqrt(n()) + NOISE_SIGMAS)
 
 
 # ---- aggregators over rows ------------------------------------------------------------------
@@ -361,8 +363,9 @@ def check_update(
     if ratio <= 0 and peers is None:
         return
     du, dr = update_norm(state, reference, scale)
-    n = sum(t.numel() for k, t in state.items() if t.is_floating_point() and k in reference)
-    slack = noise_slack(n)
+    slack = noise_slack(
+        lambda: sum(t.numel() for k, t in state.items() if t.is_floating_point() and k in reference)
+    )
     # ``not <=``: a NaN norm is rejected too
     if ratio > 0 and dr > 0 and not du <= ratio * dr + slack:
         allowed = f" + {slack:.3g} for the privacy noise" if slack else ""
@@ -530,7 +533,7 @@ def check_rows(
         return
     known = ref_known[classes]  # [k]
     dev = (rows.to(torch.float64) - ref[classes]).norm(dim=1)[known]  # [k'] deviations
-    slack = noise_slack(rows.shape[-1]) if rows.dim() else 0.0
+    slack = noise_slack(lambda: rows.shape[-1]) if rows.dim() else 0.0
     if dev.numel() and not bool((dev <= ratio * scale + slack).all()):
         worst = float(dev.nan_to_num(math.inf).max())
         allowed = f" (+ {slack:.3g} for the privacy noise)" if slack else ""

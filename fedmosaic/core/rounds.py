@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedmosaic.core import accountant, guard, privacy, robust, schema, seeding
+from fedmosaic.core import accountant, guard, privacy, robust, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
@@ -444,7 +444,7 @@ def count_sample_steps(
     client took ``ceil(n / batch_size)`` Poisson steps an epoch, for its phases' epochs."""
     epochs = sum(p.epochs for p in algo.phases(rec["round"], plan.local_epochs))
     rule = spec.privacy
-    for cid in sorted({*rec.get("participants", ()), *rec.get("rejected", ())}):
+    for cid in released(rec):
         n = spec.num_train[cid]
         steps[cid] = steps.get(cid, 0) + epochs * math.ceil(n / plan.batch_size)
     worst = 0.0
@@ -497,16 +497,9 @@ def central_release(
     share = rule.noise_multiplier * rule.clip / math.sqrt(len(uploads))
     out = []
     for u in uploads:
-        names = algo.upload_names(state, u.payload)
-        plan = privacy.release_plan(type(u.payload))
-        refs = {}
-        for f in plan.updates:
-            role = schema.roles_of(type(u.payload))[f]
-            assert isinstance(role, schema.Update)  # release_plan put it there
-            refs[f] = names[role.ref]
         payload = privacy.release(
             u.payload,
-            refs,
+            privacy.server_refs(u.payload, algo.upload_names(state, u.payload)),
             rule.clip,
             share,
             privacy.central_generator(spec.seed, round_num, u.client_id),
@@ -630,11 +623,8 @@ def check_reply(
     held = spec.num_train[r.client_id] if r.client_id < len(spec.num_train) else None
     if held is not None and r.num_examples > held:
         raise PayloadError(f"claims {r.num_examples} training examples; its partition has {held}")
-    local_dp = spec.privacy.mechanism == "local"
     with robust.serving(view):
-        guard.check_upload(
-            r.upload, r.client_id, algo.upload_names(state, r.upload), fixed_classes=local_dp
-        )
+        guard.check_upload(r.upload, r.client_id, algo.upload_names(state, r.upload))
 
 
 def upload_totals(algo: Algorithm, uploads: Sequence[Weighted]) -> dict[str, Any]:
