@@ -56,13 +56,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from fedmosaic import provenance
+from fedmosaic.algorithms._shared import class_means
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
-from fedmosaic.checkpoint import CheckpointError, config_hash, peek
+from fedmosaic.checkpoint import CheckpointError, config_hash, peek, read_checkpoint, restore_tree
 from fedmosaic.config import ConfigError, apply_overrides, from_dict
 from fedmosaic.core.registry import ALGORITHMS
-from fedmosaic.federation import check_runs
-from fedmosaic.report.prototypes import plot_prototypes_from_checkpoint
+from fedmosaic.federation import Federation, build_federation, check_runs
+from fedmosaic.report.prototypes import plot_prototypes
 from fedmosaic.report.results import write_atomic
 from fedmosaic.report.suite import Cell, Method, Setting, Suite, load_suite
 from fedmosaic.report.suite_report import write_report
@@ -227,9 +231,7 @@ def run_cell(
         }
         if prototype_plot != "none" and is_prototype_method(cell.cfg.algorithm["name"]):
             try:
-                plot_prototypes_from_checkpoint(
-                    cell.cfg, ckpt, d / "prototypes.png", prototype_plot
-                )
+                plot_prototypes_of(cell.cfg, ckpt, d / "prototypes.png", prototype_plot)
             except Exception as exc:  # a report plot must not lose a finished run
                 log.warning("%s: prototype plot failed: %s", cell.key, exc)
         folder.finish(doc)
@@ -326,3 +328,40 @@ def _run_suite(
     write_atomic(out / "manifest.json", json.dumps(manifest, indent=1).encode())
     write_report(suite, out, cells, docs, command=command)
     return {k: [v] for k, v in docs.items()}
+
+
+def prototypes_of_run(
+    fed: Federation, state: Any
+) -> tuple[list[tuple[int, int, Tensor]], Tensor, Tensor]:
+    """Client and global prototypes of a federation in ``state``."""
+    msg = fed.algo.broadcast(state, 0, fed.plan.rounds + 1)
+    if not hasattr(msg, "protos") or not hasattr(msg, "known"):
+        raise ValueError(f"{fed.cfg.algorithm['name']} broadcasts no prototypes")
+    clients: list[tuple[int, int, Tensor]] = []
+    with torch.no_grad():
+        for data, model in zip(fed.clients, fed.models, strict=True):
+            protos, counts = class_means(model, data, fed.spec.num_classes)
+            clients += [(data.client_id, c, protos[c]) for c in range(len(counts)) if counts[c] > 0]
+    return clients, msg.protos, msg.known
+
+
+def plot_prototypes_of(
+    cfg: Any, checkpoint: str | Path, path: str | Path, method: str = "tsne"
+) -> None:
+    """Rebuild the federation of ``cfg``, load its checkpoint, and plot its prototypes."""
+    fed = build_federation(cfg)
+    loaded = read_checkpoint(checkpoint)
+    tensors = loaded.tensors
+    for cid, model in enumerate(fed.models):
+        prefix = f"client/{cid}/model/"
+        model.load_state_dict(
+            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        )
+    state = restore_tree(loaded.meta["server_state"], tensors, fed.algo.init_server(fed.spec))
+    clients, protos, known = prototypes_of_run(fed, state)
+    d = cfg.data
+    title = (
+        f"{cfg.algorithm['name']}: {d.dataset}, {d.partition}, round {loaded.meta['round']} "
+        f"({method.upper()}); colour = class, * = global"
+    )
+    plot_prototypes(clients, protos, known, path, title, method)

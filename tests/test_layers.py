@@ -203,7 +203,6 @@ def test_typing_imports_close_no_cycle_across_packages():
                 "fedmosaic.models",
                 "fedmosaic.data",
                 "fedmosaic.config",
-                "fedmosaic.federation",
                 "fedmosaic.checkpoint",
                 "fedmosaic.provenance",
                 "fedmosaic.metrics",

@@ -2,21 +2,19 @@
 
 Client prototypes are each client's per-class mean representation on its training split (its
 own model); global prototypes are the server's, as broadcast (``protos [C, d]`` + ``known [C]``).
-The plot is made from a run's final checkpoint, so it needs no hook in the training loop.
+The plot is made from a run's final checkpoint, so it needs no hook in the training loop: the
+suite runner rebuilds the federation and computes the points (``suite_runner.plot_prototypes_of``);
+this module only embeds and draws them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedmosaic.algorithms._shared import class_means
-from fedmosaic.checkpoint import read_checkpoint, restore_tree
-from fedmosaic.federation import Federation, build_federation
 from fedmosaic.report.results import save_figure
 
 
@@ -86,40 +84,3 @@ def plot_prototypes(
     fig.tight_layout()
     save_figure(fig, path)  # PNG + SVG + PDF, as the compare report's figures
     plt.close(fig)
-
-
-def prototypes_of_run(
-    fed: Federation, state: Any
-) -> tuple[list[tuple[int, int, Tensor]], Tensor, Tensor]:
-    """Client and global prototypes of a federation in ``state``."""
-    msg = fed.algo.broadcast(state, 0, fed.plan.rounds + 1)
-    if not hasattr(msg, "protos") or not hasattr(msg, "known"):
-        raise ValueError(f"{fed.cfg.algorithm['name']} broadcasts no prototypes")
-    clients: list[tuple[int, int, Tensor]] = []
-    with torch.no_grad():
-        for data, model in zip(fed.clients, fed.models, strict=True):
-            protos, counts = class_means(model, data, fed.spec.num_classes)
-            clients += [(data.client_id, c, protos[c]) for c in range(len(counts)) if counts[c] > 0]
-    return clients, msg.protos, msg.known
-
-
-def plot_prototypes_from_checkpoint(
-    cfg: Any, checkpoint: str | Path, path: str | Path, method: str = "tsne"
-) -> None:
-    """Rebuild the federation of ``cfg``, load its checkpoint, and plot its prototypes."""
-    fed = build_federation(cfg)
-    loaded = read_checkpoint(checkpoint)
-    tensors = loaded.tensors
-    for cid, model in enumerate(fed.models):
-        prefix = f"client/{cid}/model/"
-        model.load_state_dict(
-            {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        )
-    state = restore_tree(loaded.meta["server_state"], tensors, fed.algo.init_server(fed.spec))
-    clients, protos, known = prototypes_of_run(fed, state)
-    d = cfg.data
-    title = (
-        f"{cfg.algorithm['name']}: {d.dataset}, {d.partition}, round {loaded.meta['round']} "
-        f"({method.upper()}); colour = class, * = global"
-    )
-    plot_prototypes(clients, protos, known, path, title, method)
