@@ -29,7 +29,9 @@ from fedmosaic.config import CHOICES, SECTIONS, ExperimentConfig
 from fedmosaic.core.registry import DATASETS
 from fedmosaic.core.robust import AGGREGATORS
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+# The checkout's docs folder, from where the generator runs (the repository root): the package
+# itself ships no docs, and an installed copy has none beside it.
+DOCS = Path("docs")
 CONFIG_PAGE = Path("reference") / "config.md"
 CLI_PAGE = Path("reference") / "cli.md"
 # Methods documented on a page they share (one implementation, one page, a section each).
@@ -313,7 +315,7 @@ def pages() -> dict[Path, str]:
     return {CONFIG_PAGE: config_page(), CLI_PAGE: cli_page()}
 
 
-def stale(docs: Path = DOCS) -> list[Path]:
+def stale(docs: Path) -> list[Path]:
     """The generated pages under ``docs`` whose text differs from what the code gives now."""
     return [
         rel
@@ -324,9 +326,20 @@ def stale(docs: Path = DOCS) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fedmosaic.reference", description=__doc__)
-    ap.add_argument("--docs", type=Path, default=DOCS, help="the docs folder (default: docs/)")
+    ap.add_argument(
+        "--docs",
+        type=Path,
+        default=DOCS,
+        help="the docs folder (default: docs/ in the current directory)",
+    )
     ap.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = ap.parse_args(argv)
+    if not args.docs.is_dir():  # run outside a checkout: say so, create nothing
+        print(
+            f"error: no docs folder at {args.docs} (run from the repository root, or pass --docs)",
+            file=sys.stderr,
+        )
+        return 2
     if args.check:
         bad = stale(args.docs)
         for rel in bad:

@@ -30,6 +30,13 @@ def test_stale_detects_an_edited_page(tmp_path):
     assert reference.main(["--check", "--docs", str(tmp_path)]) == 1
 
 
+def test_outside_a_checkout_the_generator_creates_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no docs/ here
+    assert reference.main([]) == 2
+    assert "no docs folder at docs" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_config_field_has_a_meaning():
     assert reference.missing_meanings() == [], "add a comment saying what the field means"
 
