@@ -103,6 +103,42 @@ def test_clients_of_very_different_sizes_are_not_outliers():
     assert list(robust.peer_screen(v, same_weight(range(5)))) == [3]
 
 
+def test_a_straggler_in_a_federation_that_stopped_moving_is_measured_against_the_broadcast():
+    # The full-data LG-FedAvg case: nine clients converged (median update 0.0058), one still
+    # moving (0.065, 11 x), the broadcast head's norm about 2: the scale is 1% of it, 0.02.
+    norms = {c: 0.0058 for c in range(1, 10)} | {0: 0.065}
+    v = view(norms=norms)
+    assert list(robust.peer_screen(v, same_weight(range(10)))) == [0]  # no broadcast norm known
+    v.peer_ref_sq.update({c: 2.0**2 for c in range(10)})
+    assert robust.peer_screen(v, same_weight(range(10))) == {}
+    # An update of a quarter of the model's norm is still far outside: dropped, the floor named.
+    v.peer_sq[0] = 0.5**2
+    out = robust.peer_screen(v, same_weight(range(10)))
+    assert out[0].startswith(
+        "update norm 0.5 is more than 10 x 0.01 x the broadcast's norm 2 (the median of the "
+        "round's 10 update norms is 0.0058)"
+    )
+    # Where the federation still moves, the median governs as before.
+    v = view(norms={0: 1.0, 1: 1.2, 2: 0.9, 3: 1.1, 4: 11.5})
+    v.peer_ref_sq.update({c: 2.0**2 for c in range(5)})
+    assert robust.peer_screen(v, same_weight(range(5)))[4].startswith(
+        "update norm 11.5 is more than 10 x the median 1.1 of the round's 5 update norms"
+    )
+
+
+def test_the_broadcast_norm_is_kept_from_each_checked_update():
+    v = view()
+    ref = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}
+    with robust.serving(v):
+        robust.check_update({"a": torch.tensor([3.0, 5.0])}, ref, 0, "state")
+        robust.check_update({"b": torch.tensor([12.5])}, ref, 0, "state")  # a second part
+    assert v.peer_sq[0] == pytest.approx(1.0 + 0.25)
+    assert v.peer_ref_sq[0] == pytest.approx(25.0 + 144.0)  # ||a|| = 5, ||b|| = 12: 13 in all
+    with robust.serving(v):
+        robust.forget(0)
+    assert 0 not in v.peer_ref_sq
+
+
 @pytest.mark.parametrize("poison", [0.0, 1e-30, 1e30, math.inf, math.nan])
 @pytest.mark.parametrize("weight", [0.0, 1.0, 100.0, 1e6])
 def test_one_attacker_cannot_get_an_honest_client_dropped(poison, weight):
@@ -264,6 +300,18 @@ def test_fedproto_persistent_sign_flipped_prototypes_stay_out_for_the_whole_run(
     assert out["rejected"] == [[ATTACKER]] * ROUNDS, out["rejected"]
     # exactly the federation without the attacker (its own model still trains and is scored)
     assert out["acc"] == outcome("fedproto", "absent")["acc"]
+
+
+def test_minus_five_prototypes_pass_the_default_guard_and_the_trimmed_mean_is_the_defence():
+    # On this IID federation a -5 x prototype attacker sits inside the band honest rows reach on
+    # non-IID ones (docs/robustness.md, "What the default guard does not stop"): never dropped,
+    # and it costs the federation; the trimmed mean removes it.
+    out = outcome("fedproto", "neg5")
+    assert out["rejected"] == [[]] * ROUNDS
+    assert out["acc"] < honest("fedproto") - TOLERANCE, (out["acc"], honest("fedproto"))
+    trimmed = {"aggregator": "trimmed_mean", "trim": 0.25}
+    clean = outcome("fedproto", "none", **trimmed)["acc"]
+    assert abs(outcome("fedproto", "neg5", **trimmed)["acc"] - clean) <= TOLERANCE
 
 
 def test_fedtgp_persistent_attacker_is_dropped_every_round_and_the_server_learns():

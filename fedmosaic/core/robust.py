@@ -29,10 +29,10 @@ check cannot apply; clipping, the peer guard and the robust aggregators still do
 
 Peer guard (``peer_factor = k``, on by default): after every upload passed its own checks, an
 upload far outside the round's majority is dropped with a logged reason (:func:`peer_screen`):
-a model update whose norm is more than ``k`` x the median of the round's update norms (and more
-than ``k`` x the median per training example), or a per-class row (prototype, class mean,
-logits) farther than ``k`` x its class's spread from the coordinate-wise median row of that
-class. Medians of at least 3 values: one client cannot move them outside the honest values, and
+a model update whose norm is more than ``k`` x the median of the round's update norms (at
+least 1% of the broadcast's norm) and more than ``k`` x the median per training example, or a
+per-class row (prototype, class mean, logits) farther than ``k`` x its class's spread from the
+coordinate-wise median row of that class. Medians of at least 3 values: one client cannot move them outside the honest values, and
 each client is tested on its own numbers only.
 """
 
@@ -70,6 +70,11 @@ PEER_MIN = 3
 PEER_MIN_ROWS = 4
 # A client whose previous reply was dropped is tested at this fraction of ``peer_factor``.
 SUSPECT_FRACTION = 0.5
+# The scale a model update is measured against is at least this fraction of the broadcast's
+# norm: where most of a federation has stopped moving, the median update is no scale for a
+# client still moving (an honest straggler of a full-data LG-FedAvg run sat at 11 x the median
+# update and 3 % of its broadcast's norm; docs/robustness.md).
+UPDATE_FLOOR = 0.01
 log = logging.getLogger("fedmosaic")
 
 
@@ -91,6 +96,10 @@ class ServerView:
     # norm (squared, summed over the parts checked) and its per-class rows (class -> [d])
     peer_sq: dict[int, float] = field(default_factory=dict, init=False, compare=False, repr=False)
     peer_rows: dict[int, dict[Any, Tensor]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    # the norm (squared, summed over the parts checked) of what each update is measured from
+    peer_ref_sq: dict[int, float] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
 
@@ -375,6 +384,7 @@ def check_update(
         )
     if peers is not None:  # parts checked one by one add up to the upload's update norm
         peers.peer_sq[client_id] = peers.peer_sq.get(client_id, 0.0) + du * du
+        peers.peer_ref_sq[client_id] = peers.peer_ref_sq.get(client_id, 0.0) + dr * dr
 
 
 def _factor_name(client_id: int, suspects: Collection[int]) -> str:
@@ -388,6 +398,7 @@ def forget(client_id: int) -> None:
     peers = _peer_view()
     if peers is not None:
         peers.peer_sq.pop(client_id, None)
+        peers.peer_ref_sq.pop(client_id, None)
         peers.peer_rows.pop(client_id, None)
 
 
@@ -437,11 +448,13 @@ def peer_screen(
     upload is within half the factor of its peers' again.
 
     Model updates: rejected where the update norm ``||w_i - w_broadcast||`` is more than ``k x``
-    the median of the round's update norms *and* the norm per training example is more than
-    ``k x`` the median per example. Clients of very different sizes take very different numbers
-    of local steps: a client with 100 x the median's data moves 100 steps' worth (an outlier by
-    norm, ordinary per example), a client with 3 examples moves one step (an outlier per
-    example, small by norm); an attacker scaling its update is an outlier by both.
+    the round's scale (the median of the round's update norms, at least ``UPDATE_FLOOR`` x the
+    median norm of what the updates are measured from) *and* the norm per training example is
+    more than ``k x`` the median per example. Clients of very different sizes take very
+    different numbers of local steps: a client with 100 x the median's data moves 100 steps'
+    worth (an outlier by norm, ordinary per example), a client with 3 examples moves one step
+    (an outlier per example, small by norm); an attacker scaling its update is an outlier by
+    both. The floor keeps an honest straggler in a federation that has stopped moving.
 
     Per-class rows: for each class, rejected where the row's distance to the coordinate-wise
     median row of the holders exceeds ``k x`` the class's scale, the larger of the median
@@ -465,15 +478,23 @@ def peer_screen(
     norms = {c: math.sqrt(view.peer_sq[c]) for c in ids if c in view.peer_sq}
     med = _median(list(norms.values())) if len(norms) >= PEER_MIN else 0.0
     if med > 0:  # 0: most clients did not move, there is no scale to measure a peer against
+        refs = [math.sqrt(view.peer_ref_sq[c]) for c in norms if c in view.peer_ref_sq]
+        floor = UPDATE_FLOOR * _median(refs) if refs else 0.0
+        scale = max(med, floor)
         per = {c: n / sizes[c] for c, n in norms.items()}
         med_per = _median(list(per.values()))
         for c, n in norms.items():
             kc = factor[c]
-            if not (n <= kc * med or per[c] <= kc * med_per):  # ``not <=``: NaN is rejected too
+            if not (n <= kc * scale or per[c] <= kc * med_per):  # ``not <=``: NaN rejected too
+                of = (
+                    f"the median {med:.3g} of the round's {len(norms)} update norms"
+                    if med >= floor
+                    else f"{UPDATE_FLOOR:g} x the broadcast's norm {floor / UPDATE_FLOOR:.3g} "
+                    f"(the median of the round's {len(norms)} update norms is {med:.3g})"
+                )
                 out[c] = (
-                    f"update norm {n:.3g} is more than {kc:g} x the median {med:.3g} of the "
-                    f"round's {len(norms)} update norms, and {per[c]:.3g} per training example "
-                    f"more than {kc:g} x the median {med_per:.3g} per example "
+                    f"update norm {n:.3g} is more than {kc:g} x {of}, and {per[c]:.3g} per "
+                    f"training example more than {kc:g} x the median {med_per:.3g} per example "
                     f"({_factor_name(c, suspects)})"
                 )
     rows = {c: view.peer_rows[c] for c in ids if c in view.peer_rows}

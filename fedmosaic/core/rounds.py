@@ -579,8 +579,9 @@ def screen_replies(
         uploads.append(Weighted(r.client_id, weight, r.upload))
     # The peer guard: an upload far outside the round's majority (``server.peer_factor``)
     # is dropped like an invalid one, and recorded in ``rejected``. The measured honest runs
-    # drop nothing (so their numbers are those without the guard), but a late straggler can
-    # be dropped (docs/robustness.md); claims treat a cell that dropped a reply as unfair.
+    # drop nothing (so their numbers are those without the guard; a late straggler is measured
+    # against at least 1% of the broadcast, docs/robustness.md); claims treat a cell that
+    # dropped a reply as unfair.
     far = robust.peer_screen(view, [(u.client_id, u.weight) for u in uploads], watched)
     for u in uploads:
         if u.client_id in far:
