@@ -18,7 +18,8 @@ what ran, for tests that claim a fast path engaged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 from torch import nn
 
@@ -27,12 +28,21 @@ from fedmosaic.accel.fused import fused_steps
 from fedmosaic.accel.inference import fast_inference
 from fedmosaic.accel.prototypes import fedtgp_server_step
 from fedmosaic.core import training
-from fedmosaic.core.training import FastSteps, TrainSettings
+from fedmosaic.core.training import (
+    FEDTGP_SERVER_STEP,
+    FastStep,
+    FastSteps,
+    PrototypeServerStep,
+    StepT,
+    TrainSettings,
+)
 
 __all__ = ["ACCEL", "Accel", "engaged", "install"]
 
-# methods' own fast steps by name (``Accelerator.step``)
-STEPS: dict[str, Callable[..., float]] = {"fedtgp.server": fedtgp_server_step}
+# methods' own fast steps by their typed key (``Accelerator.step``); the annotated name makes
+# the type checker hold the implementation to the key's signature
+_FEDTGP_SERVER: PrototypeServerStep = fedtgp_server_step
+STEPS: dict[FastStep[Any], object] = {FEDTGP_SERVER_STEP: _FEDTGP_SERVER}
 
 
 class Accel:
@@ -50,8 +60,8 @@ class Accel:
     def inference(self, *modules: nn.Module) -> contextlib.AbstractContextManager[object]:
         return fast_inference(*modules)
 
-    def step(self, name: str) -> Callable[..., float] | None:
-        return STEPS.get(name)
+    def step(self, key: FastStep[StepT]) -> StepT | None:
+        return cast("StepT | None", STEPS.get(key))
 
 
 ACCEL = Accel()

@@ -1,7 +1,7 @@
 """FedTGP's server step by hand: ~1,000 steps a round on 10-row tensors, where autograd's graph
 and the optimizer's overhead dominate. The plain step (autograd + SGD on the ACL loss) is in
 ``algorithms/fedtgp.py``, which takes this one through ``core.training.Accelerator.step``
-(``"fedtgp.server"``) when ``fedmosaic.accel`` is installed.
+(``core.training.FEDTGP_SERVER_STEP``) when ``fedmosaic.accel`` is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fedmosaic.accel._engaged import engaged
 from fedmosaic.accel.fused import sgd_linear_backward, sgd_linear_forward
+from fedmosaic.core.training import FEDTGP_SERVER_STEP
 
 
 def acl_loss_and_grad(
@@ -56,7 +57,7 @@ def fedtgp_server_step(
     ``params`` (float32, autograd off): forward, ACL gradient and update written out, each MLP
     weight's SGD step inside its backward (the input gradient with the old weight); returns the
     minibatch's loss. The same step as autograd + SGD to float rounding."""
-    engaged["fedtgp.server"] += 1
+    engaged[FEDTGP_SERVER_STEP.name] += 1
     emb = params["embedding.weight"]  # [C, d]
     if "mlp.0.weight" not in params:
         loss, grad = acl_loss_and_grad(points, labels, emb, delta, eps)

@@ -191,11 +191,11 @@ def train_prototypes(
     Each step is ordinary torch: the global prototypes forward, the ACL loss, its backward and
     the SGD update. With ``fused`` (the default) and an accelerator installed
     (``fedmosaic.accel``, wired in by the assembly layer), the same step runs as its hand-written
-    form instead (``"fedtgp.server"``: no autograd graph, each MLP weight's update inside its
+    form instead (``training.FEDTGP_SERVER_STEP``: no autograd graph, each MLP weight's update inside its
     backward), equal to this one to float rounding.
     """
     acc = training.accelerator()
-    fast = acc.step("fedtgp.server") if fused and acc is not None else None
+    fast = acc.step(training.FEDTGP_SERVER_STEP) if fused and acc is not None else None
     if any(p.dtype != torch.float32 for p in params.values()):
         fast = None  # the hand-written step is float32 only
     leaves = [] if fast is not None else [p.requires_grad_(True) for p in params.values()]

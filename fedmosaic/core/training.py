@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -193,6 +193,38 @@ class FastSteps(Protocol):
         ...
 
 
+StepT = TypeVar("StepT")
+
+
+@dataclass(frozen=True)
+class FastStep(Generic[StepT]):
+    """The key of a method's own fast step, typed by the step's signature ``StepT``: the method
+    asks ``accelerator().step(key)`` and gets a ``StepT`` (or None: its plain step then runs);
+    ``fedmosaic.accel`` registers its implementation under the same key. ``name`` is what its
+    engagement counter says."""
+
+    name: str
+
+
+class PrototypeServerStep(Protocol):
+    """One SGD step of FedTGP's server on a minibatch of (prototype, class) pairs, in place on
+    ``params`` (float32, autograd off); returns the minibatch's loss. Equal to the method's
+    autograd step to float rounding (``tests/algorithms/test_fedtgp.py``)."""
+
+    def __call__(
+        self,
+        params: dict[str, Tensor],
+        points: Tensor,
+        labels: Tensor,
+        delta: float,
+        lr: float,
+        eps: float = ...,
+    ) -> float: ...
+
+
+FEDTGP_SERVER_STEP: FastStep[PrototypeServerStep] = FastStep("fedtgp.server")
+
+
 class Accelerator(Protocol):
     """How to run this training and inference faster, the maths unchanged: what core asks,
     ``fedmosaic.accel`` answers. Core alone runs the plain loop below."""
@@ -211,9 +243,9 @@ class Accelerator(Protocol):
         """A context in which ``modules`` evaluate faster (autograd off)."""
         ...
 
-    def step(self, name: str) -> Callable[..., float] | None:
-        """A method's own fast step by name (``"fedtgp.server"``), equal to its plain one to
-        float rounding; None when there is none."""
+    def step(self, key: FastStep[StepT]) -> StepT | None:
+        """A method's own fast step (``FEDTGP_SERVER_STEP``), equal to its plain one to float
+        rounding; None when there is none."""
         ...
 
 
