@@ -100,7 +100,9 @@ class FusedSGDLinears:
         modules: Iterable[nn.Module], params: Sequence[nn.Parameter], s: TrainSettings
     ) -> list[nn.Module]:
         """Linear layers whose weight (and bias) all train, when the optimizer is plain SGD."""
-        if not (s.fused_sgd and s.optimizer == "sgd" and s.momentum == 0 and s.weight_decay == 0):
+        if not (
+            s.accel.fused_sgd and s.optimizer == "sgd" and s.momentum == 0 and s.weight_decay == 0
+        ):
             return []
         if s.precision != "fp32":  # the fused layers compute in float32 only
             return []

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class AccelSettings:
+    """Which fast paths of ``fedmosaic.accel`` a run may take (the maths unchanged): resolved
+    from ``train.fused_sgd`` and ``train.batched_clients`` against the method's declared
+    ``Acceleration``. The plain loop reads none of it; the installed accelerator does."""
+
+    fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (accel.fused)
+    batched_clients: bool | str = "auto"  # clients of one layout as one batch (accel.batched)
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """Optimizer and batching settings of one experiment (from ``[train]``)."""
 
@@ -31,12 +41,12 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eval_batch_size: int = 1000
     device: str = "cpu"
-    fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (accel.fused)
-    # (``from_config`` resolves the config's "auto" against the algorithm's ``acceleration``)
     drop_last: bool = False  # drop each epoch's ragged last batch (PFLlib/HtFLlib loaders)
     shuffle: bool = True  # false: the same order every epoch (HtFLlib's train loader)
-    batched_clients: bool | str = "auto"  # see ``batched_enabled``
     precision: str = "fp32"  # fp32 | bf16 (autocast of the training forward)
+    # the fast paths allowed (``from_config`` resolves the config's "auto" against the
+    # algorithm's ``acceleration``); see ``batched_enabled``
+    accel: AccelSettings = AccelSettings()
     # ``[privacy]``: with the local mechanism each client releases its upload (core/privacy.py)
     privacy: PrivacyRule = PrivacyRule()
 
@@ -60,11 +70,10 @@ class TrainSettings:
             betas=(float(t.betas[0]), float(t.betas[1])),
             eval_batch_size=t.eval_batch_size,
             device=t.device,
-            fused_sgd=fused,
             drop_last=t.drop_last,
             shuffle=t.shuffle,
-            batched_clients=t.batched_clients,
             precision=t.precision,
+            accel=AccelSettings(fused_sgd=fused, batched_clients=t.batched_clients),
             privacy=privacy or PrivacyRule(),
         )
 
@@ -75,8 +84,8 @@ class TrainSettings:
         measured faster: see README, Speed)."""
         if self.privacy.mechanism == "local" or self.privacy.dpsgd:  # one client at a time
             return False
-        if isinstance(self.batched_clients, bool):
-            return self.batched_clients
+        if isinstance(self.accel.batched_clients, bool):
+            return self.accel.batched_clients
         return torch.device(self.device).type == "cuda"
 
 

@@ -16,6 +16,7 @@ from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.registry import FAMILIES
+from fedmosaic.core.training import AccelSettings
 from fedmosaic.experiment import build_federation, run_experiment
 
 MIXED = "test-batched-cnn1-cnn2"  # two layouts, so a round forms two groups
@@ -281,10 +282,12 @@ def test_every_batchable_method_matches_one_at_a_time(algo, monkeypatch):
 def test_settings_switch():
     fed = _fed()
     s = fed.settings
-    assert s.batched_clients == "auto" and not s.batched_enabled  # CPU: off by default
+    assert s.accel.batched_clients == "auto" and not s.batched_enabled  # CPU: off by default
     assert replace(s, device="cuda").batched_enabled
-    assert replace(s, batched_clients=True).batched_enabled
-    assert not replace(s, device="cuda:1", batched_clients=False).batched_enabled
+    assert replace(s, accel=AccelSettings(batched_clients=True)).batched_enabled
+    assert not replace(
+        s, device="cuda:1", accel=AccelSettings(batched_clients=False)
+    ).batched_enabled
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from torch import nn
 
 from fedmosaic.accel import ACCEL, engaged
 from fedmosaic.core import training
-from fedmosaic.core.training import TrainSettings, train_epochs
+from fedmosaic.core.training import AccelSettings, TrainSettings, train_epochs
 
 
 def _train(fused: bool, twice: bool = False, frozen: bool = False, momentum: float = 0.0):
@@ -29,7 +29,7 @@ def _train(fused: bool, twice: bool = False, frozen: bool = False, momentum: flo
         return loss
 
     params = [p for p in model.parameters() if p.requires_grad]
-    s = TrainSettings(batch_size=5, lr=0.1, fused_sgd=fused, momentum=momentum)
+    s = TrainSettings(batch_size=5, lr=0.1, momentum=momentum, accel=AccelSettings(fused_sgd=fused))
     gen = torch.Generator().manual_seed(1)
     engaged.clear()
     stats = train_epochs(params, loss_fn, lambda p: (x[p], y[p]), 40, 2, s, gen, modules=(model,))

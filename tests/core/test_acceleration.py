@@ -78,7 +78,7 @@ def test_a_subclass_overriding_the_training_must_declare_again():
     assert declared_acceleration(Declared()) == Acceleration(fused_sgd=True)
     auto = from_dict({"data": {"dataset": "synthetic"}}).train  # train.fused_sgd = "auto"
     for algo, fused in ((Renamed(), True), (OwnLoss(), False), (Declared(), True)):
-        assert TrainSettings.from_config(auto, algo).fused_sgd is fused
+        assert TrainSettings.from_config(auto, algo).accel.fused_sgd is fused
 
 
 @pytest.mark.parametrize("old", ["batchable", "fused_sgd_safe"])

@@ -17,7 +17,7 @@ from torch import nn
 from fedmosaic import kernels
 from fedmosaic.accel.fused import FusedSGDLinears
 from fedmosaic.core.registry import FAMILIES
-from fedmosaic.core.training import TrainSettings, train_epochs
+from fedmosaic.core.training import AccelSettings, TrainSettings, train_epochs
 from fedmosaic.kernels import conv as fast_conv
 from fedmosaic.models import build_client_model, family_members
 
@@ -299,7 +299,7 @@ def test_zoo_cnn_trains_as_with_the_optimizer():
             lambda pos: (data[pos], target[pos]),
             40,
             1,
-            TrainSettings(batch_size=10, lr=0.05, fused_sgd=fused),
+            TrainSettings(batch_size=10, lr=0.05, accel=AccelSettings(fused_sgd=fused)),
             torch.Generator().manual_seed(7),
             modules=(model,),
         )

@@ -11,7 +11,7 @@ from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import training
 from fedmosaic.core.algorithm import Acceleration
 from fedmosaic.core.rounds import clients_per_round
-from fedmosaic.core.training import TrainSettings, batch_order
+from fedmosaic.core.training import AccelSettings, TrainSettings, batch_order
 from fedmosaic.experiment import build_federation
 
 
@@ -111,17 +111,18 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
     model = ClientModel(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)), nn.Linear(3, 3), 3, 3)
     msg = SharedState({k: v.clone() for k, v in model.state_dict().items()})
     before = model.head.weight.detach().clone()
-    settings = TrainSettings(batch_size=4, lr=0.1, fused_sgd=False)
+    settings = TrainSettings(batch_size=4, lr=0.1, accel=AccelSettings(fused_sgd=False))
     client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, settings, 0, 1, 1)
     assert not torch.equal(model.head.weight, before)  # it trained
     # The config key reaches the settings.
     cfg = from_dict({"train": {"fused_sgd": False}, "data": {"dataset": "synthetic"}})
-    assert TrainSettings.from_config(cfg.train).fused_sgd is False
+    assert TrainSettings.from_config(cfg.train).accel.fused_sgd is False
     # "auto" (the default): this user class is not fused, with no flag, and trains; a built-in is.
     auto = from_dict({"data": {"dataset": "synthetic"}}).train
     assert auto.fused_sgd == "auto"
     settings = TrainSettings.from_config(auto, GradientPenalty())
-    assert settings.fused_sgd is False and TrainSettings.from_config(auto, FedAvg()).fused_sgd
+    assert settings.accel.fused_sgd is False
+    assert TrainSettings.from_config(auto, FedAvg()).accel.fused_sgd
     before = model.head.weight.detach().clone()
     client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, settings, 0, 1, 1)
     assert not torch.equal(model.head.weight, before)
@@ -129,9 +130,9 @@ def test_fused_sgd_can_be_turned_off_for_losses_that_differentiate_twice():
     class Declared(GradientPenalty):
         acceleration = Acceleration(fused_sgd=True)  # the class vouches for its loss: fused
 
-    assert TrainSettings.from_config(auto, Declared()).fused_sgd
+    assert TrainSettings.from_config(auto, Declared()).accel.fused_sgd
     # Forced on, the penalty cannot differentiate through the fused layers.
-    forced = TrainSettings(batch_size=4, lr=0.1, fused_sgd=True)
+    forced = TrainSettings(batch_size=4, lr=0.1, accel=AccelSettings(fused_sgd=True))
     with pytest.raises(RuntimeError):
         client_ops.fit(GradientPenalty(), model, nn.Module(), msg, data, forced, 0, 1, 1)
     with pytest.raises(ConfigError, match="train.fused_sgd"):
