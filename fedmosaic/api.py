@@ -71,9 +71,9 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Empty, Payload, PayloadError
 from fedmosaic.core.registry import ALGORITHMS, DATASETS, ENCODERS, FAMILIES, PARTITIONERS
 from fedmosaic.data import DatasetError, ImageDataset, PartitionError
-from fedmosaic.experiment import run_experiment
+from fedmosaic.experiment import Trained, run_experiment
 from fedmosaic.federation import Federation, build_federation, make_client
-from fedmosaic.runfolder import RunFolder, RunFolderError
+from fedmosaic.runfolder import RunFolder, RunFolderError, RunOptions
 
 log = logging.getLogger("fedmosaic")
 
@@ -232,7 +232,7 @@ def run(
         # Path("") is the current directory: a run folder written there by accident
         raise ConfigError(f"out = {out!r}: name a folder (None: no run folder)")
     hook = _round_hook(on_round, cfg.train.rounds)
-    trained: dict[str, Any] = {}
+    trained = Trained()
     if out is None:
         doc = run_experiment(cfg, progress=progress, on_round=hook, trained=trained)
     else:
@@ -246,28 +246,27 @@ def run(
                     folder.path,
                 )
                 return _finished(start.done, cfg, folder.path)
-            doc = folder.execute(
-                cfg,
-                start,
+            opts = RunOptions(
                 progress=progress,
                 checkpoint_every=checkpoint_every,
                 resume=resume,
                 extend=extend,
                 keep_final=keep_final,
                 on_round=hook,
-                trained=trained,
             )
+            doc = folder.execute(cfg, start, opts, trained)
     done = int(doc["rounds"][-1]["round"]) if doc["rounds"] else 0
     # After the method's fine-tuning (FedBABU, ...) the clients hold the fine-tuned models, which
     # were evaluated without receiving again; otherwise the evaluation received the broadcast.
     tuned = "after_finetune" in doc.get("summary", {})
-    state, fed = trained["state"], trained["fed"]
-    if "models" in trained:  # the serial backend's own modules: the run is over, nothing to copy
+    state, fed = trained.state, trained.fed
+    assert fed is not None  # the round loop fills it when the run ends
+    if trained.models is not None:  # the serial backend's own modules: nothing to copy
         models, extras = _as_evaluated(
-            fed, trained["models"], trained["extras"], state, done, not tuned
+            fed, trained.models, trained.extras or [], state, done, not tuned
         )
     else:  # the clients lived in worker processes or a state store: built here from their states
-        models, extras = _trained_clients(fed, trained["clients"], state, done, not tuned)
+        models, extras = _trained_clients(fed, trained.clients or [], state, done, not tuned)
     return Result(doc, cfg, state, models, extras, done, None if out is None else Path(out))
 
 

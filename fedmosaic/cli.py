@@ -137,7 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedmosaic.checkpoint import FINAL_FILE, config_hash
     from fedmosaic.federation import check_runs
     from fedmosaic.report.results import format_table, plot_claim
-    from fedmosaic.runfolder import RunFolder, fs_error
+    from fedmosaic.runfolder import RunFolder, RunOptions, fs_error
 
     baselines = list(args.baseline or [])
     if args.config is None and args.baseline is None:
@@ -210,15 +210,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                     f"   a checkpoint every {every} rounds in {folder.path}: if interrupted, run "
                     "the same command again to continue" + ("" if auto else " (with --resume)")
                 )
-            doc = folder.execute(
-                run_cfg,
-                start,
+            opts = RunOptions(
                 progress=not args.quiet,
                 checkpoint_every=every,
                 resume=resume,
                 extend=args.extend,
                 keep_final=keep_final,
             )
+            doc = folder.execute(run_cfg, start, opts)
             print(models_line(folder.path, keep_final, every > 0))
             docs[name] = doc
             ran = True

@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ log = logging.getLogger("fedmosaic")
 __all__ = ["Federation", "build_federation", "make_transport", "run_experiment"]
 
 
+@dataclass
+class Trained:
+    """What a finished run leaves besides its results document (filled by the round loop when
+    a caller passes one): the final server state and the federation, and either the trained
+    client modules themselves (``models``, ``extras``: the serial backend trained them in this
+    process) or each client's final state (``clients``: they lived in workers or a state
+    store)."""
+
+    state: Any = None
+    fed: Federation | None = None
+    models: list[Any] | None = None
+    extras: list[Any] | None = None
+    clients: list[Any] | None = None
+
+
 def run_experiment(
     cfg: ExperimentConfig,
     progress: bool | None = None,
@@ -41,14 +57,14 @@ def run_experiment(
     resume: bool = False,
     keep_final: bool = False,
     extend: bool = False,
-    trained: dict[str, Any] | None = None,
+    trained: Trained | None = None,
 ) -> dict[str, Any]:
     """Run one experiment on the simulator and return the ``results.json`` document.
 
-    ``trained`` (a dict, filled in place) receives the final server state (``"state"``) and the
-    federation (``"fed"``), and either the trained client modules themselves (``"models"``,
-    ``"extras"``: the serial backend's, in memory) or every client's final (model, extras) state
-    dicts (``"clients"``: clients that lived in worker processes or a state store).
+    ``trained`` (:class:`Trained`, filled in place) receives the final server state and the
+    federation, and either the trained client modules themselves (the serial backend's, in
+    memory) or every client's final (model, extras) state dicts (clients that lived in worker
+    processes or a state store).
 
     ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
     after the last one; ``resume`` continues from that file when it exists (see
@@ -115,7 +131,7 @@ def _rounds(
     ckpt: Checkpointer | None,
     progress: bool | None,
     on_round: Callable[[dict[str, Any]], None] | None,
-    trained: dict[str, Any] | None = None,
+    trained: Trained | None = None,
 ) -> Any:
     """The round loop with a progress bar (on a terminal) or one log line per round."""
     cfg = fed.cfg
@@ -143,11 +159,11 @@ def _rounds(
     try:
         history, state = run_rounds(fed.algo, fed.spec, transport, fed.plan, tick, checkpoint=ckpt)
         if trained is not None:
-            trained.update(state=state, fed=fed)
+            trained.state, trained.fed = state, fed
             if fed.models:  # the serial backend trained these very modules: no copy needed
-                trained.update(models=fed.models, extras=fed.extras)
+                trained.models, trained.extras = fed.models, fed.extras
             else:  # before the workers (which hold the clients) are closed
-                trained.update(clients=list(transport.client_states()))
+                trained.clients = list(transport.client_states())
     finally:
         if bar is not None:
             bar.close()

@@ -77,7 +77,7 @@ from fedmosaic.checkpoint import (
     config_hash,
 )
 from fedmosaic.config import ConfigError, ExperimentConfig
-from fedmosaic.experiment import run_experiment
+from fedmosaic.experiment import Trained, run_experiment
 from fedmosaic.report.results import (
     TEMP_MARK,
     replace_all,
@@ -313,6 +313,23 @@ class _Replacing:
     started: bool = False
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes in its folder, decided once by the caller (``fedmosaic run``,
+    ``fedmosaic.api.run(out=...)``, a suite's cell): the progress display, a checkpoint every
+    ``checkpoint_every`` rounds (0: none), continuing from the folder's checkpoint (``resume``)
+    or past a finished run's last round (``extend``), keeping the final state
+    (``keep_final``: ``final.safetensors``), and a callback on each round's record after the
+    sinks."""
+
+    progress: bool = False
+    checkpoint_every: int = 0
+    resume: bool = False
+    extend: bool = False
+    keep_final: bool = False
+    on_round: Callable[[dict[str, Any]], None] | None = None
+
+
 class RunFolder:
     """One run's output folder, locked while open (``with RunFolder(out) as folder``)."""
 
@@ -412,24 +429,19 @@ class RunFolder:
         self,
         cfg: ExperimentConfig,
         start: Start,
-        *,
-        progress: bool = False,
-        checkpoint_every: int = 0,
-        resume: bool = False,
-        extend: bool = False,
-        keep_final: bool = False,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
-        trained: dict[str, Any] | None = None,
+        opts: RunOptions = RunOptions(),
+        trained: Trained | None = None,
     ) -> dict[str, Any]:
-        """Train ``cfg`` here (the sinks as it goes, a checkpoint every ``checkpoint_every``
-        rounds) and return the results document, not yet written (:meth:`finish`). A start that
-        fails before its first round removes what it created; so does ``on_round`` raising when
-        no checkpoint is there to resume from (its exception propagates). ``on_round`` gets each
-        round's record after the sinks; ``trained`` is ``run_experiment``'s. A finished run in
-        the folder (not ``extend``) is set aside first, then deleted or put back whole (the
-        module's "Replacing a finished run")."""
+        """Train ``cfg`` here (the sinks as it goes, a checkpoint every
+        ``opts.checkpoint_every`` rounds) and return the results document, not yet written
+        (:meth:`finish`). A start that fails before its first round removes what it created; so
+        does ``opts.on_round`` raising when no checkpoint is there to resume from (its exception
+        propagates). ``trained`` is ``run_experiment``'s. A finished run in the folder (not
+        ``opts.extend``) is set aside first, then deleted or put back whole (the module's
+        "Replacing a finished run")."""
+        on_round = opts.on_round
         ckpt = self.path / CHECKPOINT_FILE
-        if not extend and (self.path / RESULTS_FILE).is_file():
+        if not opts.extend and (self.path / RESULTS_FILE).is_file():
             # A finished run replaced (overwrite, a cell run again): set aside before anything
             # is written, so that its results.json never stands beside this run's files.
             self._set_aside(rows=not start.keep)
@@ -481,13 +493,13 @@ class RunFolder:
         try:
             doc = run_experiment(
                 cfg,
-                progress=progress,
+                progress=opts.progress,
                 on_round=each_round,
                 checkpoint_dir=self.path,
-                checkpoint_every=checkpoint_every,
-                resume=resume or extend,
-                keep_final=keep_final,
-                extend=extend,
+                checkpoint_every=opts.checkpoint_every,
+                resume=opts.resume or opts.extend,
+                keep_final=opts.keep_final,
+                extend=opts.extend,
                 trained=trained,
             )
         except BaseException:
@@ -511,13 +523,16 @@ class RunFolder:
         return doc
 
     def execute(
-        self, cfg: ExperimentConfig, start: Start, *, keep_final: bool = False, **options: Any
+        self,
+        cfg: ExperimentConfig,
+        start: Start,
+        opts: RunOptions = RunOptions(),
+        trained: Trained | None = None,
     ) -> dict[str, Any]:
-        """:meth:`run` (``options``: its keywords) then :meth:`finish`: a checked start
-        (``start.done`` is None) trained and written; ``fedmosaic run`` and
-        ``fedmosaic.api.run(out=...)`` both come here."""
-        doc = self.run(cfg, start, keep_final=keep_final, **options)
-        self.finish(doc, keep_final=keep_final)
+        """:meth:`run` then :meth:`finish`: a checked start (``start.done`` is None) trained and
+        written; ``fedmosaic run`` and ``fedmosaic.api.run(out=...)`` both come here."""
+        doc = self.run(cfg, start, opts, trained)
+        self.finish(doc, keep_final=opts.keep_final)
         return doc
 
     def finish(self, doc: dict[str, Any], *, keep_final: bool = False) -> None:

@@ -70,7 +70,7 @@ from fedmosaic.report.prototypes import plot_prototypes
 from fedmosaic.report.results import write_atomic
 from fedmosaic.report.suite import Cell, Method, Setting, Suite, load_suite
 from fedmosaic.report.suite_report import write_report
-from fedmosaic.runfolder import FolderLock, RunFolder, Start
+from fedmosaic.runfolder import FolderLock, RunFolder, RunOptions, Start
 
 __all__ = ["Cell", "Method", "Setting", "Suite", "build_cells", "load_suite", "run_suite"]
 
@@ -220,9 +220,8 @@ def run_cell(
                 )
                 ckpt.unlink()
         every = checkpoint_every if checkpoint_every > 0 else cell.cfg.train.rounds
-        doc = folder.run(
-            cell.cfg, Start(keep=keep), progress=progress, checkpoint_every=every, resume=resume
-        )
+        opts = RunOptions(progress=progress, checkpoint_every=every, resume=resume)
+        doc = folder.run(cell.cfg, Start(keep=keep), opts)
         doc["cell"] = {
             "suite_setting": cell.setting.label,
             "method": cell.method.label,
