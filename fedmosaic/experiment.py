@@ -23,7 +23,7 @@ from fedmosaic import kernels, numerics, provenance
 from fedmosaic.checkpoint import Checkpointer, for_federation, peek
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.core.rounds import Transport, run_rounds
-from fedmosaic.federation import Federation, build_federation
+from fedmosaic.federation import Federation, add_clients, build_federation
 from fedmosaic.report.summary import FinetuneLines, results_document, round_line
 from fedmosaic.sim.backend import Runtime, make_transport, resolve_runtime
 
@@ -84,13 +84,12 @@ def run_experiment(
     if asked == "auto" or (isinstance(asked, int) and asked > 0):  # before data and models
         torch.set_num_threads(asked if isinstance(asked, int) else 1)
     try:
-        fed = build_federation(cfg, with_clients=cfg.sim.backend == "serial", offload=None)
+        fed = build_federation(cfg, with_clients=False)
         runtime = resolve_runtime(fed)
         if runtime.threads > 0:
             torch.set_num_threads(runtime.threads)
-        if runtime.backend == "serial" and cfg.sim.backend != "serial":
-            # "auto" chose serial: build the clients now, on the data already loaded.
-            fed = build_federation(cfg, data=fed.data, offload=None)
+        if runtime.backend == "serial":  # the clients train in this process: built here, once
+            fed = add_clients(fed, offload=None)
         if cfg.sim.backend == "auto":
             log.info("sim.backend = auto: %s (%s)", _runtime_words(runtime), runtime.why)
         transport = make_transport(fed, runtime)

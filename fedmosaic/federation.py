@@ -8,6 +8,7 @@ function of (config, seed, client id), so the same client is built identically i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -294,6 +295,17 @@ def build_federation(
     :data:`OFFLOAD_BUDGET` (a pure function of the config: no client's stream depends on it).
     """
     algo, data, clients, spec = _assemble(cfg, data)
+    settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy)
+    plan = round_plan(cfg, data.num_clients)
+    fed = Federation(cfg, data, algo, spec, clients, [], [], settings, plan)
+    return add_clients(fed, offload) if with_clients else fed
+
+
+def add_clients(fed: Federation, offload: bool | None = False) -> Federation:
+    """``fed`` with its clients built here (``offload`` as in :func:`build_federation`), on the
+    data, algorithm and spec it already holds: a runtime that turns out to train in this
+    process (``sim.backend = "auto"`` choosing serial) builds them without assembling twice."""
+    cfg, clients = fed.cfg, fed.clients
     models: list[ClientModel] = []
     extras: list[nn.Module] = []
     if offload is None:
@@ -301,10 +313,10 @@ def build_federation(
         auto = cfg.sim.offload_clients == "auto"
     else:
         auto = False
-    if with_clients and not offload:
+    if not offload:
         probe = min(len(family_members(cfg.model.family)), len(clients)) if auto else 0
         for c in clients:
-            m, e = make_client(cfg, algo, spec, c)
+            m, e = make_client(cfg, fed.algo, fed.spec, c)
             models.append(m)
             extras.append(e)
             if len(models) == probe:  # client i is architecture i % probe
@@ -312,8 +324,4 @@ def build_federation(
                 if sum(sizes[i % probe] for i in range(len(clients))) > OFFLOAD_BUDGET:
                     models, extras, offload = [], [], True
                     break
-    settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy)
-    plan = round_plan(cfg, data.num_clients)
-    return Federation(
-        cfg, data, algo, spec, clients, models, extras, settings, plan, offload=bool(offload)
-    )
+    return dataclasses.replace(fed, models=models, extras=extras, offload=bool(offload))

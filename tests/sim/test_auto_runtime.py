@@ -117,3 +117,27 @@ def test_auto_keeps_the_identity_of_the_runs_recorded_before_it():
     assert config_hash(two) == config_hash(
         from_dict(tiny_raw(sim={"backend": "serial", "threads": 2})).to_dict()
     )
+
+
+@pytest.mark.parametrize("asked", ["auto", "serial"])
+def test_a_run_assembles_its_federation_once(monkeypatch, asked):
+    # "auto" choosing serial used to assemble the data, algorithm and spec a second time to
+    # build the clients; now they are added to the federation already built.
+    import fedmosaic.experiment as experiment
+    import fedmosaic.federation as federation
+
+    _machine(monkeypatch, cores=1)  # no spare core: auto chooses serial
+    calls: list[str] = []
+    assemble = federation._assemble
+
+    def counted(*args, **kwargs):
+        calls.append("assemble")
+        return assemble(*args, **kwargs)
+
+    monkeypatch.setattr(federation, "_assemble", counted)
+    doc = experiment.run_experiment(
+        from_dict(tiny_raw(data=SMALL, sim={"backend": asked}, train={"rounds": 1})),
+        progress=False,
+    )
+    assert calls == ["assemble"]
+    assert doc["provenance"]["runtime"]["backend"] == "serial"
