@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from fedmosaic.accel._engaged import engaged
 from fedmosaic.accel.fused import fused_steps
@@ -36,6 +36,7 @@ from fedmosaic.core.training import (
     StepT,
     TrainSettings,
 )
+from fedmosaic.kernels import conv as fast_conv
 
 __all__ = ["ACCEL", "Accel", "engaged", "install"]
 
@@ -62,6 +63,11 @@ class Accel:
 
     def step(self, key: FastStep[StepT]) -> StepT | None:
         return cast("StepT | None", STEPS.get(key))
+
+    def block_inference(self, block: nn.Module, x: Tensor) -> Tensor | None:
+        if not fast_conv.block_eligible(block) or not fast_conv.block_ready(block, x):
+            return None
+        return fast_conv.conv_pool_relu_inference(x, fast_conv.block_conv(block))
 
 
 ACCEL = Accel()

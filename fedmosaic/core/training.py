@@ -252,6 +252,11 @@ class Accelerator(Protocol):
         """A context in which ``modules`` evaluate faster (autograd off)."""
         ...
 
+    def block_inference(self, block: nn.Module, x: Tensor) -> Tensor | None:
+        """``block(x)`` without autograd by a faster route (the zoo's conv -> pool -> ReLU
+        block as one native op), or None where there is none for this block and input."""
+        ...
+
     def step(self, key: FastStep[StepT]) -> StepT | None:
         """A method's own fast step (``FEDTGP_SERVER_STEP``), equal to its plain one to float
         rounding; None when there is none."""

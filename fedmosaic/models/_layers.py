@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from fedmosaic.kernels import conv as fast_conv
+from fedmosaic.core.training import accelerator
 
 # Switch for benchmarks / debugging: False makes ToChannelsLast a no-op everywhere.
 CHANNELS_LAST_POOL = True
@@ -76,17 +76,21 @@ class ConvPoolReLU(nn.Sequential):
     """``Conv2d -> ToChannelsLast -> MaxPool2d(2) -> ReLU`` (the plain-CNN conv block).
 
     Without autograd (evaluation, prototype passes), a single-input-channel block runs as one
-    native op where ``fedmosaic.kernels`` is built (``kernels.conv.SGDConvPoolReLU``'s forward;
-    HtCNN8's first block at batch 100, one thread: 0.44 ms with AVX-512 instead of 6-10 ms
-    through torch's layers); same function, sums in another order. Training takes it through ``accel.fused.FusedSGDLinears``. With a hook on a
-    child (FLOP counting, user probes) the children run one by one, as they would anyway.
+    native op where the installed accelerator has one (``Accelerator.block_inference``:
+    ``fedmosaic.accel`` runs ``kernels.conv``'s ``SGDConvPoolReLU`` forward; HtCNN8's first
+    block at batch 100, one thread: 0.44 ms with AVX-512 instead of 6-10 ms through torch's
+    layers); same function, sums in another order. Training takes it through
+    ``accel.fused.FusedSGDLinears``. With a hook on a child (FLOP counting, user probes) the
+    children run one by one, as they would anyway.
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        if NATIVE_INFERENCE and not torch.is_grad_enabled() and not _functorch_wrapped(x):
-            if not _hooked(self) and fast_conv.block_ready(self, x):
-                # self[0] is the Conv2d (see conv_pool_relu)
-                return fast_conv.conv_pool_relu_inference(x, cast(nn.Conv2d, self[0]))
+        acc = accelerator()
+        if acc is not None and NATIVE_INFERENCE and not torch.is_grad_enabled():
+            if not _functorch_wrapped(x) and not _hooked(self):
+                y = acc.block_inference(self, x)
+                if y is not None:
+                    return y
         return super().forward(x)
 
 
