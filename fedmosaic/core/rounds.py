@@ -339,7 +339,19 @@ def run_rounds(
     # screened and aggregated (``core/robust.py``).
     p = spec.privacy
     noise = (p.clip, p.noise_multiplier * p.clip) if p.mechanism == "local" else None
-    view = robust.ServerView(spec.robust, spec.num_train, spec.class_counts, private_noise=noise)
+    rule = spec.robust
+    if p.mechanism == "central" and rule.peer_factor > 0:
+        # Whether the peer guard drops one client depends on the other clients' uploads, so a
+        # neighbouring dataset could change more than one term of the sum the accountant
+        # bounds; every other check (schema, claims, magnitude) looks at one upload alone.
+        log.warning(
+            "privacy.mechanism = central: the peer guard is off (server.peer_factor = %g not "
+            "applied): its drops depend on other clients' uploads, which the accounting does "
+            "not cover; the clip bounds each upload",
+            rule.peer_factor,
+        )
+        rule = dataclasses.replace(rule, peer_factor=0.0)
+    view = robust.ServerView(rule, spec.num_train, spec.class_counts, private_noise=noise)
     server_eval = server_evaluates(algo, state, spec)
     last = done
     # a restored run that had already stopped on its plateau runs no more rounds

@@ -5,6 +5,7 @@ refused with its reason), with the same numbers on the simulator's backends and 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Annotated
@@ -283,3 +284,25 @@ def test_privacy_epsilon_solves_the_noise_that_ends_the_planned_rounds_there(mec
     assert accountant.epsilon(mechanism, "rdp", z * 0.999, 1e-5, 5, 4, per_round) > 4.0
     with pytest.raises(ConfigError, match="needs privacy.mechanism"):
         from_dict(tiny_raw(privacy={"epsilon": 4.0}))
+
+
+def test_under_the_central_mechanism_the_peer_guard_is_off_and_says_so(caplog, monkeypatch):
+    # Its drops depend on the other clients' uploads, which the accounting does not cover: a
+    # client whose upload would be dropped as 50 x its peers' is kept (the clip bounds it).
+    from fedmosaic.core import robust
+
+    seen: list[float] = []
+    original = robust.peer_screen
+
+    def spy(view, uploads, suspects=()):
+        seen.append(view.rule.peer_factor)
+        return original(view, uploads, suspects)
+
+    monkeypatch.setattr(robust, "peer_screen", spy)
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        private_run("fedavg", "central", privacy={"noise_multiplier": 0.05})
+    assert seen == [0.0, 0.0]
+    assert "privacy.mechanism = central: the peer guard is off" in caplog.text
+    seen.clear()
+    private_run("fedavg", "local", privacy={"noise_multiplier": 0.05})
+    assert seen == [10.0, 10.0]  # the local mechanism keeps it (each upload is already private)
