@@ -393,3 +393,46 @@ def test_fedtgps_code_form_is_a_method_with_its_paper_form_beside_it(harness: Mo
     assert code.ref_args[code.ref_args.index("-lam") + 1] == "10"
     paper = {**code.algorithm, **code.variants["paper_form"]}
     assert (paper["distance"], paper["lam"], paper["stale_prototypes"]) == ("euclidean", 0.1, False)
+
+
+def test_shim_seeds_the_global_generators_the_references_leave_unseeded() -> None:
+    import random
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("parity_shim3", HARNESS.parent / "launch_shim.py")
+    assert spec is not None and spec.loader is not None
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    state = (random.getstate(), np.random.get_state())
+    try:
+        draws = []
+        for _ in range(2):  # HtFLlib's client selection and upload order, twice
+            shim.seed_globals(7)
+            draws.append(
+                (list(np.random.choice(10, 5, replace=False)), random.sample(range(10), 5))
+            )
+        assert draws[0] == draws[1]
+        shim.seed_globals(8)
+        assert (list(np.random.choice(10, 5, replace=False)), random.sample(range(10), 5)) != draws[
+            0
+        ]
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary() -> None:
+    spec = importlib.util.spec_from_file_location("parity_report3", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    doc = _fake_run(0.0)
+    seeds = [doc, {**_fake_run(0.5), "setup": {"seed": 1}}]
+    assert report.seeds_table(seeds) != report.seeds_table([])
+    seeded = [{**d, "ref_seed_globals": 0} for d in seeds]
+    assert report.seeds_table(seeded) == report.seeds_table([])
+    assert report._ref_name(doc) == "HtFLlib"
+    assert report._ref_name({**doc, "ref_seed_globals": 0}) == "HtFLlib (numpy and random seeded 0)"
+    both = {**doc, "ref_seed_offset": 1, "ref_seed_globals": 3}
+    assert report._ref_name(both) == "HtFLlib (torch seeds +1, numpy and random seeded 3)"

@@ -478,6 +478,7 @@ def run_reference(
     log: Path,
     threads: int = 1,
     seed_offset: int = 0,
+    seed_globals: int | None = None,
 ) -> tuple[list[str], float]:
     """Run the reference's ``system/main.py`` (unchanged, through the launch shim) on CPU; its
     stdout goes to ``log``. Returns the command and the wall time."""
@@ -490,6 +491,8 @@ def run_reference(
     if LIBRARIES[setup.library].print_clients:
         env["PARITY_PRINT_CLIENTS"] = "1"
     env["PARITY_SEED_OFFSET"] = str(seed_offset)  # 0: the reference's own seeds
+    # "": numpy's and Python's generators left unseeded, as the reference leaves them
+    env["PARITY_SEED_GLOBALS"] = "" if seed_globals is None else str(seed_globals)
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ref / "system", stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -615,6 +618,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--classes-per-client {a.classes_per_client}: 1 to 10 (FMNIST's classes)")
     if a.ref_seed_offset < 0:
         p.error(f"--ref-seed-offset {a.ref_seed_offset}: >= 0")
+    if a.ref_seed_globals is not None and not 0 <= a.ref_seed_globals < 2**32:
+        p.error(f"--ref-seed-globals {a.ref_seed_globals}: 0 to 2**32 - 1 (numpy's seeds)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -662,6 +667,15 @@ def main(argv: list[str] | None = None) -> int:
         "spread on this split); the result is <run>_r<K>.json, fedmosaic's side kept from <run>",
     )
     p.add_argument(
+        "--ref-seed-globals",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seed the reference's numpy and Python generators (unseeded by the reference: its "
+        "client selection and upload order vary between identical runs); the result is "
+        "<run>_g<S>.json, fedmosaic's side kept from <run>",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -684,12 +698,15 @@ def main(argv: list[str] | None = None) -> int:
     method = lib.methods[a.method]
     base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
+    stem += "" if a.ref_seed_globals is None else f"_g{a.ref_seed_globals}"
+    # a run of the reference under other seeds than its own keeps fedmosaic's side of the base run
+    ref_variant = bool(a.ref_seed_offset) or a.ref_seed_globals is not None
     # plugin files recorded relative to the repository (no machine path in the record)
     fm_setup = setup.fedmosaic_config(
         method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
     )
     keep = a.out / f"{base_stem}.json"
-    if "fedmosaic" in a.skip and not a.ref_seed_offset and keep.exists():
+    if "fedmosaic" in a.skip and not ref_variant and keep.exists():
         # fedmosaic's side (and its variants) is kept only from a run of the same config; refuse
         # before running anything rather than drop it
         old_setup = _read_result(keep).get("setup")
@@ -714,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": method.notes,
         "ref_mode": method.ref_mode,
         "ref_seed_offset": a.ref_seed_offset,
+        "ref_seed_globals": a.ref_seed_globals,
         "train_sizes": config["train_sizes"],
         "test_sizes": config["test_sizes"],
     }
@@ -730,7 +748,13 @@ def main(argv: list[str] | None = None) -> int:
     elif "reference" not in a.skip:
         log = a.out / f"{stem}.ref.log"
         cmd, secs = run_reference(
-            a.ref, a.ref_python, setup, method, log, seed_offset=a.ref_seed_offset
+            a.ref,
+            a.ref_python,
+            setup,
+            method,
+            log,
+            seed_offset=a.ref_seed_offset,
+            seed_globals=a.ref_seed_globals,
         )
         doc["reference"].update(
             # as run, without this machine's paths: the venv's python and the shim in this repo
@@ -740,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     path = a.out / f"{stem}.json"
     base = a.out / f"{base_stem}.json"  # a seed-offset run keeps fedmosaic's side of the base run
-    source = path if path.exists() or not a.ref_seed_offset else base
+    source = path if path.exists() or not ref_variant else base
     earlier = _read_result(source) if source.exists() else {}
     # keep what is not run again: the reference's side for the same split, model and training
     # (fedmosaic's server settings do not reach it); fedmosaic's sides for the same config

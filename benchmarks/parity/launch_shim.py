@@ -8,7 +8,9 @@ import fails, an empty stand-in module is registered that raises if anything in 
 run that needed it fails loudly instead of silently changing. With ``PARITY_PRINT_CLIENTS=1`` it
 also prints the per-client test accuracies PFLlib computes but does not print (read-only, see
 ``print_client_accuracies``); with ``PARITY_SEED_OFFSET=k`` every ``torch.manual_seed(s)`` of the
-reference seeds ``s + k`` (its run-to-run spread on one split; ``offset_torch_seeds``). Usage
+reference seeds ``s + k`` (its spread over torch seeds on one split; ``offset_torch_seeds``); with
+``PARITY_SEED_GLOBALS=s`` numpy's and Python's global generators, which the references leave
+unseeded, are seeded with ``s`` first (``seed_globals``). Usage
 (the reference's venv)::
 
     cd <ref>/system && <ref-venv>/bin/python <this file> -data ... -algo FedProto ...
@@ -83,8 +85,11 @@ def offset_torch_seeds(offset: int) -> None:
     """Every ``torch.manual_seed(s)`` of the reference seeds ``s + offset`` instead.
 
     Both references seed torch with a constant (0, in ``main.py`` and before every client's
-    model), so their own run-to-run spread on one split is invisible; this measures it. A run
-    with an offset is recorded as such and is not the reference's default run.
+    model), so the spread their torch seeds cause on one split is not seen in one run; this
+    measures it. A run with an offset is recorded as such and is not the reference's default
+    run. (Their numpy and Python generators are not seeded at all: client selection and the
+    order of the received uploads vary from run to run on identical inputs; see
+    :func:`seed_globals`.)
     """
     import torch
 
@@ -96,10 +101,28 @@ def offset_torch_seeds(offset: int) -> None:
     torch.manual_seed = manual_seed
 
 
+def seed_globals(seed: int) -> None:
+    """Seed numpy's and Python's global generators with ``seed`` before the reference runs.
+
+    The references never seed them, and HtFLlib draws from both every round
+    (``serverbase.select_clients``: ``np.random.choice``; ``receive_ids``: ``random.sample``,
+    which orders the uploads a server such as FedTGP's trains on), so two runs on identical
+    inputs differ. Seeded, a run repeats; a seeded run is recorded as such and is not the
+    reference's default run."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 if __name__ == "__main__":
     stood_in = install_stand_ins()
     if int(os.environ.get("PARITY_SEED_OFFSET", "0")):
         offset_torch_seeds(int(os.environ["PARITY_SEED_OFFSET"]))
+    if os.environ.get("PARITY_SEED_GLOBALS", ""):
+        seed_globals(int(os.environ["PARITY_SEED_GLOBALS"]))
     if os.environ.get("PARITY_PRINT_CLIENTS") == "1":
         print_client_accuracies()
     print(f"parity launch shim: stand-ins for {stood_in or 'nothing'}", flush=True)

@@ -51,10 +51,14 @@ def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
 
 
 def _ref_name(doc: dict[str, Any]) -> str:
-    """The reference's name, with its seed offset when the run shifted its torch seeds."""
+    """The reference's name, with its seed offset when the run shifted its torch seeds and its
+    global seed when the run seeded numpy's and Python's generators."""
     name = str(doc["reference"].get("library", "reference"))
     offset = doc.get("ref_seed_offset", 0)
-    return f"{name} (torch seeds +{offset})" if offset else name
+    seeded = doc.get("ref_seed_globals")
+    notes = [f"torch seeds +{offset}"] if offset else []
+    notes += [] if seeded is None else [f"numpy and random seeded {seeded}"]
+    return f"{name} ({', '.join(notes)})" if notes else name
 
 
 def table(doc: dict[str, Any], metric: str = "weighted") -> str:
@@ -125,12 +129,12 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
     """Runs of one method, setting and reference over several seeds (splits): each seed's gap over
     the last five rounds, weighted and client mean, and their means with 95% t-intervals (the
     suites' own ``aggregate``); for a method that fine-tunes, a second row with the gaps after
-    fine-tuning. Seed-offset runs (the reference's own spread on one split) are left out."""
+    fine-tuning. Runs of the reference under other seeds (its own spread on one split) are left out."""
     from fedmosaic.report.suite_report import aggregate
 
     groups: dict[tuple[str, str, str, str], dict[int, tuple[float, float]]] = {}
     for doc in docs:
-        if doc.get("ref_seed_offset"):
+        if doc.get("ref_seed_offset") or doc.get("ref_seed_globals") is not None:
             continue
         ref = doc["reference"]["rounds"]
         rw, rm = by_round(ref, "acc_weighted"), by_round(ref, "acc_mean")
