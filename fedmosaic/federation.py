@@ -33,10 +33,6 @@ from fedmosaic.models import build_client_model, family_members
 
 log = logging.getLogger("fedmosaic")
 
-# Speed is opt-in (``fedmosaic.accel``: fused SGD, fast inference, FedTGP's server step by hand);
-# every runtime assembles its federation here, so every runtime takes it. Core stays plain.
-accel.install()
-
 
 @dataclass
 class Federation:
@@ -144,10 +140,21 @@ def make_spec(
     )
 
 
+def install_speed() -> None:
+    """Install ``fedmosaic.accel`` as core's accelerator (idempotent): fused SGD, fast
+    inference, the zoo block's native op, FedTGP's server step by hand; the maths unchanged.
+    Speed is opt-in for core (which stays plain) and installed here, where every runtime
+    assembles its federation (:func:`build_federation`) or builds a client
+    (:func:`make_client`: the process workers, Flower's ClientApps), not by an import."""
+    accel.install()
+
+
 def make_client(
     cfg: ExperimentConfig, algo: Algorithm, spec: FederationSpec, data: ClientData
 ) -> tuple[ClientModel, nn.Module]:
-    """A client's initial model and extras: a pure function of (config, seed, client id)."""
+    """A client's initial model and extras: a pure function of (config, seed, client id).
+    Installs the fast paths (:func:`install_speed`): the client trains where it is built."""
+    install_speed()
     model = spec.build_model(data.client_id)
     seeding.seed_torch(cfg.seed, 0, data.client_id, "init-extras")
     extras = algo.init_client(model, spec, data).to(cfg.train.device)
@@ -294,6 +301,7 @@ def build_federation(
     family first and stops there when the population's estimated state exceeds
     :data:`OFFLOAD_BUDGET` (a pure function of the config: no client's stream depends on it).
     """
+    install_speed()
     algo, data, clients, spec = _assemble(cfg, data)
     settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy)
     plan = round_plan(cfg, data.num_clients)

@@ -25,6 +25,12 @@ import pytest
 import torch
 from helpers.experiments import TINY
 
+from fedmosaic.federation import install_speed
+
+# The library installs its fast paths when it builds a federation or a client; tests that drive
+# models, losses or steps directly get the same paths (a test of the plain path uninstalls and
+# restores them, tests/core/test_training.py).
+install_speed()
 torch.set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parent

@@ -254,3 +254,23 @@ def test_function_level_imports_only_keep_optional_dependencies_optional():
             key = target if _owner(target) is None else _owner(target)
             ok = (name, "*") in ALLOWED_LAZY or any((name, m) in ALLOWED_LAZY for m in (root, key))
             assert ok, f"{MODULES[name]}:{line}: function-level import of {target}: hoist it"
+
+
+def test_speed_is_installed_by_the_assembly_not_by_an_import():
+    """``fedmosaic.accel`` is core's accelerator once a federation or a client is built; importing
+    it (or anything) installs nothing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fedmosaic.accel, fedmosaic.federation, fedmosaic.experiment\n"
+        "from fedmosaic.core import training\n"
+        "assert training.accelerator() is None, 'installed by an import'\n"
+        "from fedmosaic.config import from_dict\n"
+        "from fedmosaic.federation import build_federation\n"
+        "build_federation(from_dict({'data': {'dataset': 'synthetic', 'synthetic_size': 200, "
+        "'num_clients': 2}}), with_clients=False)\n"
+        "assert training.accelerator() is fedmosaic.accel.ACCEL\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

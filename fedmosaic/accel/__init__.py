@@ -76,6 +76,3 @@ ACCEL = Accel()
 def install() -> None:
     """Make core's training and inference use this package (idempotent)."""
     training.use_accelerator(ACCEL)
-
-
-install()
