@@ -18,16 +18,19 @@ what ran, for tests that claim a fast path engaged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from torch import Tensor, nn
 
+from fedmosaic.accel import batched
 from fedmosaic.accel._engaged import engaged
 from fedmosaic.accel.fused import fused_steps
 from fedmosaic.accel.inference import fast_inference
 from fedmosaic.accel.prototypes import fedtgp_server_step
 from fedmosaic.core import training
+from fedmosaic.core.client import ClientData, FitOutput
+from fedmosaic.core.model import ClientModel
 from fedmosaic.core.training import (
     FEDTGP_SERVER_STEP,
     FastStep,
@@ -63,6 +66,21 @@ class Accel:
 
     def step(self, key: FastStep[StepT]) -> StepT | None:
         return cast("StepT | None", STEPS.get(key))
+
+    def fit_clients(
+        self,
+        algo: Any,
+        messages: dict[int, Any],
+        take: Callable[[int], tuple[ClientModel, nn.Module]],
+        data: Sequence[ClientData],
+        settings: TrainSettings,
+        seed: int,
+        round_num: int,
+        local_epochs: int,
+    ) -> Iterator[tuple[list[int], list[FitOutput]]]:
+        return batched.fit_clients(
+            algo, messages, take, data, settings, seed, round_num, local_epochs
+        )
 
     def block_inference(self, block: nn.Module, x: Tensor) -> Tensor | None:
         if not fast_conv.block_eligible(block) or not fast_conv.block_ready(block, x):

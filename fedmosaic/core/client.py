@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,6 +17,7 @@ from fedmosaic.core.training import (
     TrainSettings,
     TrainStats,
     accelerated_inference,
+    accelerator,
     run_phases,
 )
 
@@ -77,6 +78,36 @@ class FitOutput:
     upload: Payload
     num_examples: int
     stats: TrainStats
+
+
+def fit_clients(
+    algo: Algorithm,
+    messages: dict[int, Payload],
+    take: Callable[[int], tuple[ClientModel, nn.Module]],
+    data: Sequence[ClientData],
+    settings: TrainSettings,
+    seed: int,
+    round_num: int,
+    local_epochs: int,
+) -> Iterator[tuple[list[int], list[FitOutput]]]:
+    """A round's fits for one backend (the serial transport, a process worker), yielded as
+    ``(client ids, their outputs)`` as each is done, so the backend can time it and release the
+    modules before the next; ``take(cid)`` gives a client's modules, ``data[cid]`` its data.
+    One client at a time (:func:`fit`); through the installed accelerator
+    (``Accelerator.fit_clients``: ``fedmosaic.accel`` trains clients of one model layout together
+    where the method and ``train.batched_clients`` allow it, the numbers of one at a time)."""
+    acc = accelerator()
+    if acc is not None:
+        yield from acc.fit_clients(
+            algo, messages, take, data, settings, seed, round_num, local_epochs
+        )
+        return
+    for cid in messages:
+        model, extras = take(cid)
+        out = fit(
+            algo, model, extras, messages[cid], data[cid], settings, seed, round_num, local_epochs
+        )
+        yield [cid], [out]
 
 
 def fit(

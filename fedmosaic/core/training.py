@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -16,7 +16,7 @@ from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.model import PARTS, ClientModel
 
 if TYPE_CHECKING:
-    from fedmosaic.core.client import ClientData
+    from fedmosaic.core.client import ClientData, FitOutput
 
 
 @dataclass(frozen=True)
@@ -260,6 +260,21 @@ class Accelerator(Protocol):
     def step(self, key: FastStep[StepT]) -> StepT | None:
         """A method's own fast step (``FEDTGP_SERVER_STEP``), equal to its plain one to float
         rounding; None when there is none."""
+        ...
+
+    def fit_clients(
+        self,
+        algo: Any,
+        messages: dict[int, Any],
+        take: Callable[[int], tuple[ClientModel, nn.Module]],
+        data: Sequence[ClientData],
+        settings: TrainSettings,
+        seed: int,
+        round_num: int,
+        local_epochs: int,
+    ) -> Iterator[tuple[list[int], list[FitOutput]]]:
+        """A round's fits in this process (``core.client.fit_clients``'s contract), clients of
+        one model layout trained together where the method and ``settings`` allow it."""
         ...
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from fedmosaic.accel import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
@@ -119,7 +118,7 @@ class ClientHost:
         """``(cid, upload, examples, loss, seconds)`` per client, as each is ready: clients of
         one model layout train together (``accel.batched``) when ``train.batched_clients`` is on
         and the method allows it (a group's seconds are split evenly over its clients)."""
-        fits = batched.fit_clients(
+        fits = client_ops.fit_clients(
             self.algo,
             dict(todo),
             self.take,

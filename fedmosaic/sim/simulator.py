@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 from torch import nn
 
-from fedmosaic.accel import batched
 from fedmosaic.core import client as client_ops
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData, FitOutput
@@ -167,7 +166,7 @@ class SimTransport:
         layout and trained together where the method allows it and ``train.batched_clients`` is
         on (``accel.batched``), else one at a time. The order does not matter: each client's fit
         depends only on its own state and streams."""
-        for group, outs in batched.fit_clients(
+        for group, outs in client_ops.fit_clients(
             self.algo,
             messages,
             self._take,
