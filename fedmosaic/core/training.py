@@ -201,6 +201,11 @@ class FastSteps(Protocol):
         phase's first step, where a layer it cannot route shows)."""
         ...
 
+    def update(self, params: Sequence[nn.Parameter]) -> None:
+        """After the backward: the SGD update of the ``params`` it did not update (those with a
+        ``.grad``), their gradients cleared; the optimizer's step, bit for bit."""
+        ...
+
 
 StepT = TypeVar("StepT")
 
@@ -340,9 +345,6 @@ def train_epochs(
     fast = _accelerator.steps(unique, params, s, step_lr) if _accelerator is not None else None
     precision = autocast(s)
     opt.zero_grad(set_to_none=True)  # then after every step: each backward starts from none
-    # plain SGD (no momentum, weight decay or other options): ``p -= lr * grad``, as the optimizer
-    # computes it (``param.add_(grad, alpha=-lr)``), bit for bit
-    plain_sgd = isinstance(opt, torch.optim.SGD) and s.momentum == 0 and s.weight_decay == 0
     with fast if fast is not None else contextlib.nullcontext():
         for _ in range(epochs):
             for pos in batch_order(n, s.batch_size, gen, s.drop_last, s.shuffle):
@@ -353,13 +355,9 @@ def train_epochs(
                     with precision:
                         loss = loss_fn(x, y)
                 loss.backward()
-                if plain_sgd:  # torch.optim.SGD's own update, without its ~0.05 ms a step
-                    with torch.no_grad():
-                        for p in params:
-                            if p.grad is not None:  # none for layers updated in their backward
-                                p.add_(p.grad, alpha=-step_lr)
-                                p.grad = None
-                elif any(p.grad is not None for p in params):
+                if fast is not None:  # the layers its backward updated have no .grad
+                    fast.update(params)
+                else:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 stats.steps += 1

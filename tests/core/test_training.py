@@ -194,3 +194,52 @@ def test_client_evaluation_and_upload_take_the_installed_fast_inference():
         training.use_accelerator(ACCEL)
     assert engaged["inference_linear"] == 2  # nothing more without the accelerator
     assert fast == plain
+
+
+def test_the_plain_loop_steps_with_torchs_optimizer_and_the_fused_path_with_its_own(monkeypatch):
+    """Without the accelerator every step is ``optimizer.step()``, ``.grad`` as torch leaves it;
+    with it, the fused path's own update, the same bits."""
+    from fedmosaic.accel import ACCEL, fused
+
+    calls = {"opt": 0, "fused": 0}
+    sgd_step, fused_update = torch.optim.SGD.step, fused.FusedSteps.update
+
+    def counted_step(self, *a, **k):
+        calls["opt"] += 1
+        return sgd_step(self, *a, **k)
+
+    def counted_update(self, params):
+        calls["fused"] += 1
+        return fused_update(self, params)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", counted_step)
+    monkeypatch.setattr(fused.FusedSteps, "update", counted_update)
+
+    def train() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
+        params = list(model.parameters())
+        s = TrainSettings(batch_size=5, lr=0.1)
+        training.train_epochs(
+            params,
+            lambda a, b: nn.functional.cross_entropy(model(a), b),
+            lambda pos: (x[pos], y[pos]),
+            20,
+            1,
+            s,
+            torch.Generator().manual_seed(1),
+            modules=[model],
+        )
+        return [p.detach().clone() for p in params]
+
+    fast = train()
+    assert calls == {"opt": 0, "fused": 4}
+    assert training.use_accelerator(None) is ACCEL
+    try:
+        plain = train()
+    finally:
+        training.use_accelerator(ACCEL)
+    assert calls == {"opt": 4, "fused": 4}
+    for a, b in zip(fast, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
