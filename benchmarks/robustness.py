@@ -266,14 +266,14 @@ def update_spread(source: Path, rounds: int | None) -> None:
     def spy(view: Any, uploads: Any, suspects: Any = ()) -> dict[int, str]:
         sizes = {c: max(float(w), 1.0) for c, w in uploads}
         norms = {c: view.peer_sq[c] ** 0.5 for c in sizes if c in view.peer_sq}
-        if len(norms) >= robust.PEER_MIN:
-            med = robust._median(list(norms.values()))
+        med = robust._median(list(norms.values())) if len(norms) >= robust.PEER_MIN else 0.0
+        if med > 0:  # the guard's own condition: a scale to measure against
             ref = robust._median([view.peer_ref_sq[c] ** 0.5 for c in norms])
-            med_per = robust._median([n / sizes[c] for c, n in norms.items()])
+            med_per = robust._median([n / sizes[c] for c, n in norms.items()])  # > 0 with med
             for rho in rhos:
                 scale = max(med, rho * ref)
                 for c, n in norms.items():
-                    r = min(n / scale, n / sizes[c] / med_per) if scale > 0 else 0.0
+                    r = min(n / scale, n / sizes[c] / med_per)
                     if r > worst[rho][0]:
                         worst[rho] = (r, view.round_num, c)
             line = {rho: round(max(min(n / max(med, rho * ref), n / sizes[c] / med_per)
