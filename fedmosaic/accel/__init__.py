@@ -29,8 +29,10 @@ from fedmosaic.accel.fused import fused_steps
 from fedmosaic.accel.inference import fast_inference
 from fedmosaic.accel.prototypes import fedtgp_server_step
 from fedmosaic.core import training
+from fedmosaic.core.algorithm import Algorithm
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
+from fedmosaic.core.payload import Payload
 from fedmosaic.core.training import (
     FEDTGP_SERVER_STEP,
     FastStep,
@@ -69,8 +71,8 @@ class Accel:
 
     def fit_clients(
         self,
-        algo: Any,
-        messages: dict[int, Any],
+        algo: Algorithm,
+        messages: dict[int, Payload],
         take: Callable[[int], tuple[ClientModel, nn.Module]],
         data: Sequence[ClientData],
         settings: TrainSettings,

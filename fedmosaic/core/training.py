@@ -11,9 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from fedmosaic.core import dpsgd
-from fedmosaic.core.algorithm import Phase, declared_acceleration
+from fedmosaic.core.algorithm import Algorithm, Phase, declared_acceleration
 from fedmosaic.core.checks import PrivacyRule
 from fedmosaic.core.model import PARTS, ClientModel
+from fedmosaic.core.payload import Payload
 
 if TYPE_CHECKING:
     from fedmosaic.core.client import ClientData, FitOutput
@@ -269,8 +270,8 @@ class Accelerator(Protocol):
 
     def fit_clients(
         self,
-        algo: Any,
-        messages: dict[int, Any],
+        algo: Algorithm,
+        messages: dict[int, Payload],
         take: Callable[[int], tuple[ClientModel, nn.Module]],
         data: Sequence[ClientData],
         settings: TrainSettings,
