@@ -69,20 +69,8 @@ class Accel:
     def step(self, key: FastStep[StepT]) -> StepT | None:
         return cast("StepT | None", STEPS.get(key))
 
-    def fit_clients(
-        self,
-        algo: Algorithm,
-        messages: dict[int, Payload],
-        take: Callable[[int], tuple[ClientModel, nn.Module]],
-        data: Sequence[ClientData],
-        settings: TrainSettings,
-        seed: int,
-        round_num: int,
-        local_epochs: int,
-    ) -> Iterator[tuple[list[int], list[FitOutput]]]:
-        return batched.fit_clients(
-            algo, messages, take, data, settings, seed, round_num, local_epochs
-        )
+    # ``Accelerator.fit_clients``: clients of one layout trained together (accel/batched.py)
+    fit_clients = staticmethod(batched.fit_clients)
 
     def block_inference(self, block: nn.Module, x: Tensor) -> Tensor | None:
         if not fast_conv.block_eligible(block) or not fast_conv.block_ready(block, x):

@@ -146,12 +146,9 @@ def epsilon(
     step.
     """
     _check(mechanism, accountant, noise_multiplier, delta, num_clients, per_round)
-    if not _is_int(steps) or steps < 0:
-        raise ValueError(f"steps = {steps!r} must be an int >= 0")
-    if steps == 0:
-        return 0.0
-    if noise_multiplier == 0:
-        return math.inf
+    trivial = _no_steps_or_noise(steps, noise_multiplier)
+    if trivial is not None:
+        return trivial
     dp = _dp()
     # The noise is z C against a replace-one sensitivity of 2C (module docstring).
     sigma = float(noise_multiplier) / 2
@@ -178,6 +175,16 @@ def epsilon(
     return float(eps)
 
 
+def _no_steps_or_noise(steps: int, noise_multiplier: float) -> float | None:
+    """Epsilon where no accounting is needed (0 before any step, inf without noise), else None;
+    ``steps`` checked (an int >= 0)."""
+    if not _is_int(steps) or steps < 0:
+        raise ValueError(f"steps = {steps!r} must be an int >= 0")
+    if steps == 0:
+        return 0.0
+    return math.inf if noise_multiplier == 0 else None
+
+
 @functools.lru_cache(maxsize=4096)
 def sample_epsilon(
     accountant: str, noise_multiplier: float, delta: float, q: float, steps: int
@@ -188,14 +195,11 @@ def sample_epsilon(
     gradient moves the sum by at most the clip (core/dpsgd.py). ``inf`` without noise."""
     if not 0 < q <= 1:
         raise ValueError(f"q = {q!r} must be in (0, 1]")
-    if not _is_int(steps) or steps < 0:
-        raise ValueError(f"steps = {steps!r} must be an int >= 0")
     if accountant not in ACCOUNTANTS:
         raise ValueError(f"accountant = {accountant!r}; choose one of {', '.join(ACCOUNTANTS)}")
-    if steps == 0:
-        return 0.0
-    if noise_multiplier == 0:
-        return math.inf
+    trivial = _no_steps_or_noise(steps, noise_multiplier)
+    if trivial is not None:
+        return trivial
     dp = _dp()
     event = dp.GaussianDpEvent(float(noise_multiplier))
     if q < 1:
