@@ -18,7 +18,7 @@ what ran, for tests that claim a fast path engaged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 from torch import Tensor, nn
@@ -29,10 +29,6 @@ from fedmosaic.accel.fused import fused_steps
 from fedmosaic.accel.inference import fast_inference
 from fedmosaic.accel.prototypes import fedtgp_server_step
 from fedmosaic.core import training
-from fedmosaic.core.algorithm import Algorithm
-from fedmosaic.core.client import ClientData, FitOutput
-from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload
 from fedmosaic.core.training import (
     FEDTGP_SERVER_STEP,
     FastStep,
