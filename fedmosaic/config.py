@@ -554,6 +554,18 @@ def _check_rule_fits_round(cfg: ExperimentConfig) -> None:
 def _check_privacy_plan(cfg: ExperimentConfig) -> None:
     """What ``[privacy]`` needs of the rest of the config (the method's part: ``validate_registry``)."""
     p, s = cfg.privacy, cfg.server
+    if p.secure_aggregation:
+        if not s.plain:
+            raise ConfigError(
+                f"privacy.secure_aggregation gives the server only the plain sum; server.aggregator"
+                f' = "{s.aggregator}" with server.clip_update_norm = {s.clip_update_norm:g} needs '
+                'each upload (use aggregator "mean" and no clipping)'
+            )
+        if planned_clients_per_round(cfg) < 2:
+            raise ConfigError(
+                "privacy.secure_aggregation needs at least 2 clients a round (the sum of one "
+                "upload is that upload): raise train.clients_per_round"
+            )
     if not p.on:
         return
     if p.mechanism == "central" and not s.plain:
@@ -802,6 +814,14 @@ def validate_registry(cfg: ExperimentConfig) -> None:
         )
     if cfg.privacy.on or cfg.privacy.dpsgd:
         _check_method_privacy(cfg, algo)
+    if cfg.privacy.secure_aggregation:
+        from fedmosaic.core import secure
+
+        why = secure.refusal(algo)
+        if why:
+            raise ConfigError(
+                f"privacy.secure_aggregation is not available for {cfg.algorithm['name']!r}: {why}"
+            )
     # What the method needs of the federation itself (a public split, identical heads) is checked
     # against the FederationSpec when the federation is assembled: Algorithm.check.
 

@@ -31,6 +31,7 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     # what [privacy] asks of the method (its upload's release, its loss) needs torch
     ("fedmosaic.config", "fedmosaic.core.privacy"): "the method's privacy checks in validate()",
     ("fedmosaic.config", "fedmosaic.core.dpsgd"): "the method's privacy checks in validate()",
+    ("fedmosaic.config", "fedmosaic.core.secure"): "the method's privacy checks in validate()",
     # Flower starts a ClientApp process per message in deployment: keep its imports light
     ("fedmosaic.flower.app", "*"): "per-message ClientApp processes",
     # the SuperNode launcher's own process never needs torch; its worker imports it at start

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Protocol
+from typing import Annotated, Any, ClassVar, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedmosaic.core import secure
 from fedmosaic.core.aggregate import weighted_average  # noqa: F401  (the methods import it here)
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
@@ -156,6 +157,16 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     ) -> dict[str, Tensor]:
         states = [u.payload.state for u in uploads]
         return weighted_average(states, [u.weight for u in uploads], reference=state)
+
+    def summands(self, upload: SharedState, weight: float) -> dict[str, Tensor]:
+        return secure.state_terms(upload.state, weight)  # the weighted mean's numerator, weight
+
+    def from_sums(
+        self, state: dict[str, Tensor], sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[SharedState]:
+        mean, total = secure.state_from_terms(sums, state)
+        # a subclass's Upload (FedBABU's BodyUpload) has the same ``state`` and its costs
+        return Weighted(-1, total, cast(SharedState, secure.rebuilt(self.Upload, state=mean)))
 
     def server_model(self, state: dict[str, Tensor], spec: FederationSpec) -> ClientModel | None:
         """The global model, where the server holds a whole one: ``shared = "all"`` with

@@ -151,6 +151,10 @@ def distill_loss(
 class FedDistill(Algorithm[FDState, ClassLogits, ClassLogits]):
     """Share per-class mean logits; pull each example's logits towards its class's global mean."""
 
+    secure_refusal: ClassVar[str] = (
+        "its server keeps each client's class-mean logits to send each client the others' mean"
+    )
+
     server_sums: ClassVar[bool] = True  # its server only averages the uploads (privacy)
 
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)

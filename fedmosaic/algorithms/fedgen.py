@@ -246,6 +246,8 @@ def generated_ce(
 class FedGen(Algorithm[FedGenState, FedGenBroadcast, FedGenUpload]):
     """Shared heads plus a server-trained feature generator that regularizes the heads."""
 
+    secure_refusal: ClassVar[str] = "its server trains the generator against each client's head"
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     gen_lam: float = 1.0  # weight of CE(head(G(z, y')), y') in the client loss (HtFLlib: 1)

@@ -154,6 +154,8 @@ def train_global_head(
 class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     """A server-trained global head on clients' class-mean representations."""
 
+    secure_refusal: ClassVar[str] = "its server trains the shared head on each client's class means"
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     eta_g: float = 0.01  # server learning rate of the global head (paper: 0.01)

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
@@ -71,6 +71,7 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.schema import Unguarded
+from fedmosaic.core.secure import WEIGHT
 
 log = logging.getLogger("fedmosaic")
 
@@ -313,6 +314,19 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
         kbar = weighted_mean([u.payload.kernel for u in uploads], w)  # [L, L]
         # The uploads were computed on this round's RAD (the broadcast's next_rad).
         return HeNNState(state.public, state.seed, state.rad_size, kbar, round_num)
+
+    def summands(self, upload: HeNNUpload, weight: float) -> dict[str, Tensor]:
+        w = weight if self.weighting == "samples" else 1.0
+        return {
+            WEIGHT: torch.tensor([w], dtype=torch.float64),
+            "kernel": w * upload.kernel.double(),
+        }
+
+    def from_sums(
+        self, state: HeNNState, sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[HeNNUpload]:
+        total = float(sums[WEIGHT][0])
+        return Weighted(-1, total, HeNNUpload((sums["kernel"] / total).float()))
 
     # ---- client half ---------------------------------------------------------------------
     def loss(

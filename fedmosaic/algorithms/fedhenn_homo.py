@@ -26,7 +26,7 @@ paper's Table 1 "FedHeNN global".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -45,6 +45,7 @@ from fedmosaic.algorithms.fedhenn import (
     rad_inputs,
     representation_kernel,
 )
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, FitContext, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -127,6 +128,15 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         states = [u.payload.state for u in uploads]
         weights = weighted_average(states, [u.weight for u in uploads], reference=state.weights)
         return HomoState(weights, state.public, state.seed, state.rad_size)
+
+    def summands(self, upload: SharedState, weight: float) -> dict[str, Tensor]:
+        return secure.state_terms(upload.state, weight)
+
+    def from_sums(
+        self, state: HomoState, sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[SharedState]:
+        mean, total = secure.state_from_terms(sums, state.weights)
+        return Weighted(-1, total, SharedState(mean))
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

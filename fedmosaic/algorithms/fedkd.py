@@ -330,6 +330,10 @@ class MenteeExtras(nn.Module):
 class FedKD(Algorithm[FedKDState, MenteeBroadcast, MenteeUpload]):
     """Mentor/mentee mutual distillation; only the SVD-compressed mentee is communicated."""
 
+    secure_refusal: ClassVar[str] = (
+        "its uploads are SVD factors of each client's update: the sum of factors is not the factors of the sum"
+    )
+
     # The rank of each SVD factor follows the energy threshold on the client's own update, so
     # the upload's shape is data: no fixed-shape release exists for it.
     privacy_refusal: ClassVar[str] = (

@@ -27,7 +27,7 @@ for FedAdam). Flower's strategies differ in defaults only: FedAvgM momentum 0, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from fedmosaic.algorithms._shared import SharedState, SharedWeights, weighted_average
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Acceleration, FederationSpec, Weighted
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
@@ -87,6 +88,14 @@ class FedOpt(SharedWeights):
 
     def upload_names(self, state: FedOptState, upload: SharedState) -> dict[str, Any]:  # type: ignore[override]
         return super().upload_names(state.model, upload)
+
+    summands = SharedWeights.summands  # the server optimizer steps from the plain mean
+
+    def from_sums(  # type: ignore[override]
+        self, state: FedOptState, sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[SharedState]:
+        mean, total = secure.state_from_terms(sums, state.model)
+        return Weighted(-1, total, SharedState(mean))
 
     def aggregate(  # type: ignore[override]
         self, state: FedOptState, uploads: Sequence[Weighted[SharedState]], round_num: int

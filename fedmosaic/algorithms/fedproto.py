@@ -42,7 +42,7 @@ Paper vs reference code vs default, and other choices (the authors' code, PFLlib
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, cast, get_args
 
@@ -58,6 +58,7 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.schema import Counts, Rows
+from fedmosaic.core.secure import WEIGHT
 
 Weighting = Literal["uniform", "count"]
 Inference = Literal["all", "own"]
@@ -197,6 +198,22 @@ class FedProto(Algorithm[ProtoState, ProtoBroadcast, ProtoUpload]):
             plain=lambda: aggregate_prototypes(protos, counts, self.weighting),
         )
         return ProtoState(protos=mean, known=known)
+
+    def summands(self, upload: ProtoUpload, weight: float) -> dict[str, Tensor]:
+        counts = upload.counts.double()  # [C]
+        holders = (counts > 0).double()  # [C]: exact in the sum (whole numbers)
+        # count weighting: counts / n_i x weight (= counts / the public scale); uniform: 0 or 1
+        w = counts / counts.sum().clamp(min=1) * weight if self.weighting == "count" else holders
+        return {"holders": holders, WEIGHT: w, "protos": w[:, None] * upload.protos.double()}
+
+    def from_sums(
+        self, state: ProtoState, sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[ProtoUpload]:
+        known = sums["holders"] > 0.5  # [C]
+        w = sums[WEIGHT].clamp(min=1e-300)[:, None]  # [C, 1]
+        protos = torch.where(known[:, None], sums["protos"] / w, 0.0).float()  # [C, d]
+        # one upload holding each class someone held: its mean is the rows themselves
+        return Weighted(-1, 1.0, ProtoUpload(protos, known.long()))
 
     # ---- client half ---------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

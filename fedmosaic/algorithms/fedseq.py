@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, cast
 
@@ -56,7 +56,7 @@ from fedmosaic.algorithms.fedbabu import (
     finetune_phase,
     start_from_server_init,
 )
-from fedmosaic.core import schema
+from fedmosaic.core import schema, secure
 from fedmosaic.core.algorithm import (
     Acceleration,
     Algorithm,
@@ -272,6 +272,19 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
         body = dict(state.body)
         body.update(avg)  # frozen blocks keep their (initial) values
         return dataclasses.replace(state, body=body)
+
+    def summands(self, upload: ExpansionUpload, weight: float) -> dict[str, Tensor]:
+        # Every client of a round trains the blocks its broadcast named (num_active = the
+        # schedule's n): the sum is over the same keys.
+        return secure.state_terms(upload.state, weight)
+
+    def from_sums(
+        self, state: ExpansionState, sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[ExpansionUpload]:
+        n = num_unfrozen(round_num, state.unfreeze_rounds, state.rounds)
+        keys = _active_keys(state.block_keys, n, self.order)
+        mean, total = secure.state_from_terms(sums, {k: state.body[k] for k in keys})
+        return Weighted(-1, total, ExpansionUpload(mean, n, 0, 0))
 
     # ---- client half -------------------------------------------------------------------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:

@@ -238,6 +238,10 @@ def nearest_prototype_scores(features: Tensor, protos: Tensor, known: Tensor) ->
 class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     """Trainable global prototypes learned on the server with adaptive-margin contrastive loss."""
 
+    secure_refusal: ClassVar[str] = (
+        "its server trains the global prototypes on each client's prototypes (the margin loss)"
+    )
+
     per_example_loss: ClassVar[bool] = True  # cross-entropy + the prototype term per row
 
     lam: float = 0.1  # weight of the prototype-alignment term (paper 0.1; reference mse form: 10)

@@ -30,7 +30,7 @@ Choices and differences from the reference code (PFLlib/HtFLlib ``clientfml``/``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -45,6 +45,7 @@ from fedmosaic.algorithms._distill import (
     small_member,
 )
 from fedmosaic.algorithms._shared import SharedState, weighted_average
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, Weighted
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
@@ -112,6 +113,15 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     ) -> dict[str, Tensor]:
         states = [u.payload.state for u in uploads]
         return weighted_average(states, [u.weight for u in uploads], reference=state)
+
+    def summands(self, upload: SharedState, weight: float) -> dict[str, Tensor]:
+        return secure.state_terms(upload.state, weight)
+
+    def from_sums(
+        self, state: dict[str, Tensor], sums: Mapping[str, Tensor], round_num: int
+    ) -> Weighted[SharedState]:
+        mean, total = secure.state_from_terms(sums, state)
+        return Weighted(-1, total, SharedState(mean))
 
     def upload_names(self, state: dict[str, Tensor], upload: SharedState) -> dict[str, Any]:
         return {"shared": state}

@@ -240,6 +240,10 @@ def distill(
 class KTpFL(Algorithm[KTpFLState, KTpFLBroadcast, KTpFLUpload]):
     """Personalized soft targets from a learned knowledge-coefficient matrix over public data."""
 
+    secure_refusal: ClassVar[str] = (
+        "its server learns a coefficient per pair of clients from each client's soft predictions"
+    )
+
     acceleration: ClassVar[Acceleration] = Acceleration(fused_sgd=True)
 
     T: float = 10.0  # softmax temperature of uploads and distillation (reference Temp = 10)

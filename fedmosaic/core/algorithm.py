@@ -229,6 +229,9 @@ class Algorithm(ABC, Generic[S, B, U]):
     # Non-empty: the reason this method's uploads cannot be made private (every mechanism is
     # refused with it); e.g. a shape that depends on the data.
     privacy_refusal: ClassVar[str] = ""
+    # Secure aggregation (``privacy.secure_aggregation``, core/secure.py) needs ``summands`` and
+    # ``from_sums``; a method without them is refused with this reason.
+    secure_refusal: ClassVar[str] = "its server uses each client's upload on its own"
     # The loss is a mean over the batch of per-example terms (DP-SGD's per-example gradients,
     # core/dpsgd.py). Read from the class that defines ``loss``: a subclass that overrides it
     # declares again (cross-entropy here: True).
@@ -307,6 +310,19 @@ class Algorithm(ABC, Generic[S, B, U]):
         server's own evaluation, ``data.server_eval_size``); None for a method with no global
         model (personalized parts, prototypes, heterogeneous models): evaluation is skipped."""
         return None
+
+    def summands(self, upload: U, weight: float) -> Mapping[str, Tensor] | None:
+        """What ``upload`` (of weight ``weight``, at most 1) adds to the round's secure sum:
+        float tensors by name, each entry in ``[-R, R]`` for the configured range (weights and
+        class counts come scaled so that they are at most 1). None: this method's server needs
+        each upload (secure aggregation is refused, ``secure_refusal``)."""
+        return None
+
+    def from_sums(self, state: S, sums: Mapping[str, Tensor], round_num: int) -> Weighted[U]:
+        """The one upload (client id -1) whose :meth:`aggregate` gives the state the round's
+        uploads give, from the sums of their :meth:`summands` (float64). Declared with
+        ``summands``; a test holds the two equal for every registered method."""
+        raise NotImplementedError(f"{type(self).__name__} declares no summands")
 
     def upload_metrics(self, upload: U) -> dict[str, float]:
         """Per-client numbers an upload reports, summed over the round's valid uploads into the

@@ -119,6 +119,12 @@ class PrivacyRule:
     sample_clip: float = 0.0
     sample_noise_multiplier: float = 1.0  # DP-SGD's noise sd / sample_clip
     accountant: str = "rdp"  # rdp | pld (dp-accounting's Renyi or privacy-loss-distribution)
+    # Secure aggregation (core/secure.py): the server learns only the sum of a round's uploads,
+    # by Flower's SecAgg+ over Flower and by the same arithmetic on the simulator
+    secure_aggregation: bool = False
+    secagg_range: float = 8.0  # every summed entry (weights <= 1 times values) within [-R, R]
+    secagg_shares: float = 1.0  # fraction of the round's clients each shares its keys with
+    secagg_threshold: float = 0.5  # fraction of those shares that reconstructs a secret
 
     def __post_init__(self) -> None:
         if self.mechanism not in PRIVACY_MECHANISMS:
@@ -139,8 +145,25 @@ class PrivacyRule:
             "epsilon",
             "sample_clip",
             "sample_noise_multiplier",
+            "secagg_range",
+            "secagg_shares",
+            "secagg_threshold",
         ):
             _number(key, getattr(self, key), float, "privacy")
+        if not isinstance(self.secure_aggregation, bool):
+            raise ValueError(
+                f"privacy.secure_aggregation = {self.secure_aggregation!r} must be true or false"
+            )
+        if self.secagg_range <= 0:
+            raise ValueError(f"privacy.secagg_range = {self.secagg_range} must be > 0")
+        for key in ("secagg_shares", "secagg_threshold"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"privacy.{key} = {getattr(self, key)} must be in (0, 1]")
+        if self.secure_aggregation and self.mechanism == "central":
+            raise ValueError(
+                'privacy.secure_aggregation hides each upload from the server, which the "central" '
+                'mechanism clips and noises one by one: use privacy.mechanism = "local" with it'
+            )
         if self.clip <= 0:
             raise ValueError(f"privacy.clip = {self.clip} must be > 0")
         if self.noise_multiplier < 0:

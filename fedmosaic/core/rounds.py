@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedmosaic.core import accountant, guard, privacy, robust, seeding
+from fedmosaic.core import accountant, guard, privacy, robust, secure, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
@@ -54,6 +54,8 @@ class FitResult:
     bytes_down: int
     loss: float = math.nan
     error: str | None = None
+    # under secure aggregation: the upload's metrics (costs), sent in clear with the masked sum
+    metrics: dict[str, float] | None = None
 
 
 @dataclass
@@ -108,6 +110,13 @@ class Transport(Protocol):
     """
 
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]: ...
+
+    def fit_secure(
+        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
+    ) -> tuple[list[FitResult], secure.SecureSum | None]:
+        """``fit`` under secure aggregation: the replies without their uploads (errors, example
+        counts, losses, clear metrics) and the sum of the clients' summands (None: no sum)."""
+        ...
 
     def evaluate(
         self, round_num: int, messages: dict[int, Payload], receive: bool = True
@@ -351,6 +360,14 @@ def run_rounds(
             rule.peer_factor,
         )
         rule = dataclasses.replace(rule, peer_factor=0.0)
+    if p.secure_aggregation:
+        log.warning(
+            "privacy.secure_aggregation: the server sees only the round's sum, so it cannot "
+            "check one upload (the peer guard, server.peer_factor = %g, and the per-upload "
+            "checks are off); the rebuilt upload is checked against its schema",
+            rule.peer_factor,
+        )
+        rule = dataclasses.replace(rule, peer_factor=0.0)
     view = robust.ServerView(rule, spec.num_train, spec.class_counts, private_noise=noise)
     server_eval = server_evaluates(algo, state, spec)
     last = done
@@ -371,18 +388,29 @@ def run_rounds(
             break
         last = t
         t0 = time.perf_counter()
-        results = transport.fit(t, broadcast(algo, state, sampled, t))
-        t1 = time.perf_counter()
-        watched = suspects(history.rounds, sampled)
-        uploads, rec["rejected"] = screen_replies(
-            algo, state, spec, round_view, results, t, watched
-        )
-        rec.update(upload_totals(algo, uploads))
+        messages = broadcast(algo, state, sampled, t)
+        if p.secure_aggregation:
+            results, uploads, rec["rejected"], participants, totals = secure_fit(
+                algo, state, spec, transport, round_view, messages, t
+            )
+            t1 = time.perf_counter()
+            rec.update(totals)
+        else:
+            results = transport.fit(t, messages)
+            t1 = time.perf_counter()
+            watched = suspects(history.rounds, sampled)
+            uploads, rec["rejected"] = screen_replies(
+                algo, state, spec, round_view, results, t, watched
+            )
+            participants = [u.client_id for u in uploads]
+            rec.update(upload_totals(algo, uploads))
         if spec.privacy.mechanism == "central":
             uploads = central_release(algo, state, spec, uploads, t)
-        state, rec["aggregated"] = aggregate_round(algo, state, uploads, plan, round_view, t)
+        state, rec["aggregated"] = aggregate_round(
+            algo, state, uploads, plan, round_view, t, len(participants)
+        )
         t2 = time.perf_counter()
-        rec.update(reply_stats(algo, sampled, results, uploads))
+        rec.update(reply_stats(algo, sampled, results, participants))
         if ledger is not None:
             ledger.record(released(rec))
             rec["epsilon"] = ledger.current()
@@ -640,6 +668,60 @@ def check_reply(
         guard.check_upload(r.upload, r.client_id, algo.upload_names(state, r.upload))
 
 
+def secure_fit(
+    algo: Algorithm,
+    state: Any,
+    spec: FederationSpec,
+    transport: Transport,
+    view: robust.ServerView,
+    messages: dict[int, Payload],
+    round_num: int,
+) -> tuple[list[FitResult], list[Weighted], list[int], list[int], dict[str, Any]]:
+    """A round's fit under secure aggregation: ``(replies, [the upload rebuilt from the sum],
+    rejected clients, the clients in the sum, their clear metrics summed)``. The weight scale is
+    public: 1 under ``[privacy]`` (every upload weighs 1), else the largest training split."""
+    p = spec.privacy
+    scale = 1.0 if p.on else float(max(spec.num_train, default=1) or 1)
+    sf = secure.form(
+        spec.seed,
+        p.secagg_range,
+        len(messages),
+        scale,
+        uniform=p.on,
+        shares=p.secagg_shares,
+        threshold=p.secagg_threshold,
+    )
+    results, total = transport.fit_secure(round_num, messages, sf)
+    rejected = []
+    for r in results:
+        if r.error is not None:
+            log.warning(
+                "round %d: dropped the reply of client %d: %s", round_num, r.client_id, r.error
+            )
+            rejected.append(r.client_id)
+    if total is None or not total.clients:
+        return results, [], rejected, [], {}
+    try:
+        rebuilt = algo.from_sums(state, total.sums, round_num)
+        with robust.serving(view):
+            guard.check_upload(rebuilt.payload, -1, algo.upload_names(state, rebuilt.payload))
+    except (PayloadError, KeyError, ValueError) as exc:
+        log.warning(
+            "round %d: refused the secure sum of clients %s: %s",
+            round_num,
+            list(total.clients),
+            exc,
+        )
+        return results, [], sorted({*rejected, *total.clients}), [], {}
+    totals: dict[str, Any] = {}
+    inside = set(total.clients)
+    for r in results:
+        if r.client_id in inside:
+            for k, v in (r.metrics or {}).items():
+                totals[k] = totals.get(k, 0) + v
+    return results, [rebuilt], rejected, list(total.clients), totals
+
+
 def upload_totals(algo: Algorithm, uploads: Sequence[Weighted]) -> dict[str, Any]:
     """The method's per-upload metrics (``upload_metrics``), summed over the round's uploads."""
     totals: dict[str, Any] = {}
@@ -656,16 +738,20 @@ def aggregate_round(
     plan: RoundPlan,
     view: robust.ServerView,
     round_num: int,
+    replies: int | None = None,
 ) -> tuple[Any, bool]:
     """``(server state, aggregated)``: the aggregate of ``uploads``, or the state unchanged when
-    there are fewer than ``plan.min_replies`` or the aggregate is not finite."""
+    there are fewer than ``plan.min_replies`` valid replies (``replies``; default: the uploads;
+    under secure aggregation one upload stands for the clients in the sum) or the aggregate is
+    not finite."""
     minimum = max(plan.min_replies, 1)
-    if len(uploads) < minimum:
+    valid = len(uploads) if replies is None else replies
+    if valid < minimum or not uploads:
         log.warning(
             "round %d: skipped: %d valid replies, fewer than the minimum of %d; "
             "the server state is unchanged",
             round_num,
-            len(uploads),
+            valid if uploads else 0,
             minimum,
         )
         return state, False
@@ -687,15 +773,16 @@ def reply_stats(
     algo: Algorithm,
     sampled: Sequence[int],
     results: Sequence[FitResult],
-    uploads: Sequence[Weighted],
+    participants: Sequence[int],
 ) -> dict[str, Any]:
-    """The round record's participants, traffic and mean training loss."""
+    """The round record's participants (the clients whose uploads were aggregated), traffic and
+    mean training loss."""
     talks = algo.communicates
     up = sum(r.bytes_up for r in results) if talks else 0
     down = sum(r.bytes_down for r in results) if talks else 0
     losses = [r.loss for r in results if not math.isnan(r.loss)]
     return {
-        "participants": [u.client_id for u in uploads],
+        "participants": list(participants),
         "num_sampled": len(sampled),
         "bytes_up": up,
         "bytes_down": down,

@@ -40,8 +40,21 @@ EXTRAS_STATE = "fedmosaic.extras"  # context.state: the algorithm's client extra
 CLIENT_STATE = "fedmosaic.client"  # context.state: which client the state above belongs to
 TEST_FAULT = "fedmosaic-test-fault"  # node config, tests only: nan | malformed | raise
 
+
+def _secure_mod(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
+    """Flower's ``secaggplus_mod`` around the workflow's messages (``privacy.secure_aggregation``,
+    ``flower/secagg.py``); every other message goes straight to its handler."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if msg.metadata.message_type == "train" and RECORD_KEY_CONFIGS in msg.content.config_records:
+        from flwr.client.mod import secaggplus_mod
+
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
 server_app = ServerApp()
-client_app = ClientApp()
+client_app = ClientApp(mods=[_secure_mod])
 
 
 # ---- client half ------------------------------------------------------------------------------
@@ -185,16 +198,16 @@ class _Client:
         self.context.state[EXTRAS_STATE] = tensors_to_record(self.extras.state_dict())
         self.context.state[CLIENT_STATE] = ConfigRecord({"client-id": self.cid})
 
-    def broadcast(self, msg: Message) -> tuple[Any, dict[str, Any]]:
+    def broadcast(self, content: RecordDict) -> tuple[Any, dict[str, Any]]:
         from fedmosaic.core.payload import PayloadError
         from fedmosaic.flower import messages as m
         from fedmosaic.flower.codec import records_to_payload
 
-        head = m.header(msg.content)
+        head = m.header(content)
         if m.int_field(head, "client-id") != self.cid:
             raise PayloadError(f"message for client {head.get('client-id')} sent to {self.cid}")
         m.check_payload_type(head, self.setup.algo.Broadcast)
-        return records_to_payload(self.setup.algo.Broadcast, msg.content), head
+        return records_to_payload(self.setup.algo.Broadcast, content), head
 
 
 @client_app.query()
@@ -218,8 +231,13 @@ def train(msg: Message, context: Context) -> Message:
     fault = context.node_config.get(TEST_FAULT, "")
     if fault == "raise":
         raise RuntimeError(f"{TEST_FAULT}=raise")
+    inner = None  # under secure aggregation: the message inside the workflow's fit instructions
+    if "fitins.config" in msg.content.config_records:
+        from fedmosaic.flower import secagg
+
+        inner = secagg.embedded(msg)
     client = _Client(context)
-    payload, head = client.broadcast(msg)
+    payload, head = client.broadcast(msg.content if inner is None else inner)
     setup = client.setup
     out = client_ops.fit(
         setup.algo,
@@ -233,6 +251,11 @@ def train(msg: Message, context: Context) -> Message:
         setup.cfg.train.local_epochs,
     )
     client.save()
+    if inner is not None:
+        reply = secagg.reply(
+            setup.algo, client.cid, out.upload, out.num_examples, float(out.stats.mean_loss), head
+        )
+        return Message(reply, reply_to=msg)
     content = m.payload_message(
         out.upload,
         **{
@@ -253,7 +276,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     from fedmosaic.flower import messages as m
 
     client = _Client(context)
-    payload, head = client.broadcast(msg)
+    payload, head = client.broadcast(msg.content)
     receive = bool(head.get("receive", True))
     counts = client_ops.evaluate(
         client.setup.algo,
@@ -279,7 +302,7 @@ def finetune(msg: Message, context: Context) -> Message:
     from fedmosaic.flower import messages as m
 
     client = _Client(context)
-    payload, head = client.broadcast(msg)
+    payload, head = client.broadcast(msg.content)
     phases = m.phases_from_json(str(head.get("phases", "[]")))
     client_ops.finetune(
         client.setup.algo,

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from flwr.app import Message, RecordDict
 
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.errors import ConfigError
@@ -34,6 +35,7 @@ from fedmosaic.core.rounds import (
     FitResult,
 )
 from fedmosaic.flower import messages as m
+from fedmosaic.flower import secagg
 from fedmosaic.flower.codec import records_to_payload, wire_size
 from fedmosaic.flower.settings import FlowerOptions
 
@@ -312,6 +314,12 @@ class GridTransport:
         )
         self._note(round_num, "nodes", dict(sorted(self.node_of.items())))
         return [results[cid] for cid in messages]
+
+    def fit_secure(
+        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
+    ) -> tuple[list[FitResult], secure.SecureSum | None]:
+        """The round's fit by Flower's SecAgg+ workflow (``flower/secagg.py``)."""
+        return secagg.fit(self, round_num, messages, form)
 
     def _fit_result(self, cid: int, reply: Message, down: int) -> FitResult:
         up = 0

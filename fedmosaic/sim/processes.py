@@ -55,6 +55,7 @@ import torch
 
 import fedmosaic
 from fedmosaic.config import from_dict
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.payload import Payload, PayloadError, decode
 from fedmosaic.core.rounds import (
@@ -407,6 +408,14 @@ class ProcessTransport:
         return calls
 
     # ---- Transport -------------------------------------------------------------------------
+    def fit_secure(
+        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
+    ) -> tuple[list[FitResult], secure.SecureSum | None]:
+        """Secure aggregation's arithmetic in process (``secure.emulate``): the sum Flower's
+        SecAgg+ gives, bit for bit."""
+        results = self.fit(round_num, messages)
+        return results, secure.emulate(self.algo, results, form, round_num)
+
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         table = MessageTable(messages)
         costs = self.balance_costs()

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from torch import nn
 
 from fedmosaic.core import client as client_ops
+from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Algorithm, Phase
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
@@ -136,6 +137,14 @@ class SimTransport:
             self.host.flush(cids)
 
     # ---- Transport -------------------------------------------------------------------------
+    def fit_secure(
+        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
+    ) -> tuple[list[FitResult], secure.SecureSum | None]:
+        """Secure aggregation's arithmetic in process (``secure.emulate``): the sum Flower's
+        SecAgg+ gives, bit for bit."""
+        results = self.fit(round_num, messages)
+        return results, secure.emulate(self.algo, results, form, round_num)
+
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         received, downs = {}, {}
         for cid, msg in messages.items():
