@@ -44,6 +44,8 @@ Power: the seeds for 80% power at the 5% level to resolve the paper's gap (``at_
 margin plus the paper's gap; without a paper gap, the plan's smallest gap that matters, else the
 margin), at the observed spread and at the spread's 95% bounds: "needs 16 (6-553)".
 
+What makes two cells a fair pair is :mod:`.fairness`; the page's Markdown is :mod:`.claims_page`.
+
     python -m fedmosaic.report.claims                   # -> stdout
     python -m fedmosaic.report.claims --out docs/results/claims.md
     python -m fedmosaic.report.claims --results /elsewhere/docs/results
@@ -59,13 +61,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fedmosaic.algorithms import ALGORITHMS  # importing the package registers every built-in
-from fedmosaic.checkpoint import config_fingerprint, config_hash
-from fedmosaic.config import ConfigError
-from fedmosaic.models import build_client_model, family_members
 from fedmosaic.report import stats
+from fedmosaic.report.claims_page import ALPHA, budget_markdown, markdown, seeds_text
+from fedmosaic.report.fairness import (
+    _rounds_run,
+    _suite,
+    budget_problems,
+    pair_problems,
+)
 from fedmosaic.report.plans import (
     ACCURACY_METRICS,
     MARGIN,
@@ -76,7 +79,6 @@ from fedmosaic.report.plans import (
     PlanError,
     load_plans,
 )
-from fedmosaic.report.suite import load_suite
 from fedmosaic.report.suite_report import METRIC_KEYS, aggregate
 
 HOLDS = "holds"
@@ -97,17 +99,13 @@ RANK = {
     WITHIN: 2,
     HOLDS: 3,
 }
-POWER, ALPHA = 0.8, 0.05
+POWER = 0.8
 MAX_SEEDS = stats.MAX_SEEDS
 AT_THIS_BUDGET = " at this budget"
 
 # Relative on purpose: the repository's results, resolved against the current directory when read
 # (the package lives in site-packages once installed, where no docs/ sits beside it).
 RESULTS = Path("docs") / "results"
-
-# Config sections every pair must share key by key (unless the plan declares a difference);
-# ``sim`` only for its numerics (backend, threads and workers give the same numbers).
-PAIRED_SECTIONS = ("data", "model", "train", "server", "eval")
 
 
 def load_cells(root: Path, suite: str) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -138,11 +136,6 @@ def _at_round(doc: dict[str, Any], round_num: int, key: str) -> float | None:
 def _last_evaluated(doc: dict[str, Any], key: str) -> int:
     rounds = [int(r["round"]) for r in doc.get("rounds", []) if r.get(key) is not None]
     return max(rounds) if rounds else 0
-
-
-def _rounds_run(doc: dict[str, Any]) -> int | None:
-    r = doc.get("summary", {}).get("rounds_run")
-    return None if r is None else int(r)
 
 
 def _val_key(key: str) -> str:
@@ -226,163 +219,6 @@ def _pct(v: Any) -> float | None:
 
 
 # ---- fair pairs ------------------------------------------------------------------------------
-_INPUT_SHAPES = {
-    "fmnist": (1, 28, 28),
-    "mnist": (1, 28, 28),
-    "emnist": (1, 28, 28),
-    "cifar10": (3, 32, 32),
-    "cifar100": (3, 32, 32),
-    "tinyimagenet": (3, 64, 64),
-}
-_COUNTS: dict[str, tuple[int, ...] | None] = {}
-
-
-def param_counts(doc: dict[str, Any]) -> tuple[int, ...] | None:
-    """Client by client, the parameter count of the model a cell trained and evaluated, rebuilt
-    from its stored config (None when the input shape is not known without the data)."""
-    cfg = doc.get("config", {})
-    data, model = cfg.get("data", {}), cfg.get("model", {})
-    dataset = str(data.get("dataset", ""))
-    shape = _INPUT_SHAPES.get(dataset.split("-")[0])
-    if dataset == "synthetic":
-        shape = tuple(data.get("synthetic_shape", (1, 28, 28)))
-    clients = doc.get("clients", [])
-    if shape is None or not clients:
-        return None
-    name = cfg.get("algorithm", {}).get("name")
-    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
-    projection = fixed or model.get("projection", "linear")
-    num_classes = len(clients[0]["train_label_counts"])
-    key = json.dumps([model, projection, shape, num_classes, len(clients)], sort_keys=True)
-    if key not in _COUNTS:
-        out = []
-        try:
-            members = family_members(model["family"])
-            with torch.device("meta"):  # shapes only: nothing allocated
-                for cid in range(len(clients)):
-                    m = build_client_model(
-                        members[cid % len(members)],
-                        shape,
-                        num_classes,
-                        int(model["feature_dim"]),
-                        projection=projection,
-                    )
-                    out.append(sum(p.numel() for p in m.parameters()))
-        except (KeyError, TypeError, ValueError) as exc:  # a damaged cell: name it, no traceback
-            raise ValueError(
-                f"a cell's stored model config {model!r} cannot be rebuilt ({exc!r})"
-            ) from exc
-        _COUNTS[key] = tuple(out)
-    return _COUNTS[key]
-
-
-def _algo_value(cfg: dict[str, Any], key: str) -> Any:
-    algo = cfg.get("algorithm", {})
-    name = algo.get("name")
-    default = getattr(ALGORITHMS.get(name), key, None) if name in ALGORITHMS else None
-    return algo.get(key, default)
-
-
-def _cfg_value(cfg: dict[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _code(doc: dict[str, Any]) -> str | None:
-    code = doc.get("provenance", {}).get("code", {})
-    return code.get("source_hash") if isinstance(code, dict) else None
-
-
-def _numerics(doc: dict[str, Any]) -> str:
-    """The cell's arithmetic: its config's ``sim.numerics`` (cells before the key: native)."""
-    return str(doc.get("config", {}).get("sim", {}).get("numerics", "native"))
-
-
-def hash_problems(label: str, doc: dict[str, Any]) -> list[str]:
-    """A cell whose stored config does not give its stored config hash (an edited cell)."""
-    stored = doc.get("cell", {}).get("config_hash") if isinstance(doc.get("cell"), dict) else None
-    if stored is None:
-        return []
-    if config_hash(doc.get("config", {})) != stored:
-        return [f"{label}'s stored config does not match its config hash (edited after the run)"]
-    return []
-
-
-def pair_problems(c: Comparison, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Why the method's cell ``a`` and the baseline's cell ``b`` are not a fair pair (empty: they
-    are): the same seed, every data, model, train, server and eval key (but those the plan
-    declares the paper prescribes differently), the same numerics, the same per-client
-    parameter counts, the algorithm keys the comparison names (``same``), both cells by the same
-    code (source hash), each cell's config matching its config hash, the suite's current
-    definition of both methods, and no honest reply dropped by the peer guard."""
-    ca, cb = a.get("config", {}), b.get("config", {})
-    out = []
-    if ca.get("seed") != cb.get("seed"):
-        out.append(f"seeds {ca.get('seed')} vs {cb.get('seed')}")
-    fa, fb = config_fingerprint(ca), config_fingerprint(cb)  # a later key at its default = absent
-    for section in PAIRED_SECTIONS:
-        sa, sb = fa.get(section, {}), fb.get(section, {})
-        if section == "server":  # the peer guard: bitwise off where it dropped nothing (below)
-            sa, sb = ({k: v for k, v in x.items() if k != "peer_factor"} for x in (sa, sb))
-        keys = sorted(
-            k
-            for k in set(sa) | set(sb)
-            if sa.get(k) != sb.get(k) and f"{section}.{k}" not in c.declared
-        )
-        if section == "model" and "projection" in keys:  # a method may fix its projection
-            pa, pb = _projection(ca), _projection(cb)
-            if pa == pb:
-                keys.remove("projection")
-        if section == "data" and keys:
-            out.append(f"data config differs ({', '.join(keys)})")
-        else:
-            out += [f"{section}.{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in keys]
-    if _numerics(a) != _numerics(b):
-        out.append(f"sim.numerics {_numerics(a)!r} vs {_numerics(b)!r}")
-    if c.metric == "after_finetune" and _rounds_run(a) != _rounds_run(b):
-        out.append(f"rounds run {_rounds_run(a)} vs {_rounds_run(b)} before fine-tuning")
-    pa, pb = param_counts(a), param_counts(b)
-    if pa is not None and pb is not None and pa != pb:
-        diff = next(i for i, (x, y) in enumerate(zip(pa, pb, strict=False)) if x != y)
-        out.append(f"client models differ (client {diff}: {pa[diff]:,} vs {pb[diff]:,} parameters)")
-    for k in c.same:
-        va, vb = _algo_value(ca, k), _algo_value(cb, k)
-        if va != vb:
-            out.append(f"algorithm.{k} {va!r} vs {vb!r}")
-    code_a, code_b = _code(a), _code(b)
-    if code_a != code_b:
-        out.append(f"made by different code (source {str(code_a)[:12]} vs {str(code_b)[:12]})")
-    for label, doc in ((c.method, a), (c.baseline, b)):
-        out += hash_problems(label, doc)
-        out += definition_problems(c.suite, label, doc)
-        out += guard_problems(label, doc)
-    return out
-
-
-def _projection(cfg: dict[str, Any]) -> Any:
-    """The projection a cell's networks were built with: the method's own where it fixes one."""
-    name = cfg.get("algorithm", {}).get("name")
-    fixed = ALGORITHMS.get(name).model_projection if name in ALGORITHMS else None
-    return fixed or cfg.get("model", {}).get("projection", "linear")
-
-
-def budget_problems(plan: Plan, label: str, doc: dict[str, Any]) -> list[str]:
-    """Where a cell is not of the plan's equal budget: another round count, stopped before its
-    last round (a plateau stop), or other numerics than the plan's."""
-    out = []
-    rounds = doc.get("config", {}).get("train", {}).get("rounds")
-    if rounds != plan.rounds:
-        out.append(f"{label}'s cell has train.rounds = {rounds}, the plan {plan.rounds}")
-    ran = _rounds_run(doc)
-    if ran is not None and rounds is not None and ran != rounds:
-        out.append(f"{label}'s cell stopped at round {ran} of {rounds} (a plateau stop)")
-    if _numerics(doc) != plan.numerics:
-        out.append(
-            f"{label}'s cell has sim.numerics = {_numerics(doc)!r}, the plan {plan.numerics!r}"
-        )
-    return out
 
 
 def curve_slope(doc: dict[str, Any], key: str, fraction: float) -> float | None:
@@ -542,60 +378,6 @@ def paired_seeds(c: Comparison, cells: dict[tuple[str, str, int], dict[str, Any]
     )
 
 
-def guard_problems(label: str, doc: dict[str, Any]) -> list[str]:
-    """Where the peer guard (``server.peer_factor``) dropped replies in a cell: an honest run
-    that lost a client's update is not the paper's method (its numbers are those of the guard
-    off only when nothing was dropped). The cure is a re-run with ``server.peer_factor = 0``."""
-    server = doc.get("config", {}).get("server", {})
-    if not server.get("peer_factor", 10.0):  # the guard was off: rejections were invalid replies
-        return []
-    rounds = [r.get("round") for r in doc.get("rounds", []) if r.get("rejected")]
-    if not rounds:
-        return []
-    shown = ", ".join(str(t) for t in rounds[:5]) + (", ..." if len(rounds) > 5 else "")
-    return [
-        f"{label}'s run dropped replies in round(s) {shown} (server.peer_factor): re-run it with "
-        "server.peer_factor = 0"
-    ]
-
-
-_SUITES: dict[str, Any] = {}
-
-
-def _suite(name: str) -> Any:
-    """A bundled suite's definition, read once (None: not a bundled suite)."""
-    if name not in _SUITES:
-        try:
-            _SUITES[name] = load_suite(name)
-        except (ConfigError, OSError):  # the claims name bundled suites; tests use others
-            _SUITES[name] = None
-    return _SUITES[name]
-
-
-def definition_problems(suite: str, label: str, doc: dict[str, Any]) -> list[str]:
-    """Where a cell of ``label`` was made by another definition of that method than the suite's
-    current one (its algorithm table and its overrides): e.g. a method whose options changed."""
-    definition = _suite(suite)
-    if definition is None:
-        return []
-    method = next((m for m in definition.methods if m.label == label), None)
-    if method is None:
-        return [f"{label} is not a method of suite {suite}"]
-    cfg = doc.get("config", {})
-    out = []
-    for k, want in method.algorithm.items():
-        if cfg.get("algorithm", {}).get(k) != want:
-            got = cfg.get("algorithm", {}).get(k)
-            out.append(f"{label}'s cell has algorithm.{k} = {got!r}, the suite {want!r}")
-    for dotted, want in method.overrides.items():
-        node: Any = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node != want:
-            out.append(f"{label}'s cell has {dotted} = {node!r}, the suite {want!r}")
-    return out
-
-
 def resolution(doc: dict[str, Any], accuracy_pct: float | None) -> dict[str, Any]:
     """A cell's test-set resolution: its test images, points per image, and the binomial
     sampling spread (points) of one accuracy near ``accuracy_pct`` on that many images."""
@@ -685,17 +467,6 @@ def _short(c: Comparison, mean_gap: float) -> bool:
         return False
     paper_gap = c.paper[0] - c.paper[1]
     return paper_gap > 0 and mean_gap < 0.5 * paper_gap
-
-
-def seeds_text(p: dict[str, Any]) -> str:
-    """``16 (6-553)``: seeds for 80% power at the observed spread (and at its 95% bounds)."""
-
-    def one(n: int | None) -> str:
-        return f"> {MAX_SEEDS:,}" if n is None else f"{n:,}"
-
-    if p["delta"] is None or not p.get("spread"):
-        return "-"
-    return f"{one(p['seeds'])} ({one(p['low'])} to {one(p['high'])})"
 
 
 def needs(j: dict[str, Any]) -> str:
@@ -794,24 +565,6 @@ def budget_rows(root: Path = RESULTS / "full") -> list[dict[str, Any]]:
     return rows
 
 
-def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "| cells folder | suite | cells | seeds | FMNIST fraction | rounds run | "
-        "wall hours (2 cores) | code |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.get('folder', '')} | {r['suite']} | {r['cells']} | "
-            f"{', '.join(map(str, r['seeds']))} | "
-            f"{', '.join(f'{f:g}' for f in r['fractions'])} | {r['rounds'][0]}-{r['rounds'][1]} | "
-            f"{r['hours']:.2f} | {', '.join(r['codes'])} |"
-        )
-    total = sum(r["hours"] for r in rows)
-    lines.append(f"| all | | {sum(r['cells'] for r in rows)} | | | | {total:.2f} | |")
-    return "\n".join(lines) + "\n"
-
-
 # ---- the page ----------------------------------------------------------------------------------
 def _fractions(
     cells: dict[tuple[str, str, int], dict[str, Any]], c: Comparison, seeds: Sequence[int]
@@ -908,330 +661,6 @@ def page_family(claims_out: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r, rej, q in zip(items, rejected, qs, strict=True):
         r["holm"], r["bh_q"] = rej, q
     return items
-
-
-def _num(agg: dict[str, Any], digits: int = 2) -> str:
-    if agg["mean"] is None:
-        return "-"
-    if agg["ci95"] is None:
-        return f"{agg['mean']:.{digits}f}"
-    return f"{agg['mean']:.{digits}f} ± {agg['ci95']:.{digits}f}"
-
-
-def _interval(agg: dict[str, Any]) -> str:
-    if agg["mean"] is None:
-        return "-"
-    s = f"{agg['mean']:+.2f}"
-    if agg["ci95"] is None:
-        return s
-    return f"{s} [{agg['mean'] - agg['ci95']:+.2f}, {agg['mean'] + agg['ci95']:+.2f}]"
-
-
-def _adjusted(j: dict[str, Any]) -> str:
-    if j.get("interval") is None:
-        return "-"
-    lo, hi = j["interval"]
-    return f"[{lo:+.2f}, {hi:+.2f}] at {100 * (1 - j['level']):.2f}%"
-
-
-def _p(p: float | None) -> str:
-    if p is None:
-        return "-"
-    return f"{p:.2g}" if p >= 1e-4 else f"{p:.0e}"
-
-
-def _metric_label(c: Comparison) -> str:
-    if c.metric == "kb_per_round":
-        return "kB/client/round (up + down)"
-    if c.metric == "paper_cost_g":
-        return "Table 4 cost (G)"
-    acc = "weighted" if c.accuracy == "weighted" else "unweighted"
-    where = {
-        "final": "final",
-        "after_finetune": "after fine-tune",
-        "common_round": "same round",
-        "mean_over_rounds": "mean over rounds 1..r",
-    }
-    return f"{where[c.metric]} acc, {acc} (%)"
-
-
-def _resolution_text(r: dict[str, Any]) -> str:
-    if r["per_image"] is None:
-        return "-"
-    return f"{r['test_images']:,} img: {r['per_image']:.3f} pt each, sd {r['sampling_sd']:.2f}"
-
-
-def _slopes_text(j: dict[str, Any]) -> str:
-    a, b = j["slopes"]
-    if a is None and b is None:
-        return "-"
-    f = lambda v: "-" if v is None else f"{v:+.2f}"  # noqa: E731
-    return f"{f(a)} / {f(b)}"
-
-
-def _paper_text(c: Comparison) -> str:
-    if c.paper is None:
-        return "-"
-    out = f"{c.paper[0]:g} vs {c.paper[1]:g}"
-    if c.relation != "lower":
-        out += f" ({c.paper[0] - c.paper[1]:+.2f})"
-    if c.paper_note:
-        out += f" ({c.paper_note})"
-    return out
-
-
-def _day(stamp: str) -> str:
-    return stamp[:10]
-
-
-def summary_markdown(claims_out: Sequence[dict[str, Any]]) -> str:
-    """One row per claim: its verdict, its plan's date and its cells' dates, the seeds and the
-    comparisons' verdicts."""
-    lines = [
-        "| claim | verdict | plan committed | cells ran | seeds | evidence | comparisons |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for res in claims_out:
-        js = res["comparisons"]
-        ns = sorted({len(j["seeds"]) for j in js})
-        seeds = (
-            "-"
-            if ns == [0]
-            else ("-".join(str(n) for n in (ns[0], ns[-1])) if ns[0] != ns[-1] else str(ns[0]))
-        )
-        evidence = sorted(
-            {
-                f"{j['source']} {', '.join(f'{100 * f:g}%' for f in j['fraction'])}"
-                for j in js
-                if j.get("fraction")
-            }
-        )
-        rounds = [r for j in js for r in j["rounds"]]
-        if rounds:
-            lo, hi = min(rounds), max(rounds)
-            evidence.append(f"round {lo}" if lo == hi else f"rounds {lo}-{hi}")
-        counts: dict[str, int] = {}
-        for j in js:
-            v = j["verdict"].split(":")[0].split(";")[0]
-            counts[v] = counts.get(v, 0) + 1
-        parts = ", ".join(f"{k} {v}" for v, k in sorted(counts.items(), key=lambda kv: kv[0]))
-        plan_day = _day(res["plan"].committed())
-        ran = "-"
-        if res["dates"]:
-            first, last = (_day(d) for d in res["dates"])
-            ran = first if first == last else f"{first} to {last}"
-            if plan_day > first:
-                ran += " (before the plan)"
-        lines.append(
-            f"| {res['claim'].title} | **{res['verdict']}** | {plan_day} | {ran} | {seeds} | "
-            f"{'; '.join(evidence) or '-'} | {parts} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plan_markdown(plan: Plan) -> list[str]:
-    """The plan's rules, as the page shows them beside its verdicts."""
-    looks = (
-        f"planned at {', '.join(map(str, plan.looks))} seeds, {plan.boundary} spending"
-        if plan.looks
-        else f"as recorded per comparison, {plan.boundary} spending"
-    )
-    lines = [
-        f"*Plan* (`{plan.path.name}`, committed {_day(plan.committed())}): cells "
-        f"`{plan.budget}/`, {plan.rounds} rounds for every method read at the last, "
-        f"{plan.numerics} numerics, primary metric `{plan.primary}`, two-sided alpha "
-        f"{plan.alpha:g} with Holm over each claim's comparisons; looks {looks}"
-        + (
-            f"; a curve whose slope over its last {100 * plan.flat_window:g}% of rounds is above "
-            f"{plan.flat_tolerance:g} point per 10 rounds is named as still climbing"
-            if plan.flat_window > 0
-            else ""
-        )
-        + ".",
-        "",
-    ]
-    if plan.command:
-        lines += [f"Cells: `{plan.command}`.", ""]
-    for head, text in (
-        (f"Margin ({plan.margin:g} point)", plan.margin_reason),
-        (f"Smallest gap that matters ({plan.smallest_gap:g} point)", plan.smallest_gap_reason),
-        ("Substitution", plan.substitution),
-        ("Why this design", plan.reason),
-        ("Other hosts", plan.cross_host),
-    ):
-        if text:
-            lines += [f"{head}: {' '.join(text.split())}", ""]
-    return lines
-
-
-def claim_markdown(res: dict[str, Any]) -> list[str]:
-    claim = res["claim"]
-    lines = [f"#### {claim.title}", "", f"**Verdict: {res['verdict']}.**", ""]
-    lines.append(
-        "| setting | method vs baseline | metric | cells | seeds | method | baseline | "
-        "gap [95%] | p | Holm level | adjusted interval | paper | verdict | seeds for 80% power "
-        "(spread's 95% bounds) | test-set resolution | slope, last rounds (pt/10 rounds) | "
-        "gap best-on-val / best-on-test |"
-    )
-    lines.append("|" + "---|" * 17)
-    for j in res["comparisons"]:
-        c: Comparison = j["comparison"]
-        metric = _metric_label(c)
-        if j["rounds"]:
-            lo, hi = min(j["rounds"]), max(j["rounds"])
-            metric += f" (round {lo})" if lo == hi else f" (rounds {lo}-{hi})"
-        fraction = ", ".join(f"{f:g}" for f in j.get("fraction", [])) or "-"
-        n = len(j["seeds"])
-        seeds = str(n)
-        if len(j["schedule"]) > 1 and j["look"] >= 0:
-            seeds += f" (look {j['look'] + 1} of {len(j['schedule'])})"
-        elif len(j["schedule"]) > 1:
-            seeds = f"{len(j['all_seeds'])} of {j['schedule'][0]} (first look)"
-        t = j["test"]
-        lines.append(
-            f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | "
-            f"{j.get('source', '-')} ({fraction}) | {seeds} | {_num(j['method'])} | "
-            f"{_num(j['baseline'])} | {_interval(j['diff'])} | {_p(None if t is None else t.p)} | "
-            f"{_p(j.get('level') if t is not None else None)} | {_adjusted(j)} | {_paper_text(c)} | {j['verdict']} | "
-            f"{seeds_text(j['power'])} | {_resolution_text(j['resolution'])} | "
-            f"{_slopes_text(j)} | {_interval(j['best_on_val'])} / {_interval(j['best_on_test'])} |"
-        )
-    lines.append("")
-    return lines
-
-
-def looks_markdown(claims_out: Sequence[dict[str, Any]]) -> list[str]:
-    """Every comparison looked at more than once: each look's seeds and result, with its
-    boundary (the plan's) and, for reference, O'Brien-Fleming's at the full alpha."""
-    rows = []
-    for res in claims_out:
-        plan: Plan = res["plan"]
-        for j in res["comparisons"]:
-            if len(j["looks_read"]) < 2 and len(j["schedule"]) < 2:
-                continue
-            c = j["comparison"]
-            sched = tuple(j["schedule"])
-            own = stats.nominal_levels(sched, plan.alpha, plan.boundary)
-            obf = stats.nominal_levels(sched, plan.alpha, "obrien_fleming")
-            for i, (m, t) in enumerate(j["looks_read"]):
-                p = None if t is None else t.p
-                crossed = "yes" if p is not None and p < own[i] else "no"
-                rows.append(
-                    f"| {c.suite} | {c.setting}: {c.method} vs {c.baseline} | {i + 1} of "
-                    f"{len(sched)} | {m} | {'-' if t is None else f'{t.mean:+.2f}'} | {_p(p)} | "
-                    f"{own[i]:.4f} ({plan.boundary}) | {crossed} | {obf[i]:.4f} |"
-                )
-    if not rows:
-        return []
-    return [
-        "#### Every look",
-        "",
-        "Each look reads the first n paired seeds. Levels: the two-sided nominal p-value level of "
-        "that look for the claim's full alpha (0.05), from Lan-DeMets spending over the looks' "
-        "seed fractions; within a claim Holm then divides alpha, so the level a comparison is "
-        "tested at (its row above) is smaller. O'Brien-Fleming's level is shown for reference "
-        "and decides nothing.",
-        "",
-        "| suite | comparison | look | seeds | gap | p | level (plan's boundary) | crossed | "
-        "level (O'Brien-Fleming) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-    ]
-
-
-def page_markdown_table(page: Sequence[dict[str, Any]]) -> list[str]:
-    if not page:
-        return []
-    lines = [
-        "#### Error control over the whole page",
-        "",
-        f"All {len(page)} distinct confirmatory comparisons with a p-value: Holm over all of them "
-        "(with each comparison's looks, Pocock spending), and Benjamini-Hochberg's false "
-        "discovery rate (q, over the nominal p-values). A verdict that resolves within its claim "
-        "and survives both is marked.",
-        "",
-        "| claim | comparison | metric | p | within its claim | page-wide Holm | BH q | survives both |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in page:
-        j = r["j"]
-        c = j["comparison"]
-        lines.append(
-            f"| {r['claim']} | {c.setting}: {c.method} vs {c.baseline} | {_metric_label(c)} | "
-            f"{_p(j['test'].p)} | {'resolves' if j['rejected'] else 'no'} | "
-            f"{'resolves' if r['holm'] else 'no'} | {_p(r['bh_q'])} | "
-            f"{'yes' if j['rejected'] and r['holm'] and r['bh_q'] < ALPHA else 'no'} |"
-        )
-    lines.append("")
-    return lines
-
-
-def exploratory_markdown(groups: Sequence[dict[str, Any]]) -> list[str]:
-    lines: list[str] = []
-    for g in groups:
-        rows = [j for j in g["comparisons"] if j["seeds"]]
-        if not rows:
-            continue
-        lines += [
-            f"#### Exploratory: {g['plan'].suite} ({g['group'].budget}/: {g['group'].note})",
-            "",
-            "Unadjusted 95% intervals; these cells decide no verdict.",
-            "",
-            "| setting | method vs baseline | metric | seeds | method | baseline | gap [95%] | paper | reads |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for j in rows:
-            c = j["comparison"]
-            d = j["diff"]
-            reads = "interval contains 0"
-            if d["ci95"] is not None and d["mean"] - d["ci95"] > 0:
-                reads = "above 0"
-            elif d["ci95"] is not None and d["mean"] + d["ci95"] < 0:
-                reads = "below 0"
-            elif d["ci95"] is None:
-                reads = "1 seed"
-            metric = _metric_label(c)
-            if j["rounds"]:
-                lo, hi = min(j["rounds"]), max(j["rounds"])
-                metric += f" (round {lo})" if lo == hi else f" (rounds {lo}-{hi})"
-            lines.append(
-                f"| {c.setting} | {c.method} vs {c.baseline} | {metric} | {len(j['seeds'])} | "
-                f"{_num(j['method'])} | {_num(j['baseline'])} | {_interval(d)} | "
-                f"{_paper_text(c)} | {reads} |"
-            )
-        lines.append("")
-    return lines
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The verdict table, then per plan its rules and its claims' tables, every look, the
-    page-wide error control and the exploratory groups."""
-    lines = [summary_markdown(result["claims"])]
-    seen: set[str] = set()
-    for res in result["claims"]:
-        plan: Plan = res["plan"]
-        if plan.suite not in seen:
-            seen.add(plan.suite)
-            lines += [f"### {plan.suite}", ""] + plan_markdown(plan)
-        lines += claim_markdown(res)
-    lines += looks_markdown(result["claims"])
-    lines += page_markdown_table(result["page"])
-    lines += exploratory_markdown(result["exploratory"])
-    lines.append(
-        "Values: mean ± half-width of the 95% t-interval over seeds; the gap is the mean of the "
-        "per-seed differences (same seed = same split and initial models) with its unadjusted "
-        "95% interval. p: the paired two-sided t-test (`at_or_above`: of a gap at the margin's "
-        "edge). Holm level: the level the comparison was last tested at within its claim "
-        "(Holm's share of alpha at its look); the adjusted interval is at that level and agrees "
-        "with the verdict. Seeds for 80% power: at the observed spread of the paired gap (and at "
-        "the spread's 95% confidence bounds), the seeds a two-sided t-test at 5% needs to "
-        "resolve the named gap. Slope: each method's test-accuracy slope over the plan's last "
-        "rounds, mean over seeds (method / baseline). Best-on-val and best-on-test gaps use "
-        "rounds up to the compared round; best-on-test selects the round on the test set "
-        "(optimistic) and never decides a verdict."
-    )
-    return "\n".join(lines) + "\n"
 
 
 def page(results: Path = RESULTS) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fedmosaic.checkpoint import config_hash
-from fedmosaic.report import claims, stats
+from fedmosaic.report import claims, claims_page, fairness, stats
 from fedmosaic.report.claims import FAILS, HOLDS, INCONCLUSIVE, SMALLER, WITHIN, Comparison
 from fedmosaic.report.plans import PlanError, load_plan, load_plans
 from fedmosaic.suite_runner import load_suite
@@ -401,7 +401,7 @@ def test_a_mutated_committed_cell_breaks_its_pair(path: str, value, expect: str)
 def test_the_stored_config_hash_is_checked() -> None:
     _, a, _ = _committed_pair()
     assert config_hash(a["config"]) == a["cell"]["config_hash"]
-    assert claims.hash_problems("m", a) == []
+    assert fairness.hash_problems("m", a) == []
 
 
 def test_an_unfair_pair_is_not_judged() -> None:
@@ -519,7 +519,7 @@ def test_committed_claims_page_is_what_the_committed_cells_give() -> None:
 @pytest.mark.golden
 def test_results_page_carries_the_current_verdicts() -> None:
     """docs/results.md quotes the verdict table of the committed cells verbatim."""
-    table = claims.summary_markdown(claims.evaluate(RESULTS)["claims"])
+    table = claims_page.summary_markdown(claims.evaluate(RESULTS)["claims"])
     assert table in (ROOT / "docs" / "results.md").read_text()
 
 
@@ -575,9 +575,9 @@ def test_a_cell_of_an_older_method_definition_is_flagged() -> None:
     that method."""
     algo = {"name": "fedtgp", "distance": "mse", "lam": 10.0, "tau": 100.0, "server_epochs": 100}
     old = {"config": {"algorithm": algo}}
-    (msg,) = claims.definition_problems("fedtgp_table10", "fedtgp_mse", old)
+    (msg,) = fairness.definition_problems("fedtgp_table10", "fedtgp_mse", old)
     assert msg == "fedtgp_mse's cell has algorithm.stale_prototypes = None, the suite True"
-    assert claims.definition_problems("fedtgp_table10", "fedtgp_mse_fresh", old) == []
+    assert fairness.definition_problems("fedtgp_table10", "fedtgp_mse_fresh", old) == []
 
 
 def test_final_reads_runs_of_different_lengths_at_their_common_round() -> None:
@@ -607,21 +607,21 @@ def test_a_cell_whose_model_cannot_be_rebuilt_is_one_line_not_a_traceback() -> N
         "clients": [{"train_label_counts": [1] * 10}],
     }
     with pytest.raises(ValueError, match="stored model config .* cannot be rebuilt"):
-        claims.param_counts(doc)
+        fairness.param_counts(doc)
 
 
 @pytest.mark.integration
 def test_claims_alone_sees_every_method_default():
-    """In a fresh process that imports only the claims module, a cell without a hyperparameter
+    """In a fresh process that imports only the fair-pair module, a cell without a hyperparameter
     compares at the method's default: the registry is filled by claims' own imports (a cell's
     ``distance`` read as None made FedTGP vs FedProto "not comparable")."""
     import subprocess
     import sys
 
     code = (
-        "from fedmosaic.report import claims; "
-        "print(claims._algo_value({'algorithm': {'name': 'fedtgp'}}, 'distance'), "
-        "claims._algo_value({'algorithm': {'name': 'fedproto'}}, 'lam'))"
+        "from fedmosaic.report import fairness; "
+        "print(fairness._algo_value({'algorithm': {'name': 'fedtgp'}}, 'distance'), "
+        "fairness._algo_value({'algorithm': {'name': 'fedproto'}}, 'lam'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
@@ -658,7 +658,7 @@ def test_budget_rows_sum_the_cells_wall_time(tmp_path: Path) -> None:
     assert row["cells"] == 2 and row["seeds"] == [0, 1] and row["fractions"] == [0.05]
     assert row["rounds"] == (40, 55) and row["hours"] == pytest.approx(1.5)
     assert row["codes"] == ["abcdef012345"]
-    assert "| all | | 2 | | | | 1.50 | |" in claims.budget_markdown([row])
+    assert "| all | | 2 | | | | 1.50 | |" in claims_page.budget_markdown([row])
 
 
 def test_only_seeds_both_methods_ran_are_paired() -> None:
