@@ -66,3 +66,23 @@ def test_a_client_outside_the_range_is_left_out_over_flower_as_on_the_simulator(
     out = grid_run(experiment("fedavg", secagg_range=1e-3), None, tmp_path / "results", N)
     assert all(not r["aggregated"] for r in out["rounds"])
     assert "secagg_range" in out["log"]
+
+
+def test_a_client_that_fails_mid_protocol_is_left_out_and_the_others_are_summed(tmp_path, caplog):
+    """A ClientApp that raises in the masking stage (after the key exchange): the workflow
+    recovers its masks from the others' shares, and the round sums the other three."""
+    import json
+    import math
+
+    from fedmosaic.flower.app import TEST_FAULT, client_app, run_server
+    from fedmosaic.flower.local import LocalGrid
+
+    raw = experiment("fedavg")
+    rc = {"experiment": json.dumps(raw), "results-dir": str(tmp_path / "results")}
+    nodes = [{"partition-id": i, "num-partitions": N} for i in range(N)]
+    nodes[2][TEST_FAULT] = "raise"
+    rounds = run_server(LocalGrid(client_app, nodes, rc), rc)["rounds"]
+    for r in rounds:
+        assert r["participants"] == [0, 1, 3] and r["rejected"] == [2], r
+        assert r["aggregated"] and math.isfinite(r["acc_weighted"])
+    assert f"{TEST_FAULT}=raise" in caplog.text
