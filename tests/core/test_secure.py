@@ -211,11 +211,9 @@ def test_a_secure_run_gives_the_unmasked_numbers_to_the_quantization_step(name):
         assert m["bytes_up"] != p["bytes_up"]  # masked vectors, not the uploads
 
 
-def test_a_secure_run_is_the_same_on_every_backend_and_run_to_run():
+def test_a_secure_run_is_the_same_on_every_backend():
     serial = _run("fedproto", True)
-    again = _run("fedproto", True)
     keys = ("acc_weighted", "train_loss", "bytes_up")
-    assert [[r[k] for k in keys] for r in serial] == [[r[k] for k in keys] for r in again]
     raw = tiny_raw(
         algorithm={"name": "fedproto"},
         sim={"threads": 1, "progress": False, "backend": "processes", "workers": 2},

@@ -47,8 +47,8 @@ def test_the_emulated_rounding_is_flowers():
     [
         ("fedproto", {}),
         ("lg_fedavg", {}),
-        # the released state itself is summed: a little noise keeps it inside the range
-        ("fedavg", {"mechanism": "local", "clip": 1.0, "noise_multiplier": 0.01}),
+        # the released head itself is summed: a little noise keeps it inside the range
+        ("lg_fedavg", {"mechanism": "local", "clip": 1.0, "noise_multiplier": 0.01}),
     ],
 )
 def test_secagg_plus_gives_the_simulators_numbers(name, privacy, tmp_path):
@@ -77,7 +77,7 @@ def test_a_client_that_fails_mid_protocol_is_left_out_and_the_others_are_summed(
     from fedmosaic.flower.app import TEST_FAULT, client_app, run_server
     from fedmosaic.flower.local import LocalGrid
 
-    raw = experiment("fedavg")
+    raw = experiment("lg_fedavg")
     rc = {"experiment": json.dumps(raw), "results-dir": str(tmp_path / "results")}
     nodes = [{"partition-id": i, "num-partitions": N} for i in range(N)]
     nodes[2][TEST_FAULT] = "raise"
