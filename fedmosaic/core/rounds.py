@@ -705,7 +705,7 @@ def secure_fit(
         rebuilt = algo.from_sums(state, total.sums, round_num)
         with robust.serving(view):
             guard.check_upload(rebuilt.payload, -1, algo.upload_names(state, rebuilt.payload))
-    except (PayloadError, KeyError, ValueError) as exc:
+    except (PayloadError, KeyError, ValueError, RuntimeError) as exc:  # RuntimeError: a shape
         log.warning(
             "round %d: refused the secure sum of clients %s: %s",
             round_num,

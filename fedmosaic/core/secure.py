@@ -170,9 +170,7 @@ def client_vector(
     names, arrays = [], []
     for name in sorted(terms):  # one order on every client (a state dict's is the sender's)
         t = terms[name]
-        a = t.detach().cpu().double().numpy().reshape(t.shape)
-        if a.ndim == 0:
-            a = a.reshape(1)
+        a = np.atleast_1d(t.detach().cpu().double().numpy())
         if not np.isfinite(a).all():
             raise SecureError(f"summand {name!r} has non-finite values")
         peak = float(np.abs(a).max()) if a.size else 0.0
@@ -226,13 +224,27 @@ def masked_bytes(arrays: Sequence[np.ndarray]) -> int:
     return 8 * (1 + sum(int(a.size) for a in arrays))
 
 
-def to_sums(
-    names: Sequence[str], arrays: Sequence[np.ndarray], shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, Tensor]:
+def to_sums(names: Sequence[str], arrays: Sequence[np.ndarray]) -> dict[str, Tensor]:
     return {
-        n: torch.from_numpy(np.ascontiguousarray(a)).reshape(shapes.get(n, a.shape))
-        for n, a in zip(names, arrays, strict=True)
+        n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in zip(names, arrays, strict=True)
     }
+
+
+class EmulatedSecureFit:
+    """``Transport.fit_secure`` for a transport whose clients' uploads reach this process (the
+    simulator's backends): its own ``fit``, then :func:`emulate`, the sum Flower's SecAgg+
+    gives, bit for bit."""
+
+    algo: Algorithm
+
+    def fit(self, round_num: int, messages: dict[int, Payload]) -> list[Any]:
+        raise NotImplementedError  # the transport's own
+
+    def fit_secure(
+        self, round_num: int, messages: dict[int, Payload], form: SecureForm
+    ) -> tuple[list[Any], SecureSum | None]:
+        results = self.fit(round_num, messages)
+        return results, emulate(self.algo, results, form, round_num)
 
 
 def emulate(
@@ -243,7 +255,6 @@ def emulate(
     gets its ``error`` set (it is left out, as its ClientApp's failure leaves it out over
     Flower). None when no client is left."""
     names: list[str] | None = None
-    shapes: dict[str, tuple[int, ...]] = {}
     total: list[np.ndarray] | None = None
     clients: list[int] = []
     for r in results:
@@ -261,8 +272,7 @@ def emulate(
         r.upload = None  # the server sees the sum only
         q = quantize(arrays, sf, rounding_seed(sf.seed, round_num, r.client_id))
         if names is None:
-            names, shapes = ns, {n: tuple(a.shape) for n, a in zip(ns, arrays, strict=True)}
-            total = [x.astype(np.int64) for x in q]
+            names, total = ns, [x.astype(np.int64) for x in q]
         else:
             assert total is not None
             total = [t + x for t, x in zip(total, q, strict=True)]
@@ -270,4 +280,4 @@ def emulate(
     if names is None or total is None:
         return None
     values = unquantize([t % MODULUS for t in total], len(clients), sf)
-    return SecureSum(tuple(clients), to_sums(names, values, shapes))
+    return SecureSum(tuple(clients), to_sums(names, values))

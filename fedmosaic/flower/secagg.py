@@ -150,7 +150,7 @@ def fit(
         random.setstate(kept)
     for why in dict.fromkeys(_why(f) for f in workflow.failures):  # listed once per stage loop
         log.warning("round %d: a secure-aggregation client failed: %s", round_num, why)
-    total = _collect(transport, strategy.results or [], client_of, results, down, sf)
+    total = _collect(transport, strategy.results or [], client_of, results, down)
     if total is not None:  # the round's order (the workflow's is the replies' arrival)
         total.clients = tuple(c for c in messages if c in total.clients)
     for cid in messages:
@@ -208,9 +208,10 @@ def _collect(
     client_of: dict[int, int],
     results: dict[int, FitResult],
     down: dict[int, int],
-    sf: secure.SecureForm,
 ) -> secure.SecureSum | None:
-    """The clients' FitResults (clear metrics checked) and the sum, from the workflow's result."""
+    """The clients' FitResults (clear metrics checked) and the sum, from the workflow's result.
+    One invalid reply refuses the whole sum (its vector is in it): every client in the sum gets
+    an error naming that reply."""
     from flwr.common import parameters_to_ndarrays
 
     names: list[str] | None = None
@@ -236,8 +237,11 @@ def _collect(
             if names is not None and ns != names:
                 raise PayloadError(f"summands {ns} differ from the round's {names}")
         except (PayloadError, KeyError, ValueError, TypeError) as exc:
-            # its vector is in the sum already: the whole sum is refused below
-            results[cid] = FitResult(cid, None, 0, 0, down[cid], error=f"invalid reply: {exc}")
+            why = f"the round's secure sum is refused: client {cid}'s reply is invalid: {exc}"
+            for proxy_, _ in replies:
+                other = client_of.get(int(proxy_.node_id))
+                if other is not None:
+                    results[other] = FitResult(other, None, 0, 0, down[other], error=why)
             return None
         names = ns
         if mean is None:
@@ -251,7 +255,7 @@ def _collect(
     up = secure.masked_bytes(sums)
     for cid in inside:
         results[cid].bytes_up = up
-    return secure.SecureSum(tuple(inside), secure.to_sums(names, sums, {}))
+    return secure.SecureSum(tuple(inside), secure.to_sums(names, sums))
 
 
 # ---- client half --------------------------------------------------------------------------------

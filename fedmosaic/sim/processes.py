@@ -232,7 +232,7 @@ def _shm_dir() -> str:
 
 
 # ---- main side ---------------------------------------------------------------------------------------
-class ProcessTransport:
+class ProcessTransport(secure.EmulatedSecureFit):
     """Persistent worker processes owning the clients; the round loop's Transport."""
 
     def __init__(
@@ -408,14 +408,6 @@ class ProcessTransport:
         return calls
 
     # ---- Transport -------------------------------------------------------------------------
-    def fit_secure(
-        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
-    ) -> tuple[list[FitResult], secure.SecureSum | None]:
-        """Secure aggregation's arithmetic in process (``secure.emulate``): the sum Flower's
-        SecAgg+ gives, bit for bit."""
-        results = self.fit(round_num, messages)
-        return results, secure.emulate(self.algo, results, form, round_num)
-
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         table = MessageTable(messages)
         costs = self.balance_costs()

@@ -69,7 +69,7 @@ def detached(payload: Payload) -> Payload:
     return type(payload).unflatten({k: v.detach().clone() for k, v in arrays.items()}, scalars)
 
 
-class SimTransport:
+class SimTransport(secure.EmulatedSecureFit):
     """Serial in-process transport; clients in memory (``models``/``extras``) or, given
     ``build``, in a state store with only the clients being worked on live (see the module)."""
 
@@ -137,14 +137,6 @@ class SimTransport:
             self.host.flush(cids)
 
     # ---- Transport -------------------------------------------------------------------------
-    def fit_secure(
-        self, round_num: int, messages: dict[int, Payload], form: secure.SecureForm
-    ) -> tuple[list[FitResult], secure.SecureSum | None]:
-        """Secure aggregation's arithmetic in process (``secure.emulate``): the sum Flower's
-        SecAgg+ gives, bit for bit."""
-        results = self.fit(round_num, messages)
-        return results, secure.emulate(self.algo, results, form, round_num)
-
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
         received, downs = {}, {}
         for cid, msg in messages.items():
