@@ -74,6 +74,7 @@ LATER_KEYS: dict[str, Any] = {
     "model.init": "client",
     "data.split_seed": -1,
     "sim.numerics": "native",
+    "train.cuda_graphs": "auto",
 }
 # Tables added later, left out of the fingerprint when every key is at its default (the run
 # without them): ``[privacy]`` off.

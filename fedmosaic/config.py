@@ -145,6 +145,10 @@ class TrainConfig:
     # (torch.func.vmap; accel/batched.py) where the method declares it equivalent: "auto" = on
     # for CUDA devices, off on CPU (measured slower there); true | false force it
     batched_clients: bool | str = "auto"
+    # Capture the batched clients' training step once per (layout, clients, batch size) as a
+    # CUDA graph and replay it (accel/graphs.py): "auto" = on for CUDA with batched clients, SGD
+    # and fp32; true on CPU runs the same bookkeeping without a graph (for tests)
+    cuda_graphs: bool | str = "auto"
     precision: str = "fp32"  # fp32 | bf16 (autocast of the local training forward; off by default)
 
 
@@ -770,6 +774,8 @@ def validate_values(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             f'train.batched_clients = {t.batched_clients!r}; choose "auto", true or false'
         )
+    if t.cuda_graphs not in ("auto", True, False):
+        raise ConfigError(f'train.cuda_graphs = {t.cuda_graphs!r}; choose "auto", true or false')
     for i, dev in enumerate(sim.devices):
         if not _device_ok(dev):
             raise ConfigError(f"sim.devices[{i}] = {dev!r}; use cpu, cuda or cuda:N")

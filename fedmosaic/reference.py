@@ -56,6 +56,7 @@ EXTRA_ALLOWED: dict[str, str] = {
     "server.aggregator": ", ".join(f"`{a}`" for a in AGGREGATORS),
     "train.fused_sgd": '`"auto"`, `true`, `false`',
     "train.batched_clients": '`"auto"`, `true`, `false`',
+    "train.cuda_graphs": '`"auto"`, `true`, `false`',
     "train.device": "`cpu`, `cuda`, `cuda:N`",
     "sim.devices": "each `cpu`, `cuda` or `cuda:N`",
     "model.family": "a family (`fedmosaic list families`) or one model (`fedmosaic list models`)",

@@ -352,8 +352,10 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     ) -> Tensor:
         features = model.features(x)  # [B, d]
         ce = F.cross_entropy(model.head(features), y)
-        if self.lam == 0 or not bool(msg.known.any()):
+        if self.lam == 0:
             return ce
+        # no branch on ``known`` (a host sync a CUDA graph cannot capture): with no global
+        # prototype yet the alignment term is exactly 0, and so is its gradient
         return ce + self.lam * alignment_loss(features, y, msg.protos, msg.known, self.distance)
 
     def upload(

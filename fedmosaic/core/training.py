@@ -28,6 +28,7 @@ class AccelSettings:
 
     fused_sgd: bool = True  # plain SGD: update Linear weights inside their backward (accel.fused)
     batched_clients: bool | str = "auto"  # clients of one layout as one batch (accel.batched)
+    cuda_graphs: bool | str = "auto"  # the batched step captured once and replayed (accel.graphs)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class TrainSettings:
             drop_last=t.drop_last,
             shuffle=t.shuffle,
             precision=t.precision,
-            accel=AccelSettings(fused_sgd=fused, batched_clients=t.batched_clients),
+            accel=AccelSettings(
+                fused_sgd=fused, batched_clients=t.batched_clients, cuda_graphs=t.cuda_graphs
+            ),
             privacy=privacy or PrivacyRule(),
         )
 
@@ -87,6 +90,18 @@ class TrainSettings:
             return False
         if isinstance(self.accel.batched_clients, bool):
             return self.accel.batched_clients
+        return torch.device(self.device).type == "cuda"
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """Whether batched steps are captured once and replayed (``accel.graphs``): forced by
+        ``True``/``False`` (on CPU ``True`` runs the same bookkeeping with the captured function
+        called instead of a graph: the tests' view of the path); ``"auto"`` = on for CUDA.
+        Only where clients train batched (``batched_enabled``)."""
+        if not self.batched_enabled:
+            return False
+        if isinstance(self.accel.cuda_graphs, bool):
+            return self.accel.cuda_graphs
         return torch.device(self.device).type == "cuda"
 
 
@@ -346,6 +361,9 @@ def train_epochs(
     fast = _accelerator.steps(unique, params, s, step_lr) if _accelerator is not None else None
     precision = autocast(s)
     opt.zero_grad(set_to_none=True)  # then after every step: each backward starts from none
+    # off the CPU the losses add up on the device: ``float(loss)`` every step would make the
+    # host wait for the device each step (the same float64 sum, one sync at the end)
+    on_device: Tensor | None = None
     with fast if fast is not None else contextlib.nullcontext():
         for _ in range(epochs):
             for pos in batch_order(n, s.batch_size, gen, s.drop_last, s.shuffle):
@@ -363,7 +381,14 @@ def train_epochs(
                     opt.zero_grad(set_to_none=True)
                 stats.steps += 1
                 stats.examples += int(pos.numel())
-                stats.loss_sum += float(loss.detach())
+                if loss.device.type == "cpu":
+                    stats.loss_sum += float(loss.detach())
+                elif on_device is None:
+                    on_device = loss.detach().double()
+                else:
+                    on_device += loss.detach().double()
+    if on_device is not None:
+        stats.loss_sum = float(on_device)
     return stats
 
 

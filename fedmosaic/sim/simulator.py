@@ -31,7 +31,7 @@ from torch import nn
 
 from fedmosaic.core import client as client_ops
 from fedmosaic.core import secure
-from fedmosaic.core.algorithm import Algorithm, Phase
+from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
@@ -185,6 +185,8 @@ class SimTransport(secure.EmulatedSecureFit):
     ) -> list[EvalResult]:
         out: list[EvalResult] = []
         table = MessageTable(messages)
+        # each distinct broadcast moved to the clients' device once, not once per client
+        moved: dict[tuple[int, str], Payload] = {}
         for cid, msg in messages.items():
             key = (self.version[cid], table.digest(cid), receive)
             counts = self.cache.get(cid, key)
@@ -196,11 +198,14 @@ class SimTransport(secure.EmulatedSecureFit):
                 # re-receives the broadcast, which the client's next operation does anyway.
                 counts = self.host.evaluate(cid, msg, receive)
             else:
+                where = (table.key[cid], str(self.data[cid].device))
+                if where not in moved:
+                    moved[where] = payload_to(msg, self.data[cid].device)
                 counts = client_ops.evaluate(
                     self.algo,
                     self.models[cid],
                     self.extras[cid],
-                    msg,
+                    moved[where],
                     self.data[cid],
                     self.eval_splits,
                     self.settings.eval_batch_size,

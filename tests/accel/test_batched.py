@@ -302,3 +302,28 @@ def test_settings_switch():
 def test_bad_settings_name_the_key(train, sim, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         from_dict(tiny_raw(train=train, sim=sim))
+
+
+def test_heavy_steps_train_one_at_a_time(monkeypatch):
+    """A client step over ``STACK_MAX_FLOP`` is not stacked: the round is one client at a time,
+    with its numbers bit for bit."""
+    fed = _fed("cnn1", "fedavg")
+    batched._FLOPS.clear()
+    assert not batched._heavy(fed.algo, fed.models[0], fed.clients[0], fed.settings)
+    (flop,) = batched._FLOPS.values()
+    # cnn1 on 1x28x28 (tiny_raw): the convolutions' and Linear layers' multiply-adds, x3
+    assert 1e5 < flop / 3 < 1e8
+
+    def run(flag):
+        raw = tiny_raw(
+            data={"num_clients": 4},
+            model={"family": "cnn1", "feature_dim": 16},
+            train={"batched_clients": flag, "fused_sgd": False},
+            sim={"threads": 1},
+        )
+        return round_numbers(run_experiment(from_dict(raw), progress=False))
+
+    monkeypatch.setattr(batched, "STACK_MAX_FLOP", 0.0)
+    engaged.clear()
+    assert run(True) == run(False)
+    assert engaged["batched_groups"] == 0

@@ -100,3 +100,62 @@ def test_device_map_on_cuda():
 def test_bf16_on_cuda_learns():
     rounds = _rounds(None, "cnn1", "fedavg", precision="bf16", lr=0.1)
     assert rounds[-1]["train_loss"] < rounds[0]["train_loss"]
+
+
+# ---- step graphs (accel/graphs.py): captured on the card, replayed ------------------------------
+def _graph_rounds(graphs, family="htfe8-gray", algo="fedtgp", rounds=3, **train):
+    from fedmosaic.accel import batched as batched_mod
+
+    batched_mod.clear_graphs()
+    raw = tiny_raw(
+        data={"synthetic_shape": [1, 16, 16], "num_clients": 8},
+        model={"family": family, "feature_dim": 16},
+        algorithm={"name": algo},
+        train={"device": "cuda", "rounds": rounds, "cuda_graphs": graphs, **train},
+    )
+    return round_numbers(run_experiment(from_dict(raw), progress=False))
+
+
+@pytest.mark.parametrize(
+    ("family", "algo", "train"),
+    [
+        ("htfe8-gray", "fedtgp", {}),  # the broadcast changes every round
+        ("cnn1", "fedavg", {"momentum": 0.9, "weight_decay": 1e-3}),
+        ("resnet4", "fedavg", {"local_epochs": 2}),  # BatchNorm running statistics
+        ("cnn1", "fedrep", {}),  # two phases
+        ("htfe8-gray", "lg_fedavg", {"participation": 0.5}),  # groups change per round
+    ],
+    ids=str,
+)
+def test_cuda_graphs_equal_the_eager_batched_path(family, algo, train):
+    from fedmosaic.accel import engaged
+
+    eager = _graph_rounds(False, family, algo, **train)
+    engaged.clear()
+    graphed = _graph_rounds("auto", family, algo, **train)
+    assert engaged["graph_captures"] > 0
+    if "participation" not in train:  # the same groups every round: later rounds only replay
+        assert engaged["graph_replays"] > engaged["graph_captures"]
+    for a, b in zip(eager, graphed, strict=True):
+        for k, v in a.items():
+            if isinstance(v, float):
+                # a replay runs the captured kernels: equal up to cuDNN's run-to-run choices
+                assert b[k] == pytest.approx(v, abs=2e-3), k
+            else:
+                assert b[k] == v, k
+
+
+def test_a_failed_capture_runs_eagerly(caplog):
+    """A loss that synchronizes with the host cannot be captured: logged once, eager after."""
+    import logging
+
+    from fedmosaic.accel.graphs import StepGraphs
+
+    graphs = StepGraphs("cuda")
+    x = torch.ones(4, device="cuda")
+    out = []
+    with caplog.at_level(logging.WARNING, logger="fedmosaic"):
+        for _ in range(4):
+            graphs.run("k", lambda: out.append(float(x.sum())))  # .item(): a host sync
+    assert "capture failed" in caplog.text and graphs.failed and len(graphs) == 0
+    assert out == [4.0, 4.0, 4.0, 4.0]  # every step ran (the failed capture's counted once)
