@@ -279,6 +279,17 @@ def check_runs(runs: Sequence[tuple[str, ExperimentConfig]]) -> None:
 OFFLOAD_BUDGET = 256 * 2**20
 
 
+def offload_budget(device: str) -> int:
+    """The client state kept live under "auto": :data:`OFFLOAD_BUDGET` of host memory, or on a
+    CUDA device half of its free memory when that is more (the states live on the card there;
+    the store would copy each one off and back and through a file every round)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return OFFLOAD_BUDGET
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(OFFLOAD_BUDGET, free // 2)
+
+
 def module_nbytes(*modules: nn.Module) -> int:
     """Bytes of the parameters and buffers of ``modules``."""
     return sum(
@@ -299,7 +310,8 @@ def build_federation(
     them); None lets ``sim.offload_clients`` decide (the simulator's own runs): "on" builds none
     (the serial backend builds them on demand), "auto" builds one client per architecture of the
     family first and stops there when the population's estimated state exceeds
-    :data:`OFFLOAD_BUDGET` (a pure function of the config: no client's stream depends on it).
+    :func:`offload_budget` (the numbers are the same either way: no client's stream depends on
+    where its state waits).
     """
     install_speed()
     algo, data, clients, spec = _assemble(cfg, data)
@@ -329,7 +341,8 @@ def add_clients(fed: Federation, offload: bool | None = False) -> Federation:
             extras.append(e)
             if len(models) == probe:  # client i is architecture i % probe
                 sizes = [module_nbytes(m, e) for m, e in zip(models, extras)]
-                if sum(sizes[i % probe] for i in range(len(clients))) > OFFLOAD_BUDGET:
+                budget = offload_budget(cfg.train.device)
+                if sum(sizes[i % probe] for i in range(len(clients))) > budget:
                     models, extras, offload = [], [], True
                     break
     return dataclasses.replace(fed, models=models, extras=extras, offload=bool(offload))

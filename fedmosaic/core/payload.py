@@ -117,6 +117,30 @@ def encode(payload: Payload) -> bytes:
     return st_save(tensors, metadata=meta)
 
 
+# len(encode(p)) by what decides it: the type, each tensor's name, dtype and shape, and the
+# scalars (the header is JSON of these, then the data); bounded, dropped whole when full
+_SIZES: dict[tuple[Any, ...], int] = {}
+_SIZES_MAX = 4096
+
+
+def encoded_size(payload: Payload) -> int:
+    """``len(encode(payload))`` without copying the tensors each time: the wire size depends
+    only on the names, dtypes and shapes of the tensors and on the scalars, so it is measured
+    once per such signature (one encode) and looked up after."""
+    arrays, scalars = payload.flatten()
+    key = (
+        type(payload).__qualname__,
+        tuple((k, str(v.dtype), tuple(v.shape)) for k, v in arrays.items()),
+        json.dumps(scalars, sort_keys=True),
+    )
+    size = _SIZES.get(key)
+    if size is None:
+        if len(_SIZES) >= _SIZES_MAX:
+            _SIZES.clear()
+        size = _SIZES[key] = len(encode(payload))
+    return size
+
+
 def decode(cls: type[Payload], data: bytes, max_bytes: int | None = None) -> Payload:
     """Parse wire bytes into ``cls``; malformed input raises :class:`PayloadError`."""
     if max_bytes is not None and len(data) > max_bytes:

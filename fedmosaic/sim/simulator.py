@@ -34,7 +34,14 @@ from fedmosaic.core import secure
 from fedmosaic.core.algorithm import Algorithm, Phase, payload_to
 from fedmosaic.core.client import ClientData, FitOutput
 from fedmosaic.core.model import ClientModel
-from fedmosaic.core.payload import Payload, PayloadError, decode, encode, payload_equal
+from fedmosaic.core.payload import (
+    Payload,
+    PayloadError,
+    decode,
+    encode,
+    encoded_size,
+    payload_equal,
+)
 from fedmosaic.core.rounds import (
     ClientProgress,
     ClientState,
@@ -51,10 +58,11 @@ Modules = tuple[ClientModel, nn.Module]
 
 
 def wire(payload: Payload, check: bool) -> tuple[Payload, int]:
-    """Encode ``payload`` as it would travel; optionally decode it back and compare exactly."""
-    data = encode(payload)
+    """``payload`` as it arrives and its size on the wire: decoded back from its bytes and
+    compared exactly with ``check``, else as is (its size looked up, not re-encoded)."""
     if not check:
-        return payload, len(data)
+        return payload, encoded_size(payload)
+    data = encode(payload)
     back = decode(type(payload), data)
     if not payload_equal(payload, back):
         # An algorithm's bug, not a bad client: fail the run (RuntimeError, never dropped).

@@ -11,6 +11,7 @@ from fedmosaic.core.payload import (
     check_like,
     decode,
     encode,
+    encoded_size,
     payload_equal,
 )
 
@@ -54,6 +55,25 @@ def test_bytes_grow_with_content():
     small = Protos(**{**dataclasses.asdict(make()), "protos": torch.zeros(1, 4)})
     assert len(encode(make())) > len(encode(small))
     assert len(encode(Empty())) < 100
+
+
+def test_encoded_size_is_the_encoded_length():
+    """The simulator's per-client byte counts come from ``encoded_size``: equal to the encoded
+    length for new values (looked up), other shapes, dtypes and scalars (measured again)."""
+    base = make()
+    cases = [
+        base,
+        dataclasses.replace(base, protos=torch.randn(3, 4)),  # new values: the same size
+        dataclasses.replace(base, protos=torch.randn(30, 4)),  # a longer offset
+        dataclasses.replace(base, counts=torch.tensor([5, 0, 7], dtype=torch.int32)),
+        dataclasses.replace(base, round_num=123456789, eta=1e-7, order="vanilla"),
+        dataclasses.replace(base, state={}),
+        Empty(),
+    ]
+    for p in cases:
+        assert encoded_size(p) == len(encode(p))
+    assert encoded_size(cases[0]) == encoded_size(cases[1])
+    assert encoded_size(cases[2]) != encoded_size(cases[0])
 
 
 def test_nan_rejected_with_name():

@@ -220,3 +220,16 @@ def test_the_state_store_is_removed_after_the_run(tmp_path: Path, monkeypatch):
 def test_a_bad_setting_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="sim.offload_clients"):
         from_dict(tiny_raw(sim={"offload_clients": "sometimes"}))
+
+
+def test_the_budget_on_a_card_is_half_its_free_memory(monkeypatch):
+    """Client states on a CUDA device wait there while half the card's free memory holds them
+    (the store would copy each off, through a file and back every round); the host's budget
+    stays the floor."""
+    assert federation.offload_budget("cpu") == federation.OFFLOAD_BUDGET
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (100 * 2**30, 141 * 2**30))
+    assert federation.offload_budget("cuda") == 50 * 2**30
+    assert federation.offload_budget("cuda:0") == 50 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (2**20, 141 * 2**30))
+    assert federation.offload_budget("cuda") == federation.OFFLOAD_BUDGET
