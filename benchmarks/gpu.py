@@ -47,7 +47,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from speed import Reference, raw_config, round_flops  # noqa: E402
+from speed import Reference, cuda_matmul_gflops, raw_config, round_flops  # noqa: E402
 
 from fedmosaic.accel import batched, engaged  # noqa: E402
 from fedmosaic.config import from_dict  # noqa: E402
@@ -148,20 +148,7 @@ def matmul_rates(device: str) -> dict[str, float]:
     try:
         for label, tf32 in (("fp32", False), ("tf32", True)):
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            n = 8192
-            a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-            c = torch.empty(n, n, device=device)
-            for _ in range(3):
-                torch.mm(a, b, out=c)
-            torch.cuda.synchronize()
-            best, end = 0.0, time.perf_counter() + 1.5
-            while time.perf_counter() < end:
-                t = time.perf_counter()
-                for _ in range(4):
-                    torch.mm(a, b, out=c)
-                torch.cuda.synchronize()
-                best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
-            out[label] = best
+            out[label] = cuda_matmul_gflops()  # speed.py's probe: 8192^3 products, best of 1.5 s
     finally:
         torch.backends.cuda.matmul.allow_tf32 = was
     return out

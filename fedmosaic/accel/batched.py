@@ -142,7 +142,8 @@ def fit_clients(
     if grouped:
         heavy = [g for g in grouped if _heavy(algo, take(g[0])[0], data[g[0]], settings)]
         grouped = [g for g in grouped if g not in heavy]
-        singles = [c for c in messages if c in {c for g in heavy for c in g} or c in singles]
+        alone = {c for g in heavy for c in g} | set(singles)
+        singles = [c for c in messages if c in alone]
     for g in grouped:
         mods = [take(c) for c in g]
         models, extras = [m for m, _ in mods], [e for _, e in mods]
