@@ -232,6 +232,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from fedmosaic.verify import Stop, compare, compare_summary, load, report, rerun, this_host
+
+    stored = load(args.results)
+    have = len(stored.rounds)
+    rounds = have if args.rounds is None else args.rounds
+    if rounds < 1 or rounds > have:
+        raise ConfigError(f"--rounds {rounds}: {stored.path} holds rounds 1-{have}")
+    code = _in_portable_process(args, [stored.cfg])
+    if code is not None:
+        return code
+
+    def on_round(rec: dict[str, Any]) -> None:
+        r = int(rec["round"])
+        one = compare(stored.rounds[r - 1 : r], [rec])
+        if not args.quiet:
+            words = (
+                f"{one.values} numbers equal"
+                if one.identical
+                else f"{one.differing} of {one.values} numbers differ"
+            )
+            print(f"round {r}/{rounds}: {words}", file=sys.stderr, flush=True)
+        if args.first_difference and not one.identical:
+            raise Stop
+
+    print(f"verify: re-running {stored.path} for {rounds} round(s) here", file=sys.stderr)
+    records, doc = rerun(stored.cfg, rounds, on_round)
+    out = compare(stored.rounds[: len(records)], records)
+    if doc is not None and rounds == have:
+        compare_summary(out, stored.doc.get("summary", {}), doc.get("summary", {}))
+    print(report(out, stored, this_host()))
+    return 0 if out.identical else 1
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedmosaic.report.suite import load_suite
 
@@ -575,6 +609,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--list", action="store_true", help="list the cells and whether they are done")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare)
+
+    v = command(
+        "verify",
+        "re-run a finished run (its results.json) on this host and compare every number: "
+        "exit 0 when all are equal bit for bit, 1 when some differ",
+        parents=[common],
+    )
+    v.add_argument("results", help="a run's results.json, or the folder holding it")
+    v.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compare the first N rounds only (the same run stopped there; default: all)",
+    )
+    v.add_argument(
+        "--first-difference",
+        action="store_true",
+        help="stop after the first round in which a number differs",
+    )
+    v.add_argument("--quiet", action="store_true", help="no line per round")
+    v.set_defaults(func=cmd_verify)
 
     ls = command(
         "list",

@@ -177,8 +177,9 @@ class SimConfig:
     wandb: str = ""
     # "native": each math library takes the host's fastest instruction set (AVX-512 where
     # present); "portable": ATen, MKL and oneDNN pinned at AVX2 (oneDNN off), so a
-    # cell gives the same bits on every x86-64 host with AVX2 and FMA and the same torch build
-    # (fedmosaic/numerics.py; the fedmosaic command re-executes itself with the pins)
+    # cell gives the same bits on every Intel host with AVX2 and FMA and the same torch build
+    # (MKL keeps its AVX2 branch on Intel only: other vendors' hosts differ, fedmosaic verify
+    # measures by how much; fedmosaic/numerics.py; the fedmosaic command re-executes itself)
     numerics: str = "native"
 
 

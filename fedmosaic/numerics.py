@@ -1,5 +1,5 @@
-"""Which arithmetic a run does: the host's fastest (``native``) or one every AVX2 host shares
-(``portable``), and what this host's math libraries see.
+"""Which arithmetic a run does: the host's fastest (``native``) or one that hosts with AVX2
+share (``portable``), and what this host's math libraries see.
 
 Why: torch's CPU kernels dispatch on the instruction set at run time. ATen's vectorized kernels
 (``ATEN_CPU_CAPABILITY``), oneDNN's JIT convolutions (``ONEDNN_MAX_CPU_ISA``) and MKL's GEMM each
@@ -13,13 +13,22 @@ and FMA, before torch is imported:
 - ``ATEN_CPU_CAPABILITY=avx2``: ATen's kernels (and fedmosaic's native kernels, which follow it;
   their 16-lane code gives the 8-lane code's bits anyway);
 - ``MKL_CBWR=AVX2,STRICT`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2``: MKL's conditional numerical
-  reproducibility on its AVX2 branch, which Intel documents as bitwise across processors of that
-  branch whatever their cache sizes;
+  reproducibility on its AVX2 branch, which Intel documents as bitwise across its processors of
+  that branch whatever their cache sizes. MKL keeps a branch other than ``AUTO`` or
+  ``COMPATIBLE`` on Intel processors only and silently runs ``AUTO`` elsewhere (its developer
+  guide, "Specifying Code Branches"): :func:`mkl_branch` reads back the branch that ran, and
+  provenance records it;
 - ``ONEDNN_MAX_CPU_ISA=AVX2``, and oneDNN off in each process
   (``torch.backends.mkldnn.enabled = False``, which fedmosaic's fast evaluation path follows):
   oneDNN sizes its blocking from the cache it finds, so its sums may still differ between hosts
   of one ISA; convolutions then run as ATen's im2col + MKL GEMM and evaluation's Linear layers
   as MKL GEMM (or the native kernels), under MKL's reproducible branch.
+
+Where that holds: every number of one cell equal under an AVX-512 host's and an AVX2 host's
+library levels on one machine (``tests/test_numerics.py``), so across Intel hosts with AVX2.
+Across vendors it does not: a full-data FedTGP-grid cell made on an AMD EPYC and re-run on an
+Intel Xeon with ``fedmosaic verify`` (both pinned, same torch build) matched round 1 bit for bit
+and differed from round 2 (``docs/design.md``, "Portable numerics", gives the size).
 
 The environment must be in place before torch is imported: the ``fedmosaic`` command re-executes
 itself with it when a config asks for ``portable`` (:func:`reexec_argv`); a Python caller sets
@@ -154,6 +163,53 @@ def check(mode: str) -> None:
     apply_in_process()
 
 
+# MKL's branch codes (mkl_service.h: MKL_CBWR_*), as mkl_serv_cbwr_get reads them back
+_MKL_BRANCHES = {
+    1: "off",
+    2: "AUTO",
+    3: "COMPATIBLE",
+    4: "SSE2",
+    6: "SSSE3",
+    7: "SSE4_1",
+    8: "SSE4_2",
+    9: "AVX",
+    10: "AVX2",
+    12: "AVX512",
+    14: "AVX512_E1",
+}
+_MKL_STRICT = 0x10000
+
+
+@functools.cache
+def mkl_branch() -> dict[str, Any] | None:
+    """The code branch MKL runs on, read back from MKL itself (None where torch has no MKL).
+
+    Why read it back: MKL keeps a requested branch other than ``AUTO`` and ``COMPATIBLE`` only on
+    Intel processors and silently runs ``AUTO`` elsewhere (its developer guide, "Specifying Code
+    Branches"), so ``MKL_CBWR=AVX2`` is the AVX2 branch on an Intel host and the processor's own
+    branch on an AMD one. ``auto`` is the branch ``AUTO`` picks on this host.
+    """
+    import ctypes
+
+    import torch
+
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(str(lib_dir / name))
+            get, auto = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_get_auto_branch
+        except (OSError, AttributeError):
+            continue
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))  # MKL reads MKL_CBWR on its first call
+        code, every = int(get(1)), int(get(-1))
+        return {
+            "branch": _MKL_BRANCHES.get(code, str(code)),
+            "strict": bool(every & _MKL_STRICT),
+            "auto": _MKL_BRANCHES.get(int(auto()), str(int(auto()))),
+        }
+    return None
+
+
 @functools.cache
 def _library_versions() -> dict[str, str | None]:
     import torch
@@ -185,6 +241,7 @@ def record() -> dict[str, Any]:
         "onednn_convolutions": bool(torch.backends.mkldnn.enabled),
         "kernels": kernels.status(),
         "libraries": _library_versions(),
+        "mkl_branch": mkl_branch(),
         "env": {k: os.environ[k] for k in LEVEL_VARS if k in os.environ},
     }
 

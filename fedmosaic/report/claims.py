@@ -591,6 +591,47 @@ def _dates(
     return (stamps[0], stamps[-1]) if stamps else None
 
 
+def host_key(doc: dict[str, Any]) -> tuple[str, str, str, str]:
+    """What decides whether another host re-runs a cell bit for bit: the numerics mode, the
+    CPU's vendor and model line, and the branch MKL ran (as MKL read it back; cells made before
+    it was recorded: what the environment asked for, marked so)."""
+    prov = doc.get("provenance", {})
+    host = prov.get("host", {}) if isinstance(prov, dict) else {}
+    cpu_id = host.get("cpu_id", {}) if isinstance(host, dict) else {}
+    num = prov.get("numerics", {}) if isinstance(prov, dict) else {}
+    mode = str(num.get("mode", "native")) if isinstance(num, dict) else "native"
+    vendor = str(cpu_id.get("vendor_id", "?")) if isinstance(cpu_id, dict) else "?"
+    cpu = str(host.get("cpu", "?")) if isinstance(host, dict) else "?"
+    if isinstance(cpu_id, dict) and cpu_id.get("vendor_id"):
+        cpu += (
+            f" ({vendor}, family {cpu_id.get('cpu family', '?')} model {cpu_id.get('model', '?')})"
+        )
+    mkl = num.get("mkl_branch") if isinstance(num, dict) else None
+    if isinstance(mkl, dict):
+        branch = str(mkl.get("branch"))
+    else:
+        asked = num.get("env", {}).get("MKL_CBWR") if isinstance(num, dict) else None
+        branch = f"{str(asked).split(',')[0]} asked, not read back" if asked else "unpinned"
+    return mode, vendor, cpu, branch
+
+
+def _hosts(
+    cells: dict[tuple[str, str, int], dict[str, Any]], judged: Sequence[dict[str, Any]]
+) -> list[tuple[tuple[str, str, str, str], int]]:
+    """The judged cells counted by :func:`host_key`."""
+    counts: dict[tuple[str, str, str, str], int] = {}
+    seen = set()
+    for j in judged:
+        for s in j["all_seeds"]:
+            for m in (j["comparison"].method, j["comparison"].baseline):
+                key = (j["comparison"].setting, m, s)
+                if key in cells and key not in seen:
+                    seen.add(key)
+                    hk = host_key(cells[key])
+                    counts[hk] = counts.get(hk, 0) + 1
+    return sorted(counts.items())
+
+
 def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> dict[str, Any]:
     """Every plan's claims judged from its budget's cells under ``results``, the page-wide error
     control over all confirmatory comparisons, and the exploratory groups."""
@@ -628,6 +669,7 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
                     "comparisons": judged,
                     "verdict": verdict,
                     "dates": _dates(cells, judged),
+                    "hosts": _hosts(cells, judged),
                 }
             )
         for group in plan.exploratory:

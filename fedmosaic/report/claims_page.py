@@ -197,6 +197,32 @@ def plan_markdown(plan: Plan) -> list[str]:
     return lines
 
 
+def rerun_words(key: tuple[str, str, str, str]) -> str:
+    """Where cells of one :func:`~fedmosaic.report.claims.host_key` re-run bit for bit."""
+    mode, vendor, _, branch = key
+    if mode != "portable":
+        return "bit for bit on a host of the same instruction-set level and library versions"
+    if vendor == "GenuineIntel":
+        return "bit for bit on any Intel host with AVX2 (MKL's AVX2 branch, kept on Intel only)"
+    return (
+        "bit for bit on hosts whose MKL runs the branch it ran here (MKL keeps its AVX2 branch on "
+        "Intel processors only); a FedTGP cell of this kind re-run on an Intel host differed from "
+        "round 2 (design.md#portable-numerics)"
+    )
+
+
+def hosts_markdown(hosts: Sequence[tuple[tuple[str, str, str, str], int]]) -> list[str]:
+    """Which hosts made a claim's cells, and where each group re-runs bit for bit."""
+    if not hosts:
+        return []
+    parts = [
+        f"{n} cell{'s' if n != 1 else ''} on {cpu}, {mode} numerics, MKL branch {branch}: "
+        f"{rerun_words((mode, vendor, cpu, branch))}"
+        for (mode, vendor, cpu, branch), n in hosts
+    ]
+    return ["Hosts: " + "; ".join(parts) + ".", ""]
+
+
 def claim_markdown(res: dict[str, Any]) -> list[str]:
     claim = res["claim"]
     lines = [f"#### {claim.title}", "", f"**Verdict: {res['verdict']}.**", ""]
@@ -230,7 +256,7 @@ def claim_markdown(res: dict[str, Any]) -> list[str]:
             f"{_slopes_text(j)} | {_interval(j['best_on_val'])} / {_interval(j['best_on_test'])} |"
         )
     lines.append("")
-    return lines
+    return lines + hosts_markdown(res.get("hosts", []))
 
 
 def looks_markdown(claims_out: Sequence[dict[str, Any]]) -> list[str]:

@@ -666,3 +666,30 @@ def test_only_seeds_both_methods_ran_are_paired() -> None:
     cells = _cells([0.9, 0.9], [0.8, 0.8])
     cells[("s", "m", 7)] = _doc(0.1)  # no baseline on seed 7
     assert claims.judge(c, cells)["seeds"] == [0, 1]
+
+
+def _host_doc(mode: str, vendor: str, branch: str | None, asked: str | None = None) -> dict:
+    numerics: dict = {"mode": mode, "env": {"MKL_CBWR": asked} if asked else {}}
+    if branch is not None:
+        numerics["mkl_branch"] = {"branch": branch, "strict": True, "auto": "AVX2"}
+    return {
+        "provenance": {
+            "host": {"cpu": "X", "cpu_id": {"vendor_id": vendor, "cpu family": "6", "model": "1"}},
+            "numerics": numerics,
+        }
+    }
+
+
+def test_hosts_say_where_cells_re_run_bit_for_bit():
+    intel = claims.host_key(_host_doc("portable", "GenuineIntel", "AVX2"))
+    amd = claims.host_key(_host_doc("portable", "AuthenticAMD", None, asked="AVX2,STRICT"))
+    native = claims.host_key({"provenance": {"host": {"cpu": "AMD EPYC"}}})
+    assert intel == ("portable", "GenuineIntel", "X (GenuineIntel, family 6 model 1)", "AVX2")
+    assert amd[3] == "AVX2 asked, not read back"  # older cells: only what the pins asked
+    assert native == ("native", "?", "AMD EPYC", "unpinned")
+    assert "any Intel host with AVX2" in claims_page.rerun_words(intel)
+    assert "Intel processors only" in claims_page.rerun_words(amd)
+    assert "same instruction-set level" in claims_page.rerun_words(native)
+    # one line per claim, each group counted
+    text = claims_page.hosts_markdown([(intel, 2), (amd, 6)])[0]
+    assert text.startswith("Hosts: 2 cells on X (GenuineIntel") and "; 6 cells on X" in text

@@ -1,0 +1,333 @@
+"""Re-run a finished run on this host and compare it number by number: which hosts reproduce a
+cell, and by how much the others differ.
+
+``fedmosaic verify RESULTS`` reads a run's ``results.json`` (or the folder holding it), rebuilds
+its configuration (checked against the cell's stored config hash, so an edited file is refused),
+runs it here in the same numerics for its first ``rounds`` rounds (all by default) and compares
+every per-round value except wall times bit for bit, then, after a complete re-run, the summary's
+final and after-fine-tune accuracies. What differs is reported as the first round and key that
+differ and, per metric, the largest difference and the difference at the last round compared,
+beside both hosts (CPU, instruction-set level, MKL's branch as MKL reads it back).
+
+A shorter re-run stops the same run after ``rounds`` rounds (its configuration unchanged: a
+schedule over the planned rounds stays as it was), so its rounds are the original's first ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from fedmosaic import numerics, provenance
+from fedmosaic.checkpoint import config_hash
+from fedmosaic.config import ConfigError, ExperimentConfig, experiment_config
+from fedmosaic.experiment import run_experiment
+
+RESULTS = "results.json"
+# per-round keys that measure time, not arithmetic
+TIMING_PREFIX = "seconds"
+# the headline numbers reported for the last round compared (when the cell has them)
+HEADLINE = ("acc_weighted", "acc_mean", "acc_head_weighted", "val_acc_weighted", "train_loss")
+# the summary's numbers reported beside the rounds when they differ
+SUMMARY_KEYS = (
+    "final.acc_weighted",
+    "final.acc_mean",
+    "best_on_val.acc_weighted",
+    "after_finetune.acc_weighted",
+    "after_finetune.acc_mean",
+)
+
+
+class VerifyError(ConfigError):
+    """A results file that cannot be re-run (missing, corrupt, edited, or from a plugin)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A finished run as its ``results.json`` holds it."""
+
+    path: Path
+    doc: dict[str, Any]
+    cfg: ExperimentConfig
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        return list(self.doc["rounds"])
+
+
+def load(path: str | Path) -> Stored:
+    """The run at ``path`` (its ``results.json`` or the folder holding it), its config rebuilt
+    and checked against the hash stored with it."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / RESULTS
+    if not p.is_file():
+        raise VerifyError(f"{p}: no such results file (a run's results.json or its folder)")
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise VerifyError(f"{p}: not a readable results file ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        raise VerifyError(f"{p}: no 'config' table: not a fedmosaic results file")
+    rounds = doc.get("rounds")
+    if not isinstance(rounds, list) or not rounds or not all(isinstance(r, dict) for r in rounds):
+        raise VerifyError(f"{p}: no per-round records ('rounds') to compare")
+    cell = doc.get("cell")
+    stored = cell.get("config_hash") if isinstance(cell, dict) else None
+    if stored is not None and config_hash(doc["config"]) != stored:
+        raise VerifyError(
+            f"{p}: its config does not match its stored config_hash (the file was edited): "
+            "nothing to verify"
+        )
+    if doc["config"].get("plugins"):
+        raise VerifyError(
+            f"{p}: the run used plugins {doc['config']['plugins']}: verify re-runs built-in "
+            "methods only (run the plugin's configuration again with fedmosaic run)"
+        )
+    try:
+        cfg = experiment_config(doc["config"])
+    except ConfigError as exc:
+        raise VerifyError(f"{p}: its config no longer loads: {exc}") from None
+    return Stored(p, doc, cfg)
+
+
+@dataclass
+class Difference:
+    """One metric's differences over the rounds compared."""
+
+    first_round: int
+    max_abs: float = 0.0
+    rounds: int = 0  # rounds where it differs
+    last: tuple[float, float] | None = None  # (stored, here) at the last round compared
+
+
+@dataclass
+class Comparison:
+    """Every number of the re-run against the stored run's."""
+
+    rounds: int  # rounds compared
+    values: int = 0  # numbers compared
+    differing: int = 0
+    first: tuple[int, str, Any, Any] | None = None  # (round, key, stored, here)
+    by_key: dict[str, Difference] = field(default_factory=dict)
+    summary: dict[str, tuple[float, float]] = field(default_factory=dict)  # key: (stored, here)
+
+    @property
+    def identical(self) -> bool:
+        return self.differing == 0
+
+
+def _numbers(value: Any) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def compare(stored: list[dict[str, Any]], here: list[dict[str, Any]]) -> Comparison:
+    """Round by round, every key both records hold (wall times left out): equal or not."""
+    out = Comparison(rounds=min(len(stored), len(here)))
+    for a, b in zip(stored, here, strict=False):
+        r = int(a.get("round", 0))
+        for key in sorted(set(a) | set(b)):
+            if key.startswith(TIMING_PREFIX):
+                continue
+            x, y = a.get(key), b.get(key)
+            out.values += 1
+            same = x == y or (_numbers(x) and _numbers(y) and math.isnan(x) and math.isnan(y))
+            if same:
+                continue
+            out.differing += 1
+            if out.first is None:
+                out.first = (r, key, x, y)
+            d = out.by_key.setdefault(key, Difference(first_round=r))
+            d.rounds += 1
+            if _numbers(x) and _numbers(y):
+                d.max_abs = max(d.max_abs, abs(float(x) - float(y)))
+    last_a, last_b = stored[out.rounds - 1], here[out.rounds - 1]
+    for key, d in out.by_key.items():
+        x, y = last_a.get(key), last_b.get(key)
+        if _numbers(x) and _numbers(y):
+            d.last = (float(x), float(y))
+    return out
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def compare_summary(out: Comparison, stored: dict[str, Any], here: dict[str, Any]) -> None:
+    """A complete re-run: the summary's numbers too (final, best-on-test and best-on-validation
+    accuracies, after fine-tuning where the method fine-tunes; wall times left out)."""
+    a, b = _flat(stored), _flat(here)
+    for key in sorted(set(a) | set(b)):
+        if "seconds" in key:
+            continue
+        x, y = a.get(key), b.get(key)
+        out.values += 1
+        if x == y:
+            continue
+        out.differing += 1
+        if out.first is None:
+            out.first = (out.rounds, f"summary.{key}", x, y)
+        if _numbers(x) and _numbers(y) and key in SUMMARY_KEYS:
+            out.summary[key] = (float(x), float(y))
+
+
+class Stop(Exception):
+    """Raised by a re-run's ``on_round`` to end it after that round (its rounds are kept)."""
+
+
+def rerun(
+    cfg: ExperimentConfig, rounds: int, on_round: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The run of ``cfg`` on this host, stopped after ``rounds`` rounds (or when ``on_round``
+    raises :class:`Stop`): its per-round records as ``results.json`` stores them, and its
+    results document when it ran to its end."""
+    records: list[dict[str, Any]] = []
+
+    def hook(rec: dict[str, Any]) -> None:
+        records.append(json.loads(json.dumps(rec)))  # as results.json stores it
+        if on_round is not None:
+            on_round(records[-1])
+        if len(records) >= rounds and rounds < cfg.train.rounds:
+            raise Stop
+
+    try:
+        doc = run_experiment(cfg, progress=False, on_round=hook)
+    except Stop:
+        return records, None
+    return [json.loads(json.dumps(r)) for r in doc["rounds"]], doc
+
+
+def host_line(doc: dict[str, Any]) -> str:
+    """CPU, instruction-set level, torch's capability and MKL's branch of a run's provenance."""
+    prov = doc.get("provenance", {}) if isinstance(doc.get("provenance"), dict) else {}
+    host = prov.get("host", {}) if isinstance(prov.get("host"), dict) else {}
+    num = prov.get("numerics", {}) if isinstance(prov.get("numerics"), dict) else {}
+    cpu_id = host.get("cpu_id", {}) if isinstance(host.get("cpu_id"), dict) else {}
+    mkl = num.get("mkl_branch")
+    mkl_words = (
+        f"MKL branch {mkl.get('branch')}" if isinstance(mkl, dict) else "MKL branch not recorded"
+    )
+    return (
+        f"{host.get('cpu', '?')} ({cpu_id.get('vendor_id', '?')}, family "
+        f"{cpu_id.get('cpu family', '?')} model {cpu_id.get('model', '?')}), "
+        f"{num.get('mode', 'native')} numerics, host {num.get('host_level', '?')}, torch at "
+        f"{num.get('aten_capability', '?')}, {mkl_words}"
+    )
+
+
+def this_host() -> dict[str, Any]:
+    """This host as a run's provenance would record it (for :func:`host_line`)."""
+    return {
+        "provenance": {
+            "host": provenance.host(),
+            "numerics": numerics.record(),
+            "code": provenance.code(),
+        }
+    }
+
+
+def code_line(stored: dict[str, Any], here: dict[str, Any]) -> str:
+    """Whether the re-run's code is the stored run's (its source hash): other code may give
+    other numbers for reasons that are not the host's."""
+
+    def source(doc: dict[str, Any]) -> str | None:
+        code = doc.get("provenance", {}).get("code", {})
+        return code.get("source_hash") if isinstance(code, dict) else None
+
+    a, b = source(stored), source(here)
+    if a is None:
+        return "  code: the stored run records no source hash"
+    if a == b:
+        return f"  code: the stored run's (source hash {a[:12]})"
+    return (
+        f"  code: other than the stored run's (source hash {a[:12]} stored, {str(b)[:12]} here): "
+        "a difference may come from the code, not the host"
+    )
+
+
+def _fmt(v: Any) -> str:
+    return repr(v) if not _numbers(v) else f"{float(v):.17g}"
+
+
+def report(out: Comparison, stored: Stored, here_host: dict[str, Any]) -> str:
+    """The comparison in words: identical, or where and by how much it differs."""
+    lines = [
+        f"stored: {stored.path}",
+        f"  made on {host_line(stored.doc)}",
+        f"  re-run on {host_line(here_host)}",
+        code_line(stored.doc, here_host),
+    ]
+    if out.identical:
+        lines.append(
+            f"identical: every one of {out.values} numbers of rounds 1-{out.rounds} equal bit for "
+            "bit (wall times left out)"
+        )
+        return "\n".join(lines)
+    assert out.first is not None
+    r, key, x, y = out.first
+    lines.append(
+        f"different: {out.differing} of {out.values} numbers of rounds 1-{out.rounds}; the "
+        f"first in round {r}, {key}: {_fmt(x)} stored, {_fmt(y)} here"
+    )
+    for key in [k for k in HEADLINE if k in out.by_key] + sorted(
+        k for k in out.by_key if k not in HEADLINE
+    ):
+        d = out.by_key[key]
+        last = (
+            f"; round {out.rounds}: {d.last[0]:.6g} stored, {d.last[1]:.6g} here "
+            f"({d.last[1] - d.last[0]:+.3g})"
+            if d.last is not None and d.last[0] != d.last[1]
+            else ""
+        )
+        lines.append(
+            f"  {key}: differs in {d.rounds} round(s) from round {d.first_round}, largest "
+            f"|difference| {d.max_abs:.3g}{last}"
+        )
+    for key, (x, y) in out.summary.items():
+        lines.append(f"  summary {key}: {x:.6g} stored, {y:.6g} here ({y - x:+.3g})")
+    return "\n".join(lines)
+
+
+def verify(
+    path: str | Path,
+    rounds: int | None = None,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[Comparison, str]:
+    """Re-run the run at ``path`` for its first ``rounds`` rounds (all: None) on this host and
+    compare; returns the comparison and its report."""
+    stored = load(path)
+    have = len(stored.rounds)
+    if rounds is None:
+        rounds = have
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise VerifyError(f"rounds = {rounds!r} must be a whole number >= 1")
+    if rounds > have:
+        raise VerifyError(f"rounds = {rounds}: {stored.path} holds {have} round(s)")
+    records, doc = rerun(stored.cfg, rounds, on_round)
+    out = compare(stored.rounds[:rounds], records[:rounds])
+    if doc is not None and rounds == have:
+        compare_summary(out, stored.doc.get("summary", {}), doc.get("summary", {}))
+    return out, report(out, stored, this_host())
+
+
+__all__ = [
+    "Comparison",
+    "Stop",
+    "Stored",
+    "VerifyError",
+    "compare",
+    "compare_summary",
+    "load",
+    "report",
+    "rerun",
+    "verify",
+]
