@@ -106,6 +106,29 @@ def _numerics(doc: dict[str, Any]) -> str:
     return str(doc.get("config", {}).get("sim", {}).get("numerics", "native"))
 
 
+def _arithmetic(doc: dict[str, Any]) -> tuple[str | None, str | None]:
+    """What a portable cell's arithmetic still depends on: the CPU's vendor (MKL keeps its AVX2
+    branch on Intel processors only) and the branch MKL ran, as read back (None: not recorded)."""
+    prov = doc.get("provenance", {})
+    host = prov.get("host", {}) if isinstance(prov, dict) else {}
+    cpu_id = host.get("cpu_id", {}) if isinstance(host, dict) else {}
+    num = prov.get("numerics", {}) if isinstance(prov, dict) else {}
+    vendor = cpu_id.get("vendor_id") if isinstance(cpu_id, dict) else None
+    mkl = num.get("mkl_branch") if isinstance(num, dict) else None
+    return vendor, (mkl.get("branch") if isinstance(mkl, dict) else None)
+
+
+def arithmetic_problems(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Two portable cells whose hosts do other arithmetic (``docs/design.md``, "Portable
+    numerics"): made on different vendors' processors, or MKL read back on other branches."""
+    (va, ma), (vb, mb) = _arithmetic(a), _arithmetic(b)
+    if va and vb and va != vb:
+        return [f"made on a {va} and a {vb} host (MKL keeps its AVX2 branch on Intel only)"]
+    if ma and mb and ma != mb:
+        return [f"MKL ran its {ma} branch for one cell and its {mb} branch for the other"]
+    return []
+
+
 def hash_problems(label: str, doc: dict[str, Any]) -> list[str]:
     """A cell whose stored config does not give its stored config hash (an edited cell)."""
     stored = doc.get("cell", {}).get("config_hash") if isinstance(doc.get("cell"), dict) else None
@@ -119,7 +142,8 @@ def hash_problems(label: str, doc: dict[str, Any]) -> list[str]:
 def pair_problems(c: Comparison, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Why the method's cell ``a`` and the baseline's cell ``b`` are not a fair pair (empty: they
     are): the same seed, every data, model, train, server and eval key (but those the plan
-    declares the paper prescribes differently), the same numerics, the same per-client
+    declares the paper prescribes differently), the same numerics (portable cells: on one
+    vendor's processors and MKL branch), the same per-client
     parameter counts, the algorithm keys the comparison names (``same``), both cells by the same
     code (source hash), each cell's config matching its config hash, the suite's current
     definition of both methods, and no honest reply dropped by the peer guard."""
@@ -147,6 +171,8 @@ def pair_problems(c: Comparison, a: dict[str, Any], b: dict[str, Any]) -> list[s
             out += [f"{section}.{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in keys]
     if _numerics(a) != _numerics(b):
         out.append(f"sim.numerics {_numerics(a)!r} vs {_numerics(b)!r}")
+    elif _numerics(a) == "portable":  # the pins hold the arithmetic only on one MKL branch
+        out += arithmetic_problems(a, b)
     if c.metric == "after_finetune" and _rounds_run(a) != _rounds_run(b):
         out.append(f"rounds run {_rounds_run(a)} vs {_rounds_run(b)} before fine-tuning")
     pa, pb = param_counts(a), param_counts(b)

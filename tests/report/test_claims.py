@@ -693,3 +693,35 @@ def test_hosts_say_where_cells_re_run_bit_for_bit():
     # one line per claim, each group counted
     text = claims_page.hosts_markdown([(intel, 2), (amd, 6)])[0]
     assert text.startswith("Hosts: 2 cells on X (GenuineIntel") and "; 6 cells on X" in text
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expect"),
+    [
+        ("provenance.host.cpu_id.vendor_id", "GenuineIntel", "made on a GenuineIntel and a"),
+        ("provenance.numerics.mkl_branch", {"branch": "AVX2"}, None),  # one side read back: ok
+    ],
+)
+@pytest.mark.golden
+def test_portable_cells_of_other_arithmetic_are_not_a_pair(path: str, value, expect) -> None:
+    """A committed portable pair (FedTGP Table 10, practical, seed 0, both made on one AMD host):
+    moving one cell to another vendor's processor makes it not comparable (MKL keeps its AVX2
+    branch on Intel only); two read-back MKL branches that differ do too."""
+    cells = claims.load_cells(RESULTS / "full", "fedtgp_table10")
+    c = Comparison("fedtgp_table10", "practical", "fedtgp", "fedproto_l2", same=("distance", "lam"))
+    a, b = cells[("practical", "fedtgp", 0)], cells[("practical", "fedproto_l2", 0)]
+    assert claims.pair_problems(c, a, b) == []
+    edited = copy.deepcopy(a)
+    node = edited
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    problems = claims.pair_problems(c, edited, b)
+    if expect is None:
+        assert problems == []
+        other = copy.deepcopy(b)
+        other["provenance"]["numerics"]["mkl_branch"] = {"branch": "AUTO"}
+        problems = claims.pair_problems(c, edited, other)
+        expect = "MKL ran its AVX2 branch for one cell and its AUTO branch"
+    assert any(expect in p for p in problems), problems
