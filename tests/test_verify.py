@@ -153,3 +153,37 @@ def test_mkl_branch_is_read_back_from_mkl(env: str | None, branch: str, strict: 
     got = json.loads(proc.stdout)
     assert got["branch"] == branch and got["strict"] is strict
     assert got["auto"] not in ("off", "AUTO")  # AUTO resolves to this host's own branch
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(numerics.can_be_portable() is not None, reason="needs x86-64 with AVX2")
+def test_a_portable_run_is_verified_in_portable_numerics(tmp_path: Path) -> None:
+    """verify re-runs a portable run with the pins (the command re-executes itself), so the
+    re-run is bitwise; the report names the numerics and MKL's branch as read back."""
+    raw = tiny_raw(
+        algorithm={"name": "fedproto"}, sim={"backend": "serial", "numerics": "portable"}
+    )
+    cfg = write_toml(tmp_path / "run.toml", raw)
+    env = {k: v for k, v in os.environ.items() if k not in numerics.LEVEL_VARS}
+    run = [sys.executable, "-m", "fedmosaic"]
+    made = subprocess.run(
+        [*run, "run", str(cfg), "--quiet", "--out", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    if numerics.mkl_branch() is not None:  # torch built with MKL: the pin read back
+        assert doc["provenance"]["numerics"]["mkl_branch"]["strict"] is True
+    checked = subprocess.run(
+        [*run, "verify", str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr[-2000:]
+    assert "portable numerics" in checked.stdout and "identical" in checked.stdout
+    assert "sim.numerics = portable: running this command again" in checked.stderr
