@@ -9,6 +9,7 @@ function of (config, seed, client id), so the same client is built identically i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,13 @@ from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.rounds import RoundPlan, clients_per_round, holdout_clients
 from fedmosaic.core.training import TrainSettings
 from fedmosaic.data import FederatedData, build_federated_data
-from fedmosaic.models import build_client_model, family_members
+from fedmosaic.models import (
+    build_client_model,
+    build_encoder,
+    ends_nonnegative,
+    family_members,
+    split_member,
+)
 
 log = logging.getLogger("fedmosaic")
 
@@ -109,6 +116,27 @@ def client_data(data: FederatedData, device: str) -> list[ClientData]:
     return out
 
 
+@functools.cache
+def _encoder_nonnegative(
+    arch: str, input_shape: tuple[int, int, int], feature_dim: int, projection: str
+) -> bool:
+    with torch.random.fork_rng(devices=[]):  # a probe build: the run's streams untouched
+        return ends_nonnegative(build_encoder(arch, input_shape, feature_dim, projection))
+
+
+def features_nonnegative(
+    members: Sequence[str], input_shape: tuple[int, int, int], feature_dim: int, projection: str
+) -> bool:
+    """Whether every member's features are >= 0 by its encoder's structure (each ends in a
+    ReLU-like activation, then only pooling: HtFLlib's CNNs at their natural width or with the
+    pool projection), so a class mean of any client's features is too (``Rows(features=True)``
+    holds uploads to it)."""
+    return all(
+        _encoder_nonnegative(split_member(m)[0], input_shape, feature_dim, projection)
+        for m in sorted(set(members))
+    )
+
+
 def make_spec(
     cfg: ExperimentConfig, data: FederatedData, clients: list[ClientData]
 ) -> FederationSpec:
@@ -137,6 +165,12 @@ def make_spec(
         privacy=cfg.privacy,
         class_counts=tuple(tuple(c.class_counts("train").tolist()) for c in clients),
         server_eval=server_eval,
+        nonnegative_features=features_nonnegative(
+            [members[i % len(members)] for i in range(n)],
+            cast(tuple[int, int, int], tuple(data.input_shape)),
+            cfg.model.feature_dim,
+            model_projection(cfg),
+        ),
     )
 
 

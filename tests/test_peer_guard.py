@@ -303,15 +303,38 @@ def test_fedproto_persistent_sign_flipped_prototypes_stay_out_for_the_whole_run(
 
 
 def test_minus_five_prototypes_pass_the_default_guard_and_the_trimmed_mean_is_the_defence():
-    # On this IID federation a -5 x prototype attacker sits inside the band honest rows reach on
-    # non-IID ones (docs/robustness.md, "What the default guard does not stop"): never dropped,
-    # and it costs the federation; the trimmed mean removes it.
+    # On this IID federation with signed features (a Linear projection) a -5 x prototype
+    # attacker sits inside the band honest rows reach on non-IID ones (docs/robustness.md, "What
+    # the default guard does not stop"): never dropped, and it costs the federation; the trimmed
+    # mean removes it. With ReLU features it is dropped (the test above).
     out = outcome("fedproto", "neg5")
     assert out["rejected"] == [[]] * ROUNDS
     assert out["acc"] < honest("fedproto") - TOLERANCE, (out["acc"], honest("fedproto"))
     trimmed = {"aggregator": "trimmed_mean", "trim": 0.25}
     clean = outcome("fedproto", "none", **trimmed)["acc"]
     assert abs(outcome("fedproto", "neg5", **trimmed)["acc"] - clean) <= TOLERANCE
+
+
+@cache
+def outcome_relu(name: str, attack: str) -> dict[str, Any]:
+    """The same federation with HtFLlib's pool projection: every client's features end in a
+    ReLU, so a class mean of them is >= 0 (``FederationSpec.nonnegative_features``)."""
+    r = raw(name, {})
+    r["model"]["projection"] = "pool"
+    return attacked_run(r, poisoner(attack))
+
+
+@pytest.mark.parametrize("name", ["fedproto", "fedtgp", "fedgh"])
+def test_negated_class_means_stay_out_where_features_are_nonnegative(name):
+    # -5 x and -8 x prototypes on the IID federation: inside the peer guard's band by scale,
+    # but no honest client's class mean has a negative entry when every encoder ends in a ReLU
+    # (docs/robustness.md). Dropped every round; the run is exactly the one without them.
+    assert outcome_relu(name, "none")["rejected"] == [[]] * ROUNDS  # honest: nobody dropped
+    absent = outcome_relu(name, "absent")
+    for attack in ("neg5", "neg8"):
+        out = outcome_relu(name, attack)
+        assert out["rejected"] == [[ATTACKER]] * ROUNDS, (attack, out["rejected"])
+        assert out["acc"] == absent["acc"], (attack, out["acc"], absent["acc"])
 
 
 def test_fedtgp_persistent_attacker_is_dropped_every_round_and_the_server_learns():
@@ -354,3 +377,15 @@ def test_an_honest_federation_drops_nobody_and_keeps_its_numbers(name, monkeypat
     assert numbers(on) == numbers(off)  # bitwise: nothing the guard did reached the numbers
     # and the guard did look at this method's uploads (it is wired in), where it applies
     assert any(screened) == (name not in NOT_SCREENED), screened
+
+
+def test_which_federations_have_nonnegative_features():
+    from fedmosaic.federation import features_nonnegative
+    from fedmosaic.models import family_members
+
+    htcnn8 = family_members("htfe8-gray")
+    # FedTGP Table 10's group at its natural width (512), and with the pool projection
+    assert features_nonnegative(htcnn8, (1, 28, 28), 512, "linear")
+    assert features_nonnegative(htcnn8, (1, 28, 28), 64, "pool")
+    assert not features_nonnegative(htcnn8, (1, 28, 28), 64, "linear")  # a Linear last
+    assert not features_nonnegative([*htcnn8, "resnet8"], (1, 28, 28), 512, "pool")  # one unsure

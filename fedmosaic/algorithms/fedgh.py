@@ -65,7 +65,7 @@ class ClassMeans(Payload):
     """A client's local averaged representations (LARs) of the classes it holds, with labels."""
 
     # k = |C_k|; row i: the LAR of class classes[i] (no global rows: the peer guard bounds them)
-    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes")]
+    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes", features=True)]
     classes: Annotated[Tensor, "[k] int64 increasing in [0, C)", Claims()]
 
 

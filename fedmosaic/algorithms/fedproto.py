@@ -69,7 +69,9 @@ class ProtoUpload(Payload):
     """A client's local prototypes and how many training examples each one averages."""
 
     # zero rows for classes the client does not have; to the guard, the rows where counts > 0
-    protos: Annotated[Tensor, "[C, d] float32", Rows(where="counts", ref="glob", known="known")]
+    protos: Annotated[
+        Tensor, "[C, d] float32", Rows(where="counts", ref="glob", known="known", features=True)
+    ]
     counts: Annotated[Tensor, "[C] int64 >= 0 sum <= MAX_EXAMPLES", Counts()]
 
 

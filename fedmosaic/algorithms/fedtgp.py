@@ -76,7 +76,9 @@ class ClientPrototypes(Payload):
     """A client's prototypes of the classes it holds only: ``k = |C_i|`` rows, sorted classes."""
 
     # row i: the prototype of class classes[i]; to the guard, bounded by the global prototypes
-    protos: Annotated[Tensor, "[k, d] float32", Rows(classes="classes", ref="glob", known="known")]
+    protos: Annotated[
+        Tensor, "[k, d] float32", Rows(classes="classes", ref="glob", known="known", features=True)
+    ]
     classes: Annotated[Tensor, "[k] int64 increasing in [0, C)", Claims()]
 
 

@@ -90,6 +90,11 @@ class FederationSpec:
     # ``[N, C, H, W]`` and labels ``[N]`` on the CPU, for the round loop's server-side evaluation
     # of ``Algorithm.server_model``; no client's data, and no method's business. None: off.
     server_eval: tuple[Tensor, Tensor] | None = None
+    # Every client's features are >= 0 by its encoder's structure (each ends in a ReLU: the
+    # assembly reads it from the zoo). Uploads declared as class means of features
+    # (``Rows(features=True)``) are then refused with a negative entry: no honest client can
+    # send one. False: features may be negative, nothing is checked.
+    nonnegative_features: bool = False
 
     @property
     def homogeneous(self) -> bool:

@@ -109,11 +109,34 @@ def _rows(
         mask = getattr(upload, role.where) != 0  # [C]: bool, or counts
         classes = mask.nonzero().flatten()
         rows = value[mask]
+    if role.features:
+        _nonnegative(rows, classes, cid, where)
     if role.ref:
         ref, known = _bound(env, role.ref, where), _bound(env, role.known, where)
         robust.check_rows(rows, classes, ref, known, cid, where, field)
     else:
         robust.note_rows(rows, classes, cid, field)
+
+
+def _nonnegative(rows: Tensor, classes: Tensor, cid: int, where: str) -> None:
+    """Class means of features that are >= 0 by construction (every client's encoder ends in a
+    ReLU) are >= 0: a negative entry is no client's honest upload (a sign-flipped or negated
+    row). Not under the local privacy mechanism (its noise is signed) nor for a secure round's
+    rebuilt sum (``cid < 0``: no one client's upload)."""
+    view = robust.current()
+    if not view.nonnegative_features or view.private_noise is not None or cid < 0:
+        return
+    if rows.numel() == 0:
+        return
+    low = rows.detach().amin(dim=1)  # [k]
+    bad = (low < 0).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise PayloadError(
+            f"client {cid} {where}: its class {int(classes[i])} row has a negative entry "
+            f"({float(low[i]):.3g}), but every client's features are >= 0 here (each encoder "
+            "ends in a ReLU), so no class mean of them is"
+        )
 
 
 def _claims(value: Tensor, cid: int, where: str) -> None:

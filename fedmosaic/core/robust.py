@@ -90,6 +90,9 @@ class ServerView:
     # Its uploads are the clipped value plus N(0, sd^2) per coordinate: the magnitude checks
     # allow for that much (:func:`noise_slack`), or every private upload would be dropped.
     private_noise: tuple[float, float] | None = None
+    # Every client's features are >= 0 (``FederationSpec.nonnegative_features``): class means of
+    # features (``Rows(features=True)``) with a negative entry are refused.
+    nonnegative_features: bool = False
     # what was already said this round (a rule that does not fit is said once, not per class)
     said: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
     # what each client's upload showed while it was validated, for the peer guard: its update

@@ -368,7 +368,13 @@ def run_rounds(
             rule.peer_factor,
         )
         rule = dataclasses.replace(rule, peer_factor=0.0)
-    view = robust.ServerView(rule, spec.num_train, spec.class_counts, private_noise=noise)
+    view = robust.ServerView(
+        rule,
+        spec.num_train,
+        spec.class_counts,
+        private_noise=noise,
+        nonnegative_features=spec.nonnegative_features,
+    )
     server_eval = server_evaluates(algo, state, spec)
     last = done
     # a restored run that had already stopped on its plateau runs no more rounds

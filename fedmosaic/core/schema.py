@@ -109,12 +109,15 @@ class Rows:
 
     Each row enters the peer guard against the other clients' rows of its class; with ``ref``
     (bound ``[C, d]`` global rows) and ``known`` (bound ``[C]`` bool), a row of a class the server
-    has a global row for is also bounded by ``server.max_norm_ratio`` x the largest global norm."""
+    has a global row for is also bounded by ``server.max_norm_ratio`` x the largest global norm.
+    ``features``: the rows are class means of the client's features, so where every client's
+    features are >= 0 (``FederationSpec.nonnegative_features``) a negative entry is refused."""
 
     classes: str = ""
     where: str = ""
     ref: str = ""
     known: str = ""
+    features: bool = False
 
     def __post_init__(self) -> None:
         if bool(self.classes) == bool(self.where):

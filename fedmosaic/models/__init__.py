@@ -7,13 +7,21 @@ maps ``[B, C, H, W]`` to ``[B, natural_dim]``. Block splits are listed in each b
 """
 
 from . import cnn, mobile, resnet  # noqa: F401  (registration)
-from .build import build_client_model, build_encoder, build_head, parse_head, split_member
+from .build import (
+    build_client_model,
+    build_encoder,
+    build_head,
+    ends_nonnegative,
+    parse_head,
+    split_member,
+)
 from .families import family_members
 from .flops import count_params, flops_per_image, trainable_flops
 
 __all__ = [
     "build_client_model",
     "build_encoder",
+    "ends_nonnegative",
     "build_head",
     "count_params",
     "family_members",

@@ -115,6 +115,40 @@ def _encoder(
     return encoder, feature_dim
 
 
+# Modules whose every output is >= 0, and modules that keep the sign of each input entry in each
+# output entry (a max or mean over entries of one sign keeps it; a reshape moves entries).
+_NONNEGATIVE = (nn.ReLU, nn.ReLU6, nn.Sigmoid, nn.Softmax, nn.Softplus)
+_SIGN_KEEPING = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.Flatten,
+    nn.Identity,
+    nn.Dropout,
+)
+
+
+def ends_nonnegative(module: nn.Module) -> bool:
+    """Whether every output of ``module`` is >= 0 by its structure: a ReLU-like activation, or an
+    ``nn.Sequential`` whose last such activation is followed only by sign-keeping modules
+    (pooling, flatten, dropout; HtFLlib's pool projection). A module of any other kind (a custom
+    block whose ``forward`` the structure does not show, a Linear, a BatchNorm) is not: the
+    answer errs towards "may be negative", never the other way."""
+    if isinstance(module, _NONNEGATIVE):
+        return True
+    if isinstance(module, nn.Sequential):
+        for child in reversed(list(module.children())):
+            if isinstance(child, _SIGN_KEEPING):
+                continue
+            return ends_nonnegative(child)
+    return False
+
+
 def build_client_model(
     member: str,
     input_shape: tuple[int, int, int],

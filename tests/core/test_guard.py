@@ -81,6 +81,12 @@ class Points(Payload):
 
 
 @dataclass(frozen=True)
+class Means(Payload):  # class means of the client's features
+    rows: Annotated[Tensor, "[k, 2] float32", Rows(classes="classes", features=True)]
+    classes: Annotated[Tensor, "[k] int64 in [0, C)", Claims()]
+
+
+@dataclass(frozen=True)
 class Kernel(Payload):
     kernel: Annotated[Tensor, "[2, 2] float32", Whole()]
 
@@ -181,3 +187,25 @@ def test_a_kernel_must_be_symmetric_with_a_nonnegative_diagonal():
         guard.check_upload(HeNNUpload(-k), 0, {"L": 2})
     with pytest.raises(PayloadError, match="kernel is not a symmetric matrix"):
         guard.check_upload(HeNNUpload(torch.tensor([[1.0, 0.5], [0.0, 1.0]])), 0, {"L": 2})
+
+
+def test_class_means_of_nonnegative_features_refuse_a_negative_entry():
+    names = {"C": 3}
+    means = Means(torch.tensor([[0.5, 0.0], [2.0, -0.25]]), torch.tensor([0, 2]))
+    honest = Means(torch.tensor([[0.5, 0.0], [2.0, 0.0]]), torch.tensor([0, 2]))
+    on = ServerView(RobustRule(), nonnegative_features=True)
+    with robust.serving(on):
+        guard.check_upload(honest, 1, names)
+        with pytest.raises(
+            PayloadError,
+            match=r"client 1 Means.rows: its class 2 row has a negative entry \(-0.25\)",
+        ):
+            guard.check_upload(means, 1, names)
+        guard.check_upload(means, -1, names)  # a secure round's rebuilt sum: no one client's
+    # features that may be negative, and the local privacy mechanism's signed noise: no check
+    for view in (
+        ServerView(RobustRule()),
+        ServerView(RobustRule(), private_noise=(1.0, 0.5), nonnegative_features=True),
+    ):
+        with robust.serving(view):
+            guard.check_upload(means, 1, names)

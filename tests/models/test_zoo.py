@@ -12,8 +12,10 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ENCODERS, FAMILIES
 from fedmosaic.models import (
     build_client_model,
+    build_encoder,
     build_head,
     count_params,
+    ends_nonnegative,
     family_members,
     flops_per_image,
     split_member,
@@ -276,3 +278,34 @@ def test_paper_parameter_counts() -> None:
     # FedTGP Table 9 CNN1 on FMNIST: conv 32*25+32, fc 4608*512+512, classifier 512*10+10
     assert count_params(build_client_model("cnn1", (1, 28, 28), 10, 512)) == 2_365_770
     assert count_params(build_client_model("cnn1", (1, 28, 28), 10, 512), trainable_only=True)
+
+
+# ---- features that are >= 0 by structure (the guard's Rows(features=True) check) ----------------
+
+
+@pytest.mark.parametrize("arch", ENCODERS.names())
+@pytest.mark.parametrize("projection", ["linear", "pool", "none"])
+def test_an_encoder_said_to_end_nonnegative_never_gives_a_negative_feature(arch, projection):
+    """Soundness over the registry: where ``ends_nonnegative`` says yes, no input (large, signed)
+    in train or eval mode gives a negative feature; it may say no for a block whose forward its
+    structure does not show (a ResNet's residual sum), never yes wrongly."""
+    torch.manual_seed(0)
+    encoder = build_encoder(arch, (1, 28, 28), 48, projection)
+    if not ends_nonnegative(encoder):
+        return
+    for train in (True, False):
+        encoder.train(train)
+        with torch.no_grad():
+            f = encoder(torch.randn(6, 1, 28, 28) * 5 - 1)
+        assert float(f.min()) >= 0.0
+
+
+def test_which_encoders_end_nonnegative():
+    # HtFLlib's CNNs end in Linear -> ReLU: natural width or the pool projection keep it
+    assert ends_nonnegative(build_encoder("cnn1", (1, 28, 28), 512, "linear"))  # natural 512
+    assert ends_nonnegative(build_encoder("cnn1", (1, 28, 28), 64, "pool"))
+    assert not ends_nonnegative(build_encoder("cnn1", (1, 28, 28), 64, "linear"))  # proj Linear
+    assert not ends_nonnegative(build_encoder("resnet8", (1, 28, 28), 64, "pool"))  # custom block
+    assert ends_nonnegative(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Dropout(), nn.Flatten()))
+    assert not ends_nonnegative(nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+    assert not ends_nonnegative(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(2)))
