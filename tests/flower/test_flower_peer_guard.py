@@ -36,6 +36,8 @@ def rewrite(attack: str):
             return Array((s + 50 * (x - s)).astype(x.dtype))
         if attack == "huge_round1" and round_num == 1:
             return Array(x * 0 + 1e30)
+        if attack == "neg5" and x.dtype.kind == "f":  # every round, -5 x its prototypes
+            return Array((x * -5).astype(x.dtype))
         return None
 
     return None if attack == "none" else arrays
@@ -48,8 +50,8 @@ _RUNS: dict[str, dict[str, Any]] = {}
 def outcome(tmp_path_factory):
     """``outcome(name, attack, **server)``: rounds, final accuracy and warnings, once each."""
 
-    def run(name: str, attack: str, **server: Any) -> dict[str, Any]:
-        key = json.dumps([name, attack, server], sort_keys=True)
+    def run(name: str, attack: str, model: dict | None = None, **server: Any) -> dict[str, Any]:
+        key = json.dumps([name, attack, model, server], sort_keys=True)
         if key not in _RUNS:
             experiment = tiny_raw(
                 data={
@@ -64,6 +66,7 @@ def outcome(tmp_path_factory):
                 train={"rounds": ROUNDS},
                 server=server,
             )
+            experiment["model"].update(model or {})
             results = tmp_path_factory.mktemp("guard") / "results"
             out = grid_run(experiment, rewrite(attack), results, N)
             rounds = out["rounds"]
@@ -99,3 +102,16 @@ def test_fedproto_round_one_1e30_is_dropped_and_no_honest_client_is(outcome):
     # Before the guard: the poisoned global drives every honest reply of round 2 non-finite.
     before = outcome("fedproto", "huge_round1", peer_factor=0.0)
     assert set(range(1, N)) <= set(before["rejected"][1])
+
+
+def test_negated_prototypes_stay_out_over_flower_where_features_are_nonnegative(outcome):
+    # The pool projection keeps every feature >= 0 (each encoder ends in a ReLU): a -5 x
+    # prototype attacker, inside the peer guard's band on this IID federation, is refused in
+    # every round by the sign of its rows, as on the simulator (tests/test_peer_guard.py).
+    pool = {"projection": "pool"}
+    honest = outcome("fedproto", "none", model=pool)
+    assert honest["rejected"] == [[]] * ROUNDS
+    out = outcome("fedproto", "neg5", model=pool)
+    assert out["rejected"] == [[ATTACKER]] * ROUNDS, out["rejected"]
+    assert "has a negative entry" in out["log"]
+    assert abs(out["acc"] - honest["acc"]) <= TOLERANCE, (out["acc"], honest["acc"])
