@@ -216,11 +216,17 @@ def host_line(doc: dict[str, Any]) -> str:
     mkl_words = (
         f"MKL branch {mkl.get('branch')}" if isinstance(mkl, dict) else "MKL branch not recorded"
     )
+    cpu = str(host.get("cpu", "?"))
+    if cpu_id.get("vendor_id"):
+        cpu += (
+            f" ({cpu_id['vendor_id']}, family {cpu_id.get('cpu family', '?')} model "
+            f"{cpu_id.get('model', '?')})"
+        )
+    if not num:  # made before provenance recorded the numerics: native arithmetic
+        return f"{cpu}, native numerics (levels not recorded)"
     return (
-        f"{host.get('cpu', '?')} ({cpu_id.get('vendor_id', '?')}, family "
-        f"{cpu_id.get('cpu family', '?')} model {cpu_id.get('model', '?')}), "
-        f"{num.get('mode', 'native')} numerics, host {num.get('host_level', '?')}, torch at "
-        f"{num.get('aten_capability', '?')}, {mkl_words}"
+        f"{cpu}, {num.get('mode', 'native')} numerics, host {num.get('host_level', '?')}, torch "
+        f"at {num.get('aten_capability', '?')}, {mkl_words}"
     )
 
 
