@@ -142,6 +142,7 @@ KINDS: dict[str, str] = {
     "test_transports.py": "integration",
     "test_types.py": "integration",  # mypy over pyproject's [tool.mypy] files; slow
     "test_upfront_checks.py": "integration",
+    "test_verify.py": "integration",  # re-runs (the compare-by-hand case: unit)
 }
 
 

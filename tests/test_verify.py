@@ -9,13 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.experiments import tiny_raw, write_toml
 
 from fedmosaic import cli, numerics
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.verify import VerifyError, compare, load, verify
-from tests.helpers.experiments import tiny_raw, write_toml
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +123,7 @@ def test_what_cannot_be_verified_is_one_line_exit_2(
                 load(target)
 
 
+@pytest.mark.unit
 def test_compare_by_hand() -> None:
     stored = [{"round": 1, "a": 1.0, "b": 2.0, "seconds": 3.0}, {"round": 2, "a": 1.5, "b": 2.0}]
     here = [{"round": 1, "a": 1.0, "b": 2.0, "seconds": 9.0}, {"round": 2, "a": 1.25, "b": 2.0}]
