@@ -233,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fedmosaic.verify import Stop, compare, compare_summary, load, report, rerun, this_host
+    from fedmosaic.verify import Stop, compare, load, verify
 
     stored = load(args.results)
     have = len(stored.rounds)
@@ -258,11 +258,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise Stop
 
     print(f"verify: re-running {stored.path} for {rounds} round(s) here", file=sys.stderr)
-    records, doc = rerun(stored.cfg, rounds, on_round)
-    out = compare(stored.rounds[: len(records)], records)
-    if doc is not None and rounds == have:
-        compare_summary(out, stored.doc.get("summary", {}), doc.get("summary", {}))
-    print(report(out, stored, this_host()))
+    out, text = verify(stored, rounds, on_round)
+    print(text)
     return 0 if out.identical else 1
 
 

@@ -304,13 +304,14 @@ def report(out: Comparison, stored: Stored, here_host: dict[str, Any]) -> str:
 
 
 def verify(
-    path: str | Path,
+    path: str | Path | Stored,
     rounds: int | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[Comparison, str]:
-    """Re-run the run at ``path`` for its first ``rounds`` rounds (all: None) on this host and
-    compare; returns the comparison and its report."""
-    stored = load(path)
+    """Re-run the run at ``path`` (or one already loaded) for its first ``rounds`` rounds (all:
+    None) on this host and compare; returns the comparison and its report. ``on_round`` sees
+    each round's record and may raise :class:`Stop` to end the re-run there."""
+    stored = path if isinstance(path, Stored) else load(path)
     have = len(stored.rounds)
     if rounds is None:
         rounds = have
@@ -319,7 +320,7 @@ def verify(
     if rounds > have:
         raise VerifyError(f"rounds = {rounds}: {stored.path} holds {have} round(s)")
     records, doc = rerun(stored.cfg, rounds, on_round)
-    out = compare(stored.rounds[:rounds], records[:rounds])
+    out = compare(stored.rounds[: len(records)], records[:rounds])
     if doc is not None and rounds == have:
         compare_summary(out, stored.doc.get("summary", {}), doc.get("summary", {}))
     return out, report(out, stored, this_host())

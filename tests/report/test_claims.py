@@ -365,6 +365,17 @@ def _committed_pair() -> tuple[Comparison, dict, dict]:
     return c, cells[("dir01", "fedseq_vanilla", 0)], cells[("dir01", "fedbabu", 0)]
 
 
+def _edited(doc: dict, path: str, value) -> dict:
+    """A copy of a cell with the dotted ``path`` set to ``value``."""
+    edited = copy.deepcopy(doc)
+    node = edited
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return edited
+
+
 @pytest.mark.parametrize(
     ("path", "value", "expect"),
     [
@@ -386,12 +397,7 @@ def test_a_mutated_committed_cell_breaks_its_pair(path: str, value, expect: str)
     FedBABU becomes not comparable, naming the key (and the edit breaks the config hash)."""
     c, a, b = _committed_pair()
     assert claims.pair_problems(c, a, b) == []
-    edited = copy.deepcopy(a)
-    node = edited
-    *parents, leaf = path.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
+    edited = _edited(a, path, value)
     problems = claims.pair_problems(c, edited, b)
     assert any(expect in p for p in problems), problems
     if path.startswith("config."):
@@ -711,12 +717,7 @@ def test_portable_cells_of_other_arithmetic_are_not_a_pair(path: str, value, exp
     c = Comparison("fedtgp_table10", "practical", "fedtgp", "fedproto_l2", same=("distance", "lam"))
     a, b = cells[("practical", "fedtgp", 0)], cells[("practical", "fedproto_l2", 0)]
     assert claims.pair_problems(c, a, b) == []
-    edited = copy.deepcopy(a)
-    node = edited
-    *parents, leaf = path.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
+    edited = _edited(a, path, value)
     problems = claims.pair_problems(c, edited, b)
     if expect is None:
         assert problems == []
