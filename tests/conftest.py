@@ -18,6 +18,7 @@ quick loop, until it is listed. ``slow`` (real-data checks) is kept and makes a 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,42 @@ KINDS: dict[str, str] = {
     "test_runfolder.py": "integration",
     "test_runfolder_replace.py": "integration",
     "test_transports.py": "integration",
+    "test_test_workers.py": "unit",
     "test_types.py": "integration",  # mypy over pyproject's [tool.mypy] files; slow
     "test_upfront_checks.py": "integration",
     "test_verify.py": "integration",  # re-runs (the compare-by-hand case: unit)
 }
+
+
+# Workers of ``-n auto`` (pyproject's addopts): one per usable core, but no more than the memory
+# holds (a worker that trains the zoo's models peaks near this much) and no more than this many.
+WORKER_MEMORY_GB = 3.0
+WORKERS_MAX = 8
+
+
+def auto_workers(cores: int, available_gb: float | None) -> int:
+    """How many test workers ``-n auto`` starts: ``cores``, at most ``WORKERS_MAX`` and at most
+    ``available_gb / WORKER_MEMORY_GB`` (unknown memory: no cap), at least 1."""
+    n = min(cores, WORKERS_MAX)
+    if available_gb is not None:
+        n = min(n, int(available_gb // WORKER_MEMORY_GB))
+    return max(1, n)
+
+
+def _available_gb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return auto_workers(cores or 1, _available_gb())
 
 
 def kind_of(path: Path) -> str:
