@@ -233,13 +233,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from fedmosaic.verify import Stop, compare, load, verify
+    from fedmosaic.verify import Stop, check_keep, compare, load, verify
 
     stored = load(args.results)
     have = len(stored.rounds)
     rounds = have if args.rounds is None else args.rounds
     if rounds < 1 or rounds > have:
         raise ConfigError(f"--rounds {rounds}: {stored.path} holds rounds 1-{have}")
+    if args.keep is not None:
+        if args.first_difference:
+            raise ConfigError("--keep keeps a complete re-run: leave out --first-difference")
+        check_keep(args.keep, rounds, have)
     code = _in_portable_process(args, [stored.cfg])
     if code is not None:
         return code
@@ -258,8 +262,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise Stop
 
     print(f"verify: re-running {stored.path} for {rounds} round(s) here", file=sys.stderr)
-    out, text = verify(stored, rounds, on_round)
+    out, text = verify(stored, rounds, on_round, keep=args.keep)
     print(text)
+    if args.keep is not None:
+        print(f"verify: the re-run is kept at {args.keep}", file=sys.stderr)
     return 0 if out.identical else 1
 
 
@@ -627,6 +633,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after the first round in which a number differs",
     )
     v.add_argument("--quiet", action="store_true", help="no line per round")
+    v.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the complete re-run's results.json here (never over an existing file); under "
+        "docs/results/<budget>/<suite>/reruns/<setting>/<method>/seed<k>/<host>/ the claims page "
+        "compares it with its cell",
+    )
     v.set_defaults(func=cmd_verify)
 
     ls = command(

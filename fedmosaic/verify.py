@@ -16,30 +16,19 @@ schedule over the planned rounds stays as it was), so its rounds are the origina
 from __future__ import annotations
 
 import json
-import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from fedmosaic import numerics, provenance
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.config import ConfigError, ExperimentConfig, experiment_config
 from fedmosaic.experiment import run_experiment
+from fedmosaic.report.reruns import HEADLINE, Comparison, compare, compare_summary, numbers
 
 RESULTS = "results.json"
-# per-round keys that measure time, not arithmetic
-TIMING_PREFIX = "seconds"
-# the headline numbers reported for the last round compared (when the cell has them)
-HEADLINE = ("acc_weighted", "acc_mean", "acc_head_weighted", "val_acc_weighted", "train_loss")
-# the summary's numbers reported beside the rounds when they differ
-SUMMARY_KEYS = (
-    "final.acc_weighted",
-    "final.acc_mean",
-    "best_on_val.acc_weighted",
-    "after_finetune.acc_weighted",
-    "after_finetune.acc_mean",
-)
 
 
 class VerifyError(ConfigError):
@@ -93,91 +82,6 @@ def load(path: str | Path) -> Stored:
     except ConfigError as exc:
         raise VerifyError(f"{p}: its config no longer loads: {exc}") from None
     return Stored(p, doc, cfg)
-
-
-@dataclass
-class Difference:
-    """One metric's differences over the rounds compared."""
-
-    first_round: int
-    max_abs: float = 0.0
-    rounds: int = 0  # rounds where it differs
-    last: tuple[float, float] | None = None  # (stored, here) at the last round compared
-
-
-@dataclass
-class Comparison:
-    """Every number of the re-run against the stored run's."""
-
-    rounds: int  # rounds compared
-    values: int = 0  # numbers compared
-    differing: int = 0
-    first: tuple[int, str, Any, Any] | None = None  # (round, key, stored, here)
-    by_key: dict[str, Difference] = field(default_factory=dict)
-    summary: dict[str, tuple[float, float]] = field(default_factory=dict)  # key: (stored, here)
-
-    @property
-    def identical(self) -> bool:
-        return self.differing == 0
-
-
-def _numbers(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def compare(stored: list[dict[str, Any]], here: list[dict[str, Any]]) -> Comparison:
-    """Round by round, every key both records hold (wall times left out): equal or not."""
-    out = Comparison(rounds=min(len(stored), len(here)))
-    for a, b in zip(stored, here, strict=False):
-        r = int(a.get("round", 0))
-        for key in sorted(set(a) | set(b)):
-            if key.startswith(TIMING_PREFIX):
-                continue
-            x, y = a.get(key), b.get(key)
-            out.values += 1
-            same = x == y or (_numbers(x) and _numbers(y) and math.isnan(x) and math.isnan(y))
-            if same:
-                continue
-            out.differing += 1
-            if out.first is None:
-                out.first = (r, key, x, y)
-            d = out.by_key.setdefault(key, Difference(first_round=r))
-            d.rounds += 1
-            if _numbers(x) and _numbers(y):
-                d.max_abs = max(d.max_abs, abs(float(x) - float(y)))
-    last_a, last_b = stored[out.rounds - 1], here[out.rounds - 1]
-    for key, d in out.by_key.items():
-        x, y = last_a.get(key), last_b.get(key)
-        if _numbers(x) and _numbers(y):
-            d.last = (float(x), float(y))
-    return out
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def compare_summary(out: Comparison, stored: dict[str, Any], here: dict[str, Any]) -> None:
-    """A complete re-run: the summary's numbers too (final, best-on-test and best-on-validation
-    accuracies, after fine-tuning where the method fine-tunes; wall times left out)."""
-    a, b = _flat(stored), _flat(here)
-    for key in sorted(set(a) | set(b)):
-        if "seconds" in key:
-            continue
-        x, y = a.get(key), b.get(key)
-        out.values += 1
-        if x == y:
-            continue
-        out.differing += 1
-        if out.first is None:
-            out.first = (out.rounds, f"summary.{key}", x, y)
-        if _numbers(x) and _numbers(y) and key in SUMMARY_KEYS:
-            out.summary[key] = (float(x), float(y))
 
 
 class Stop(Exception):
@@ -261,7 +165,7 @@ def code_line(stored: dict[str, Any], here: dict[str, Any]) -> str:
 
 
 def _fmt(v: Any) -> str:
-    return repr(v) if not _numbers(v) else f"{float(v):.17g}"
+    return repr(v) if not numbers(v) else f"{float(v):.17g}"
 
 
 def report(out: Comparison, stored: Stored, here_host: dict[str, Any]) -> str:
@@ -303,14 +207,43 @@ def report(out: Comparison, stored: Stored, here_host: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_keep(keep: Path, rounds: int, have: int) -> None:
+    """Refuse a ``keep`` path before anything runs: an existing file is never replaced, and only
+    a complete re-run is kept."""
+    if rounds != have:
+        raise VerifyError(f"keeping the re-run needs all {have} rounds, not {rounds}")
+    if keep.exists() or keep.is_symlink():
+        raise VerifyError(f"{keep} exists: a kept re-run never replaces a file (choose another)")
+    if keep.parent.exists() and not keep.parent.is_dir():
+        raise VerifyError(f"{keep.parent} is a file, not a folder")
+
+
+def keep_rerun(keep: Path, stored: Stored, doc: dict[str, Any]) -> None:
+    """Write the re-run's results document at ``keep`` (whole or not at all), carrying the
+    stored run's ``cell`` record (suite setting, method, seed, config hash) so that the claims
+    page matches it with the cell it re-ran (``<budget>/<suite>/reruns/...``)."""
+    out = dict(doc)
+    if isinstance(stored.doc.get("cell"), dict):
+        out["cell"] = stored.doc["cell"]
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    tmp = keep.with_name(f".{keep.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(out, indent=1))
+        os.replace(tmp, keep)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def verify(
     path: str | Path | Stored,
     rounds: int | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    keep: Path | None = None,
 ) -> tuple[Comparison, str]:
     """Re-run the run at ``path`` (or one already loaded) for its first ``rounds`` rounds (all:
     None) on this host and compare; returns the comparison and its report. ``on_round`` sees
-    each round's record and may raise :class:`Stop` to end the re-run there."""
+    each round's record and may raise :class:`Stop` to end the re-run there. ``keep``: write
+    the complete re-run's results document there (:func:`keep_rerun`)."""
     stored = path if isinstance(path, Stored) else load(path)
     have = len(stored.rounds)
     if rounds is None:
@@ -319,10 +252,14 @@ def verify(
         raise VerifyError(f"rounds = {rounds!r} must be a whole number >= 1")
     if rounds > have:
         raise VerifyError(f"rounds = {rounds}: {stored.path} holds {have} round(s)")
+    if keep is not None:
+        check_keep(keep, rounds, have)
     records, doc = rerun(stored.cfg, rounds, on_round)
     out = compare(stored.rounds[: len(records)], records[:rounds])
     if doc is not None and rounds == have:
         compare_summary(out, stored.doc.get("summary", {}), doc.get("summary", {}))
+        if keep is not None:
+            keep_rerun(keep, stored, doc)
     return out, report(out, stored, this_host())
 
 

@@ -84,6 +84,28 @@ def test_a_complete_re_run_compares_the_summary_too(finished: Path, tmp_path: Pa
     assert "summary final.acc_mean" in text
 
 
+def test_keep_writes_the_complete_re_run_with_its_cell_record(finished: Path, tmp_path: Path):
+    def edit(doc: dict) -> None:
+        doc["cell"] = {"suite_setting": "s", "method": "fedproto", "seed": 0}
+        doc["cell"]["config_hash"] = config_hash(doc["config"])
+
+    cell = _copy(finished, tmp_path / "cell", edit)
+    keep = tmp_path / "reruns" / "s" / "fedproto" / "seed0" / "here" / "results.json"
+    assert cli.main(["verify", str(cell), "--quiet", "--keep", str(keep)]) == 0
+    kept, stored = json.loads(keep.read_text()), json.loads((cell / "results.json").read_text())
+    assert kept["cell"] == stored["cell"] and kept["config"] == stored["config"]
+    assert compare(stored["rounds"], kept["rounds"]).identical
+    assert not [p for p in keep.parent.iterdir() if p.name != "results.json"]  # no temporary
+    # never over an existing file, and only a complete re-run: refused before anything runs
+    before = keep.read_bytes()
+    assert cli.main(["verify", str(cell), "--keep", str(keep)]) == 2
+    assert keep.read_bytes() == before
+    other = tmp_path / "other.json"
+    assert cli.main(["verify", str(cell), "--rounds", "1", "--keep", str(other)]) == 2
+    assert cli.main(["verify", str(cell), "--first-difference", "--keep", str(other)]) == 2
+    assert not other.exists()
+
+
 @pytest.mark.parametrize(
     "case",
     ["missing", "corrupt", "no_rounds", "edited_config", "plugin", "rounds_0", "rounds_past"],

@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,7 @@ from fedmosaic.report.fairness import (
     _rounds_run,
     _suite,
     budget_problems,
+    hash_problems,
     pair_problems,
 )
 from fedmosaic.report.plans import (
@@ -79,6 +81,7 @@ from fedmosaic.report.plans import (
     PlanError,
     load_plans,
 )
+from fedmosaic.report.reruns import compare, compare_summary
 from fedmosaic.report.suite_report import METRIC_KEYS, aggregate
 
 HOLDS = "holds"
@@ -632,6 +635,74 @@ def _hosts(
     return sorted(counts.items())
 
 
+def reruns(results: Path, plans: Sequence[Plan]) -> list[dict[str, Any]]:
+    """The committed re-runs of plans' cells on other hosts, each compared number by number with
+    the cell it re-ran (``<budget>/<suite>/reruns/<setting>/<method>/seed<k>/<host>/results.json``:
+    the same config, run again on another machine). Per re-run: both hosts (:func:`host_key`),
+    whether the code was the cell's own, the rounds and numbers that differ, and the plan's
+    primary metric at its read round on both hosts beside the seed-to-seed spread of that
+    method's cells in that setting (what a host's difference is measured against)."""
+    out: list[dict[str, Any]] = []
+    for budget, suite, read_round in sorted({(p.budget, p.suite, p.rounds) for p in plans}):
+        base = results / budget / suite / "reruns"
+        if not base.is_dir():
+            continue
+        cells = load_cells(results / budget, suite)
+        for path in sorted(base.glob("*/*/seed*/*/results.json")):
+            seed_dir = path.parent.parent
+            setting, method = seed_dir.parent.parent.name, seed_dir.parent.name
+            try:
+                seed = int(seed_dir.name.removeprefix("seed"))
+                doc = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as exc:
+                raise ValueError(f"{path}: not a re-run's results.json ({exc})") from exc
+            cell = cells.get((setting, method, seed))
+            if cell is None:
+                raise ValueError(
+                    f"{path}: re-runs {setting}/{method}/seed{seed}, not a committed cell"
+                )
+            if not isinstance(doc, dict) or not isinstance(doc.get("rounds"), list):
+                raise ValueError(f"{path}: not a re-run's results.json (no per-round records)")
+            problems = hash_problems("the re-run", doc)
+            if problems:
+                raise ValueError(f"{path}: {problems[0]}")
+            if doc.get("cell", {}).get("config_hash") != cell.get("cell", {}).get("config_hash"):
+                raise ValueError(
+                    f"{path}: another config than the cell {setting}/{method}/seed{seed}"
+                )
+            cmp = compare(cell["rounds"], doc["rounds"])
+            complete = len(doc["rounds"]) == len(cell["rounds"])
+            if complete and isinstance(doc.get("summary"), dict):
+                compare_summary(cmp, cell.get("summary", {}), doc["summary"])
+            spread = [
+                v
+                for (st, m, _), d in sorted(cells.items())
+                if st == setting and m == method
+                for v in [_pct(_at_round(d, read_round, "acc_weighted"))]
+                if v is not None
+            ]
+            code_a = cell.get("provenance", {}).get("code", {}).get("source_hash")
+            code_b = doc.get("provenance", {}).get("code", {}).get("source_hash")
+            out.append(
+                {
+                    "suite": suite,
+                    "budget": budget,
+                    "cell": (setting, method, seed),
+                    "made": host_key(cell),
+                    "rerun": host_key(doc),
+                    "same_code": code_a is not None and code_a == code_b,
+                    "comparison": cmp,
+                    "complete": complete,
+                    "read_round": read_round,
+                    "cell_value": _pct(_at_round(cell, read_round, "acc_weighted")),
+                    "rerun_value": _pct(_at_round(doc, read_round, "acc_weighted")),
+                    "seed_sd": statistics.stdev(spread) if len(spread) >= 2 else None,
+                    "seeds": len(spread),
+                }
+            )
+    return out
+
+
 def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> dict[str, Any]:
     """Every plan's claims judged from its budget's cells under ``results``, the page-wide error
     control over all confirmatory comparisons, and the exploratory groups."""
@@ -682,7 +753,12 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
                 rows.append(j)
             explore_out.append({"plan": plan, "group": group, "comparisons": rows})
     page = page_family(claims_out)
-    return {"claims": claims_out, "page": page, "exploratory": explore_out}
+    return {
+        "claims": claims_out,
+        "page": page,
+        "exploratory": explore_out,
+        "reruns": reruns(results, plans),
+    }
 
 
 def page_family(claims_out: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -363,6 +363,50 @@ def exploratory_markdown(groups: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _host_text(key: tuple[str, str, str, str]) -> str:
+    mode, _, cpu, branch = key
+    return f"{cpu}, {mode} numerics, MKL branch {branch}"
+
+
+def reruns_markdown(reruns: Sequence[dict[str, Any]]) -> list[str]:
+    """The committed re-runs of judged cells on other hosts, each against its cell."""
+    if not reruns:
+        return []
+    lines = [
+        "### Cells re-run on another host",
+        "",
+        "A judged cell run again from its stored config on another machine, compared number by "
+        "number with the committed cell (every per-round value but wall times, then the summary; "
+        "`fedmosaic verify` makes such a re-run). The difference in the verdicts' metric is read "
+        "beside the seed-to-seed spread of the same method's cells in that setting.",
+        "",
+        "| cell | made on | re-run on | code | first difference | numbers that differ | "
+        "test accuracy at the read round: cell / re-run (difference) | seed-to-seed sd |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reruns:
+        setting, method, seed = r["cell"]
+        cmp = r["comparison"]
+        if cmp.identical:
+            first = "none: bit for bit" + ("" if r["complete"] else f" over {cmp.rounds} rounds")
+        else:
+            rnd, key, _, _ = cmp.first
+            first = f"round {rnd} (`{key}`)"
+        a, b = r["cell_value"], r["rerun_value"]
+        if a is None or b is None:
+            values = f"- (the re-run stopped after round {cmp.rounds})"
+        else:
+            values = f"{a:.2f} / {b:.2f} ({b - a:+.3f} points, round {r['read_round']})"
+        code = "the cell's own" if r["same_code"] else "other code"
+        sd = "-" if r["seed_sd"] is None else f"{r['seed_sd']:.2f} points ({r['seeds']} seeds)"
+        lines.append(
+            f"| {r['suite']} {setting}/{method}/seed{seed} | {_host_text(r['made'])} | "
+            f"{_host_text(r['rerun'])} | {code} | "
+            f"{first} | {cmp.differing} of {cmp.values} | {values} | {sd} |"
+        )
+    return lines + [""]
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The verdict table, then per plan its rules and its claims' tables, every look, the
     page-wide error control and the exploratory groups."""
@@ -377,6 +421,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += looks_markdown(result["claims"])
     lines += page_markdown_table(result["page"])
     lines += exploratory_markdown(result["exploratory"])
+    lines += reruns_markdown(result.get("reruns", []))
     lines.append(
         "Values: mean ± half-width of the 95% t-interval over seeds; the gap is the mean of the "
         "per-seed differences (same seed = same split and initial models) with its unadjusted "

@@ -726,3 +726,60 @@ def test_portable_cells_of_other_arithmetic_are_not_a_pair(path: str, value, exp
         problems = claims.pair_problems(c, edited, other)
         expect = "MKL ran its AVX2 branch for one cell and its AUTO branch"
     assert any(expect in p for p in problems), problems
+
+
+def _rerun_tree(tmp_path: Path, edit_round: int | None) -> tuple[Path, dict]:
+    """A results tree holding FedTGP Table 10's committed practical fedproto_l2 cells and a
+    re-run of seed 0 "on another host": the cell itself, one number edited at ``edit_round``."""
+    src = RESULTS / "full" / "fedtgp_table10"
+    dst = tmp_path / "full" / "fedtgp_table10"
+    for p in src.glob("cells/practical/fedproto_l2/seed*/results.json"):
+        (dst / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        (dst / p.relative_to(src)).write_text(p.read_text())
+    doc = json.loads((src / "cells/practical/fedproto_l2/seed0/results.json").read_text())
+    doc["provenance"]["host"]["cpu"] = "Other CPU"
+    doc["provenance"]["host"]["cpu_id"]["vendor_id"] = "GenuineIntel"
+    if edit_round is not None:
+        for r in doc["rounds"]:
+            if r["round"] >= edit_round:
+                r["acc_weighted"] += 0.001  # +0.1 points from that round on
+    rerun = dst / "reruns/practical/fedproto_l2/seed0/other-host/results.json"
+    rerun.parent.mkdir(parents=True)
+    rerun.write_text(json.dumps(doc))
+    return rerun, doc
+
+
+def test_a_committed_rerun_is_compared_number_by_number_with_its_cell(tmp_path: Path) -> None:
+    _rerun_tree(tmp_path, edit_round=50)
+    plans = [p for p in load_plans() if p.suite == "fedtgp_table10"]
+    (r,) = claims.reruns(tmp_path, plans)
+    assert r["cell"] == ("practical", "fedproto_l2", 0) and r["same_code"]
+    assert r["made"][2].startswith("AMD EPYC") and r["rerun"][2].startswith("Other CPU")
+    cmp = r["comparison"]
+    assert cmp.first[:2] == (50, "acc_weighted") and cmp.by_key["acc_weighted"].rounds == 51
+    assert r["rerun_value"] - r["cell_value"] == pytest.approx(0.1)
+    seeds = sorted(RESULTS.glob("full/fedtgp_table10/cells/practical/fedproto_l2/seed*"))
+    assert r["seeds"] == len(seeds) >= 2 and r["seed_sd"] > 0
+    text = "\n".join(claims_page.reruns_markdown([r]))
+    assert "| round 50 (`acc_weighted`) |" in text and "(+0.100 points, round 100)" in text
+
+
+def test_an_identical_rerun_reads_bit_for_bit_and_an_edited_one_is_refused(tmp_path) -> None:
+    rerun, doc = _rerun_tree(tmp_path, edit_round=None)
+    plans = [p for p in load_plans() if p.suite == "fedtgp_table10"]
+    (r,) = claims.reruns(tmp_path, plans)
+    assert r["comparison"].identical and r["complete"]
+    assert "none: bit for bit" in "\n".join(claims_page.reruns_markdown([r]))
+    doc["config"]["train"]["lr"] = 0.05  # another config than the cell's
+    rerun.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="does not match its config hash"):
+        claims.reruns(tmp_path, plans)
+    doc["config"]["train"]["lr"] = json.loads(
+        (RESULTS / "full/fedtgp_table10/cells/practical/fedproto_l2/seed0/results.json").read_text()
+    )["config"]["train"]["lr"]
+    doc["cell"]["seed"] = 0
+    moved = rerun.parents[2] / "seed7" / "other-host" / "results.json"
+    moved.parent.mkdir(parents=True)
+    rerun.rename(moved)
+    with pytest.raises(ValueError, match="not a committed cell"):
+        claims.reruns(tmp_path, plans)
