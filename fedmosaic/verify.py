@@ -26,7 +26,7 @@ from fedmosaic import numerics, provenance
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.config import ConfigError, ExperimentConfig, experiment_config
 from fedmosaic.experiment import run_experiment
-from fedmosaic.report.reruns import HEADLINE, Comparison, compare, compare_summary, numbers
+from fedmosaic.report.reruns import HEADLINE, Comparison, compare, compare_summary, is_number
 
 RESULTS = "results.json"
 
@@ -165,7 +165,7 @@ def code_line(stored: dict[str, Any], here: dict[str, Any]) -> str:
 
 
 def _fmt(v: Any) -> str:
-    return repr(v) if not numbers(v) else f"{float(v):.17g}"
+    return repr(v) if not is_number(v) else f"{float(v):.17g}"
 
 
 def report(out: Comparison, stored: Stored, here_host: dict[str, Any]) -> str:

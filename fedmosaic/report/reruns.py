@@ -50,7 +50,7 @@ class Comparison:
         return self.differing == 0
 
 
-def numbers(value: Any) -> TypeGuard[int | float]:
+def is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -64,7 +64,7 @@ def compare(stored: list[dict[str, Any]], here: list[dict[str, Any]]) -> Compari
                 continue
             x, y = a.get(key), b.get(key)
             out.values += 1
-            same = x == y or (numbers(x) and numbers(y) and math.isnan(x) and math.isnan(y))
+            same = x == y or (is_number(x) and is_number(y) and math.isnan(x) and math.isnan(y))
             if same:
                 continue
             out.differing += 1
@@ -72,12 +72,12 @@ def compare(stored: list[dict[str, Any]], here: list[dict[str, Any]]) -> Compari
                 out.first = (r, key, x, y)
             d = out.by_key.setdefault(key, Difference(first_round=r))
             d.rounds += 1
-            if numbers(x) and numbers(y):
+            if is_number(x) and is_number(y):
                 d.max_abs = max(d.max_abs, abs(float(x) - float(y)))
     last_a, last_b = stored[out.rounds - 1], here[out.rounds - 1]
     for key, d in out.by_key.items():
         x, y = last_a.get(key), last_b.get(key)
-        if numbers(x) and numbers(y):
+        if is_number(x) and is_number(y):
             d.last = (float(x), float(y))
     return out
 
@@ -105,5 +105,5 @@ def compare_summary(out: Comparison, stored: dict[str, Any], here: dict[str, Any
         out.differing += 1
         if out.first is None:
             out.first = (out.rounds, f"summary.{key}", x, y)
-        if numbers(x) and numbers(y) and key in SUMMARY_KEYS:
+        if is_number(x) and is_number(y) and key in SUMMARY_KEYS:
             out.summary[key] = (float(x), float(y))
