@@ -206,8 +206,8 @@ def rerun_words(key: tuple[str, str, str, str]) -> str:
         return "bit for bit on any Intel host with AVX2 (MKL's AVX2 branch, kept on Intel only)"
     return (
         "bit for bit on hosts whose MKL runs the branch it ran here (MKL keeps its AVX2 branch on "
-        "Intel processors only); a FedTGP cell of this kind re-run on an Intel host differed from "
-        "round 2 (design.md#portable-numerics)"
+        "Intel processors only); re-run on an Intel host, a FedTGP-grid cell of this kind "
+        "differed from round 2 on (Cells re-run on another host, below)"
     )
 
 
@@ -396,7 +396,10 @@ def reruns_markdown(reruns: Sequence[dict[str, Any]]) -> list[str]:
         if a is None or b is None:
             values = f"- (the re-run stopped after round {cmp.rounds})"
         else:
-            values = f"{a:.2f} / {b:.2f} ({b - a:+.3f} points, round {r['read_round']})"
+            values = f"{a:.2f} / {b:.2f} ({b - a:+.3f} points, round {r['read_round']}"
+            d = cmp.by_key.get("acc_weighted")
+            values += "" if d is None else f"; largest over the rounds {100 * d.max_abs:.3f}"
+            values += ")"
         code = "the cell's own" if r["same_code"] else "other code"
         sd = "-" if r["seed_sd"] is None else f"{r['seed_sd']:.2f} points ({r['seeds']} seeds)"
         lines.append(
