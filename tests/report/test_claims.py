@@ -761,7 +761,10 @@ def test_a_committed_rerun_is_compared_number_by_number_with_its_cell(tmp_path: 
     seeds = sorted(RESULTS.glob("full/fedtgp_table10/cells/practical/fedproto_l2/seed*"))
     assert r["seeds"] == len(seeds) >= 2 and r["seed_sd"] > 0
     text = "\n".join(claims_page.reruns_markdown([r]))
-    assert "| round 50 (`acc_weighted`) |" in text and "(+0.100 points, round 100; largest over the rounds 0.100)" in text
+    assert (
+        "| round 50 (`acc_weighted`) |" in text
+        and "(+0.100 points, round 100; largest over the rounds 0.100)" in text
+    )
 
 
 def test_an_identical_rerun_reads_bit_for_bit_and_an_edited_one_is_refused(tmp_path) -> None:
