@@ -639,8 +639,8 @@ def reruns(results: Path, plans: Sequence[Plan]) -> list[dict[str, Any]]:
     """The committed re-runs of plans' cells on other hosts, each compared number by number with
     the cell it re-ran (``<budget>/<suite>/reruns/<setting>/<method>/seed<k>/<host>/results.json``:
     the same config, run again on another machine). Per re-run: both hosts (:func:`host_key`),
-    whether the code was the cell's own, the rounds and numbers that differ, and the plan's
-    primary metric at its read round on both hosts beside the seed-to-seed spread of that
+    whether the code was the cell's own, the rounds and numbers that differ, and the weighted
+    test accuracy at the plan's read round on both hosts beside the seed-to-seed spread of that
     method's cells in that setting (what a host's difference is measured against)."""
     out: list[dict[str, Any]] = []
     for budget, suite, read_round in sorted({(p.budget, p.suite, p.rounds) for p in plans}):

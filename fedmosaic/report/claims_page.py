@@ -377,11 +377,12 @@ def reruns_markdown(reruns: Sequence[dict[str, Any]]) -> list[str]:
         "",
         "A judged cell run again from its stored config on another machine, compared number by "
         "number with the committed cell (every per-round value but wall times, then the summary; "
-        "`fedmosaic verify` makes such a re-run). The difference in the verdicts' metric is read "
-        "beside the seed-to-seed spread of the same method's cells in that setting.",
+        "`fedmosaic verify --keep` makes such a re-run). The difference in weighted test accuracy "
+        "at the plan's read round is read beside the seed-to-seed spread (standard deviation) "
+        "of the same method's cells in that setting.",
         "",
         "| cell | made on | re-run on | code | first difference | numbers that differ | "
-        "test accuracy at the read round: cell / re-run (difference) | seed-to-seed sd |",
+        "weighted test accuracy at the read round: cell / re-run (difference) | seed-to-seed sd |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in reruns:
