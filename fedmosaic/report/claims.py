@@ -58,12 +58,15 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedmosaic.report import stats
 from fedmosaic.report.claims_page import ALPHA, budget_markdown, markdown, seeds_text
+from fedmosaic.report.fairness import (
+    _code as fairness_code,
+)
 from fedmosaic.report.fairness import (
     _rounds_run,
     _suite,
@@ -635,19 +638,24 @@ def _hosts(
     return sorted(counts.items())
 
 
-def reruns(results: Path, plans: Sequence[Plan]) -> list[dict[str, Any]]:
+def reruns(
+    results: Path,
+    plans: Sequence[Plan],
+    cells_of: Callable[[str, str], dict[tuple[str, str, int], dict[str, Any]]] | None = None,
+) -> list[dict[str, Any]]:
     """The committed re-runs of plans' cells on other hosts, each compared number by number with
     the cell it re-ran (``<budget>/<suite>/reruns/<setting>/<method>/seed<k>/<host>/results.json``:
     the same config, run again on another machine). Per re-run: both hosts (:func:`host_key`),
     whether the code was the cell's own, the rounds and numbers that differ, and the weighted
     test accuracy at the plan's read round on both hosts beside the seed-to-seed spread of that
-    method's cells in that setting (what a host's difference is measured against)."""
+    method's cells in that setting (what a host's difference is measured against).
+    ``cells_of(budget, suite)``: the cells already loaded (default: read them here)."""
     out: list[dict[str, Any]] = []
     for budget, suite, read_round in sorted({(p.budget, p.suite, p.rounds) for p in plans}):
         base = results / budget / suite / "reruns"
         if not base.is_dir():
             continue
-        cells = load_cells(results / budget, suite)
+        cells = cells_of(budget, suite) if cells_of else load_cells(results / budget, suite)
         for path in sorted(base.glob("*/*/seed*/*/results.json")):
             seed_dir = path.parent.parent
             setting, method = seed_dir.parent.parent.name, seed_dir.parent.name
@@ -661,12 +669,19 @@ def reruns(results: Path, plans: Sequence[Plan]) -> list[dict[str, Any]]:
                 raise ValueError(
                     f"{path}: re-runs {setting}/{method}/seed{seed}, not a committed cell"
                 )
-            if not isinstance(doc, dict) or not isinstance(doc.get("rounds"), list):
+            rounds = doc.get("rounds") if isinstance(doc, dict) else None
+            if (
+                not rounds
+                or not isinstance(rounds, list)
+                or not all(isinstance(r, dict) for r in rounds)
+            ):
                 raise ValueError(f"{path}: not a re-run's results.json (no per-round records)")
+            if not isinstance(doc.get("cell"), dict):
+                raise ValueError(f"{path}: not a re-run's results.json (no cell record)")
             problems = hash_problems("the re-run", doc)
             if problems:
                 raise ValueError(f"{path}: {problems[0]}")
-            if doc.get("cell", {}).get("config_hash") != cell.get("cell", {}).get("config_hash"):
+            if doc["cell"].get("config_hash") != cell.get("cell", {}).get("config_hash"):
                 raise ValueError(
                     f"{path}: another config than the cell {setting}/{method}/seed{seed}"
                 )
@@ -681,8 +696,7 @@ def reruns(results: Path, plans: Sequence[Plan]) -> list[dict[str, Any]]:
                 for v in [_pct(_at_round(d, read_round, "acc_weighted"))]
                 if v is not None
             ]
-            code_a = cell.get("provenance", {}).get("code", {}).get("source_hash")
-            code_b = doc.get("provenance", {}).get("code", {}).get("source_hash")
+            code_a, code_b = fairness_code(cell), fairness_code(doc)
             out.append(
                 {
                     "suite": suite,
@@ -757,7 +771,7 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
         "claims": claims_out,
         "page": page,
         "exploratory": explore_out,
-        "reruns": reruns(results, plans),
+        "reruns": reruns(results, plans, cells_of),
     }
 
 

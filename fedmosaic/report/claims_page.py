@@ -211,14 +211,18 @@ def rerun_words(key: tuple[str, str, str, str]) -> str:
     )
 
 
+def _host_text(key: tuple[str, str, str, str]) -> str:
+    mode, _, cpu, branch = key
+    return f"{cpu}, {mode} numerics, MKL branch {branch}"
+
+
 def hosts_markdown(hosts: Sequence[tuple[tuple[str, str, str, str], int]]) -> list[str]:
     """Which hosts made a claim's cells, and where each group re-runs bit for bit."""
     if not hosts:
         return []
     parts = [
-        f"{n} cell{'s' if n != 1 else ''} on {cpu}, {mode} numerics, MKL branch {branch}: "
-        f"{rerun_words((mode, vendor, cpu, branch))}"
-        for (mode, vendor, cpu, branch), n in hosts
+        f"{n} cell{'s' if n != 1 else ''} on {_host_text(key)}: {rerun_words(key)}"
+        for key, n in hosts
     ]
     return ["Hosts: " + "; ".join(parts) + ".", ""]
 
@@ -361,11 +365,6 @@ def exploratory_markdown(groups: Sequence[dict[str, Any]]) -> list[str]:
             )
         lines.append("")
     return lines
-
-
-def _host_text(key: tuple[str, str, str, str]) -> str:
-    mode, _, cpu, branch = key
-    return f"{cpu}, {mode} numerics, MKL branch {branch}"
 
 
 def reruns_markdown(reruns: Sequence[dict[str, Any]]) -> list[str]:

@@ -786,3 +786,12 @@ def test_an_identical_rerun_reads_bit_for_bit_and_an_edited_one_is_refused(tmp_p
     rerun.rename(moved)
     with pytest.raises(ValueError, match="not a committed cell"):
         claims.reruns(tmp_path, plans)
+
+
+@pytest.mark.parametrize("bad", [{"rounds": []}, {"cell": ["not", "a", "record"]}])
+def test_a_malformed_rerun_is_named_not_a_traceback(tmp_path: Path, bad: dict) -> None:
+    rerun, doc = _rerun_tree(tmp_path, edit_round=None)
+    rerun.write_text(json.dumps({**doc, **bad}))
+    plans = [p for p in load_plans() if p.suite == "fedtgp_table10"]
+    with pytest.raises(ValueError, match="not a re-run's results.json"):
+        claims.reruns(tmp_path, plans)
