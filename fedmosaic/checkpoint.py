@@ -75,6 +75,7 @@ LATER_KEYS: dict[str, Any] = {
     "data.split_seed": -1,
     "sim.numerics": "native",
     "train.cuda_graphs": "auto",
+    "eval.membership": False,
 }
 # Tables added later, left out of the fingerprint when every key is at its default (the run
 # without them): ``[privacy]`` off.

@@ -189,6 +189,10 @@ class EvalConfig:
     # newcomers are served by each method (the final broadcast, then one local round of the
     # method's own client procedure); 0 = every client trains
     holdout_clients: int = 0
+    # the loss-threshold membership attack at every evaluation, on each client's evaluated model:
+    # its training split (members) against its test split (nonmembers); rounds get mia_auc and
+    # mia_tpr (at 1% false positives), means over clients (core/membership.py, docs/privacy.md)
+    membership: bool = False
 
 
 @dataclass

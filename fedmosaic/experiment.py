@@ -221,6 +221,8 @@ class RoundBar:
         post = {"acc": f"{100 * rec['acc_weighted']:.2f}%"} if "acc_weighted" in rec else {}
         if "epsilon" in rec:  # [privacy]: the budget spent so far
             post["eps"] = f"{rec['epsilon']:.3g}"
+        if "mia_auc" in rec:  # eval.membership: the attack's AUC on the evaluated models
+            post["auc"] = f"{rec['mia_auc']:.3f}"
         self.bar.set_postfix(**post, s=f"{rec['seconds']:.1f}", refresh=False)
         self.bar.update(1)
 

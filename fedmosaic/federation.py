@@ -349,7 +349,7 @@ def build_federation(
     """
     install_speed()
     algo, data, clients, spec = _assemble(cfg, data)
-    settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy)
+    settings = TrainSettings.from_config(cfg.train, algo, cfg.privacy, cfg.eval.membership)
     plan = round_plan(cfg, data.num_clients)
     fed = Federation(cfg, data, algo, spec, clients, [], [], settings, plan)
     return add_clients(fed, offload) if with_clients else fed

@@ -71,6 +71,7 @@ KINDS: dict[str, str] = {
     "core/test_cuda.py": "integration",
     "core/test_kernel_build.py": "integration",
     "core/test_kernels.py": "integration",  # native kernels over the whole zoo
+    "core/test_membership.py": "unit",
     "core/test_payload.py": "unit",
     "core/test_precision.py": "unit",
     "core/test_robust.py": "unit",

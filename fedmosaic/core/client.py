@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from fedmosaic.core import membership as mia
 from fedmosaic.core import privacy, seeding
 from fedmosaic.core.algorithm import Algorithm, FitContext, Phase, payload_to
 from fedmosaic.core.model import ClientModel
@@ -185,17 +186,23 @@ def evaluate(
     splits: tuple[str, ...],
     batch_size: int,
     receive: bool = True,
+    membership: bool = False,
 ) -> dict[str, dict[str, int]]:
     """Correct counts per split and prediction mode, plus ``n`` (examples) per split.
 
     ``receive=False`` evaluates the client's model as it is (after fine-tuning); ``msg`` is still
     passed to ``predict`` (prototype methods classify against the broadcast prototypes).
+    ``membership=True`` (``eval.membership``) adds the loss-threshold membership attack on the
+    headline prediction (``acc``): the training split against the test split, as the counts of
+    ``core/membership.py`` (left out when the model gives a NaN loss: nothing to rank).
     """
     msg = payload_to(msg, data.device)
     if receive:
         algo.receive(model, extras, msg)
     model.eval()
     extras.eval()
+    attack = membership and data.num("train") > 0 and data.num("test") > 0
+    sides: dict[str, list[Tensor]] = {"train": [], "test": []}
     out: dict[str, dict[str, int]] = {}
     with torch.inference_mode(), accelerated_inference(model, extras):
         for split in splits:
@@ -203,7 +210,19 @@ def evaluate(
             for x, y in data.iter_batches(split, batch_size):
                 for mode, scores in algo.predict(model, extras, x, msg).items():
                     counts[mode] = counts.get(mode, 0) + int((scores.argmax(1) == y).sum())
+                    if attack and split == "test" and mode == "acc":
+                        sides["test"].append(mia.scores(scores, y).cpu())
             out[split] = counts
+        if attack:
+            for split in [s for s in sides if not sides[s]]:  # train, and test if not scored
+                for x, y in data.iter_batches(split, batch_size):
+                    sides[split].append(
+                        mia.scores(algo.predict(model, extras, x, msg)["acc"], y).cpu()
+                    )
+    if attack:
+        members, nonmembers = torch.cat(sides["train"]), torch.cat(sides["test"])
+        if not (members.isnan().any() or nonmembers.isnan().any()):
+            out.update(mia.counts(members, nonmembers))
     return out
 
 

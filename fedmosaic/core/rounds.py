@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fedmosaic.core import accountant, guard, privacy, robust, secure, seeding
+from fedmosaic.core import accountant, guard, membership, privacy, robust, secure, seeding
 from fedmosaic.core.algorithm import Algorithm, FederationSpec, Phase, Weighted
 from fedmosaic.core.checks import clients_per_round  # noqa: F401  (torch-free, for the config)
 from fedmosaic.core.model import ClientModel
@@ -217,7 +217,7 @@ def summarize_eval(results: Sequence[EvalResult]) -> dict[str, Any]:
     """Round-level accuracy statistics per split and prediction mode."""
     rec: dict[str, Any] = {}
     by_id = sorted(results, key=lambda r: r.client_id)
-    splits = sorted({s for r in by_id for s in r.counts})
+    splits = sorted({s for r in by_id for s in r.counts} - set(membership.SPLITS))
     for split in splits:
         modes = sorted({m for r in by_id for m in r.counts.get(split, {}) if m != "n"})
         totals = [r.counts.get(split, {}).get("n", 0) for r in by_id]
@@ -229,6 +229,7 @@ def summarize_eval(results: Sequence[EvalResult]) -> dict[str, Any]:
             prefix = mode if split == "test" else f"{split}_{mode}"
             for k, v in stats.items():
                 rec[f"{prefix}_{k}"] = v
+    rec.update(membership.summarize([r.counts for r in by_id]))  # eval.membership
     return rec
 
 

@@ -51,10 +51,16 @@ class TrainSettings:
     accel: AccelSettings = AccelSettings()
     # ``[privacy]``: with the local mechanism each client releases its upload (core/privacy.py)
     privacy: PrivacyRule = PrivacyRule()
+    # ``eval.membership``: every evaluation runs the membership attack (core/membership.py)
+    membership: bool = False
 
     @classmethod
     def from_config(
-        cls, t: Any, algo: Any = None, privacy: PrivacyRule | None = None
+        cls,
+        t: Any,
+        algo: Any = None,
+        privacy: PrivacyRule | None = None,
+        membership: bool = False,
     ) -> TrainSettings:
         """From the ``[train]`` table (``config.TrainConfig``; core does not import config).
 
@@ -79,6 +85,7 @@ class TrainSettings:
                 fused_sgd=fused, batched_clients=t.batched_clients, cuda_graphs=t.cuda_graphs
             ),
             privacy=privacy or PrivacyRule(),
+            membership=membership,
         )
 
     @property

@@ -126,7 +126,7 @@ def _node_setup(run_config: Any) -> _NodeSetup:
             algo,
             clients,
             spec,
-            TrainSettings.from_config(cfg.train, algo, cfg.privacy),
+            TrainSettings.from_config(cfg.train, algo, cfg.privacy, cfg.eval.membership),
             eval_splits(clients),
         )
     return _SETUPS[key]
@@ -287,6 +287,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         client.setup.splits,
         client.setup.settings.eval_batch_size,
         receive=receive,
+        membership=client.setup.settings.membership,
     )
     if receive:  # receiving changed the model, exactly as it does in the simulator
         client.save()

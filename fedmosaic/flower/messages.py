@@ -23,6 +23,7 @@ from typing import Any
 
 from flwr.app import ConfigRecord, RecordDict
 
+from fedmosaic.core import membership
 from fedmosaic.core.algorithm import Phase
 from fedmosaic.core.payload import Payload, PayloadError
 from fedmosaic.flower.codec import ARRAYS, SCALARS, payload_to_records
@@ -118,12 +119,17 @@ def parse_counts(
     out: dict[str, dict[str, int]] = {}
     for key, value in record.items():
         split, sep, mode = key.partition("/")
-        if not sep or split not in splits or not mode:
+        if not sep or split not in (*splits, *membership.SPLITS) or not mode:
             raise PayloadError(f"unexpected count {key!r}")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise PayloadError(f"count {key!r} = {value!r} is not a non-negative int")
         out.setdefault(split, {})[mode] = value
+    problem = membership.check(out, max_examples)  # eval.membership's attack counts
+    if problem:
+        raise PayloadError(f"membership attack: {problem}")
     for split, c in out.items():
+        if split in membership.SPLITS:
+            continue
         n = c.get("n")
         if n is None or n > max_examples:
             raise PayloadError(f"split {split!r}: example count {n!r} missing or implausible")

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-DEFAULT_FPR = 0.01
+from fedmosaic.core import membership
+
+DEFAULT_FPR = membership.FPR
 
 
 @dataclass(frozen=True)
@@ -49,45 +49,15 @@ class AttackResult:
         return asdict(self)
 
 
-def _scores(name: str, scores: Any) -> np.ndarray:
-    """``scores`` as a flat float64 array; empty or NaN scores are an error."""
-    if isinstance(scores, Tensor):
-        scores = scores.detach().cpu()
-    a = np.asarray(scores, dtype=np.float64).reshape(-1)
-    if a.size == 0:
-        raise ValueError(f"{name} is empty")
-    nan = int(np.isnan(a).sum())
-    if nan:
-        raise ValueError(f"{name} has {nan} NaN value(s) of {a.size}")
-    return a
-
-
-def _check_fpr(fpr: float) -> float:
-    fpr = float(fpr)
-    if not 0.0 < fpr < 1.0:  # also false for NaN
-        raise ValueError(f"fpr must lie in (0, 1), got {fpr}")
-    return fpr
-
-
 def roc_auc(scores_in: Tensor, scores_out: Tensor) -> float:
-    """AUC = P(score_member > score_nonmember) + 0.5 P(equal), exactly (Mann-Whitney via ranks
-    with ties averaged), in float64.
+    """AUC = P(score_member > score_nonmember) + 0.5 P(equal), exactly: the integer pair counts
+    of ``core/membership.py`` (what a client reports under ``eval.membership``), then one
+    division.
 
     ``scores_in`` are the members' scores, ``scores_out`` the nonmembers'; any shape (flattened).
     """
-    a = _scores("scores_in", scores_in)
-    b = _scores("scores_out", scores_out)
-    n, m = a.size, b.size
-    both = np.concatenate([a, b])
-    # Average ranks: the values of a tie group share the mean of the 1-based ranks they span.
-    # Every rank is a multiple of 1/2, so the sum below is exact in float64 for any size that fits
-    # in memory, and the only rounding is the final division.
-    _, inverse, counts = np.unique(both, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    average = ends - (counts - 1) / 2.0
-    rank_sum = float(average[inverse.reshape(-1)[:n]].sum())
-    u = rank_sum - n * (n + 1) / 2.0  # pairs (member, nonmember) won by the member, ties half
-    return u / (n * m)
+    won2, pairs2 = membership.pair_counts(scores_in, scores_out)
+    return won2 / pairs2
 
 
 def tpr_at_fpr(scores_in: Tensor, scores_out: Tensor, fpr: float = DEFAULT_FPR) -> float:
@@ -95,24 +65,13 @@ def tpr_at_fpr(scores_in: Tensor, scores_out: Tensor, fpr: float = DEFAULT_FPR) 
     nonmember score quantile; no interpolation).
 
     An example is called a member when its score is strictly above the threshold ``t``. With
-    ``m`` nonmembers at most ``k = floor(fpr * m)`` of them may be called members; the lowest
-    threshold that allows it is the ``(k + 1)``-th largest nonmember score, so the answer is the
-    share of members strictly above that score. When ``fpr * m < 1`` no false positive is
-    allowed and the threshold is the largest nonmember score.
+    ``m`` nonmembers at most ``k`` of them may be called members (``membership.allowed_false``);
+    the lowest threshold that allows it is the ``(k + 1)``-th largest nonmember score, so the
+    answer is the share of members strictly above that score. When ``fpr * m < 1`` no false
+    positive is allowed and the threshold is the largest nonmember score.
     """
-    a = _scores("scores_in", scores_in)
-    b = _scores("scores_out", scores_out)
-    fpr = _check_fpr(fpr)
-    m = b.size
-    # k is the largest count whose rate k / m is <= fpr as computed: floor(fpr * m) alone can land
-    # one below (0.29 * 100 == 28.999999999999996) or, symmetrically, one above.
-    k = int(np.floor(fpr * m))
-    while (k + 1) / m <= fpr:
-        k += 1
-    while k > 0 and k / m > fpr:
-        k -= 1
-    threshold = np.sort(b)[::-1][k]  # k < m because fpr < 1
-    return float((a > threshold).sum()) / a.size
+    members = membership.flat("scores_in", scores_in)
+    return membership.true_positives(members, scores_out, fpr) / members.size
 
 
 def per_example_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> Tensor:
@@ -178,7 +137,7 @@ def loss_threshold_attack(
 
     ``members`` and ``nonmembers`` are ``(x, y)`` pairs with class-index labels.
     """
-    fpr = _check_fpr(fpr)
+    fpr = membership.check_fpr(fpr)
     _check_sets(members, nonmembers)
     scores_in = -per_example_loss(model, *members)
     scores_out = -per_example_loss(model, *nonmembers)
@@ -208,7 +167,7 @@ def calibrated_loss_attack(
     weaker than the plain loss attack, which needs no calibration when all examples are equally
     hard (random labels). Calibration pays where difficulty varies between examples.
     """
-    fpr = _check_fpr(fpr)
+    fpr = membership.check_fpr(fpr)
     if len(reference_models) == 0:
         raise ValueError("reference_models is empty")
     _check_sets(members, nonmembers)

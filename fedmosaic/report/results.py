@@ -37,6 +37,8 @@ ROUND_COLUMNS = (
 )
 # Columns only some runs have, after the fixed ones: ``[privacy]`` runs add the epsilon spent.
 PRIVACY_COLUMNS = ("epsilon", "epsilon_sample")
+# ``eval.membership`` runs add the attack on the evaluated models (core/membership.py).
+MEMBERSHIP_COLUMNS = ("mia_auc", "mia_auc_max", "mia_tpr")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -136,7 +138,8 @@ def rounds_csv(rounds: Sequence[dict[str, Any]]) -> bytes:
     extra = sorted(
         {k for r in rounds for k in r if k.startswith("acc_head") or k.startswith("acc_proto")}
     )
-    cols = [c for c in (*ROUND_COLUMNS, *PRIVACY_COLUMNS) if any(c in r for r in rounds)] + extra
+    known = (*ROUND_COLUMNS, *PRIVACY_COLUMNS, *MEMBERSHIP_COLUMNS)
+    cols = [c for c in known if any(c in r for r in rounds)] + extra
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
     w.writerow(cols)

@@ -26,18 +26,33 @@ from pathlib import Path
 from typing import Any
 
 from fedmosaic.config import ConfigError
-from fedmosaic.report.results import PRIVACY_COLUMNS, ROUND_COLUMNS, write_atomic
+from fedmosaic.report.results import (
+    MEMBERSHIP_COLUMNS,
+    PRIVACY_COLUMNS,
+    ROUND_COLUMNS,
+    write_atomic,
+)
 
 log = logging.getLogger("fedmosaic")
 PROGRESS_FILE = "rounds.csv"
 
 
 class CSVSink:
-    """Appends each round's record (the fixed ``ROUND_COLUMNS``, and the privacy columns in a
-    run under ``[privacy]``) to ``rounds.csv``."""
+    """Appends each round's record (the fixed ``ROUND_COLUMNS``, the privacy columns in a run
+    under ``[privacy]``, the attack's under ``eval.membership``) to ``rounds.csv``."""
 
-    def __init__(self, out_dir: str | Path, keep_rounds: int = 0, private: bool = False) -> None:
-        self.columns = (*ROUND_COLUMNS, *PRIVACY_COLUMNS) if private else ROUND_COLUMNS
+    def __init__(
+        self,
+        out_dir: str | Path,
+        keep_rounds: int = 0,
+        private: bool = False,
+        membership: bool = False,
+    ) -> None:
+        self.columns = (
+            *ROUND_COLUMNS,
+            *(PRIVACY_COLUMNS if private else ()),
+            *(MEMBERSHIP_COLUMNS if membership else ()),
+        )
         self.path = Path(out_dir) / PROGRESS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[list[str]] = []
@@ -198,7 +213,8 @@ class Sinks:
         name) turns W&B on."""
         priv = (config or {}).get("privacy", {})
         private = priv.get("mechanism", "none") != "none" or priv.get("sample_clip", 0) > 0
-        self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds, private)]
+        attacked = bool((config or {}).get("eval", {}).get("membership", False))
+        self.sinks: list[Any] = [CSVSink(out_dir, keep_rounds, private, attacked)]
         flat = flatten_config(config) if config else None
         writer = tensorboard_writer() if tensorboard else None
         if writer is not None:

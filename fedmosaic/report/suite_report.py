@@ -68,6 +68,9 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("paper_cost_g", "Table 4 cost: trainable params x examples (G)", "g"),
     ("train_tmacs", "train TMACs fwd+bwd", "tflop"),
     ("epsilon", "epsilon spent ([privacy], at its delta)", "eps"),
+    # eval.membership: the loss-threshold attack on the clients' final models
+    ("mia_auc", "membership attack AUC (0.5 = chance)", "auc"),
+    ("mia_tpr", "attack TPR at 1% FPR", "auc"),
 )
 
 METRIC_KEYS = {"weighted": "acc_weighted", "unweighted": "acc_mean"}
@@ -109,6 +112,8 @@ def run_metrics(
         "paper_cost_g": _div(s.get("paper_cost_total"), 1e9),
         "train_tmacs": _div(s.get("train_macs_total"), 1e12),
         "epsilon": s.get("epsilon"),
+        "mia_auc": s.get("membership", {}).get("mia_auc"),
+        "mia_tpr": s.get("membership", {}).get("mia_tpr"),
         "rounds_to_target": None,
         "mb_to_target": None,
         "rounds_run": None,
@@ -222,6 +227,8 @@ def fmt(agg: dict[str, Any], unit: str, with_count: bool = False) -> str:
         text = f"{m:.1f}"
     elif unit == "eps":
         text = f"{m:.3g}"
+    elif unit == "auc":
+        text = f"{m:.3f}" + ("" if ci is None else f" ± {ci:.3f}")
     else:
         text = f"{m:.2f}"
     if with_count and agg["n"] < agg["of"]:
@@ -239,6 +246,8 @@ OPTIONAL_METRICS = (
     "train_tmacs",
     "rounds_run",
     "epsilon",
+    "mia_auc",
+    "mia_tpr",
 )
 
 

@@ -18,6 +18,7 @@ import torch
 import fedmosaic
 from fedmosaic import provenance
 from fedmosaic.config import ExperimentConfig
+from fedmosaic.core import membership
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.rounds import EvalResult, History, per_client_acc, summarize_eval
 from fedmosaic.data import FederatedData
@@ -51,6 +52,14 @@ def summarize(history: History) -> dict[str, Any]:
             "val_acc_weighted": best_val["val_acc_weighted"],
             "acc_weighted": best_val["acc_weighted"],
             "acc_mean": best_val["acc_mean"],
+        }
+    if "mia_auc" in last:  # eval.membership: the attack on the last evaluated models
+        summary["membership"] = {
+            "note": "loss-threshold membership attack on each client's evaluated model, its "
+            "training split against its test split; means over clients (mia_tpr: at 1% false "
+            "positives; mia_auc_max: the most exposed client)",
+            "round": last["round"],
+            **{k: last[k] for k in ("mia_auc", "mia_auc_max", "mia_tpr", "mia_clients")},
         }
     for key in ("epsilon", "epsilon_sample"):  # [privacy]: the budget spent, at privacy.delta
         if key in history.rounds[-1]:
@@ -129,8 +138,10 @@ def client_records(
 
 
 def _client_accs(r: EvalResult, prefix: str) -> dict[str, float]:
-    out = {}
+    out = {prefix + k: v for k, v in membership.client_scores(r.counts).items()}
     for split, counts in r.counts.items():
+        if split in membership.SPLITS:
+            continue
         n = counts.get("n", 0)
         for mode, correct in counts.items():
             if mode == "n":
@@ -150,6 +161,7 @@ def round_line(name: str, rec: dict[str, Any], rounds: int) -> str:
         f"down {rec['bytes_down_per_client'] / 1e3:.1f} kB/client"
         + (f", server acc {100 * rec['server_acc']:.2f}%" if "server_acc" in rec else "")
         + (f", epsilon {rec['epsilon']:.3g}" if "epsilon" in rec else "")
+        + (f", attack AUC {rec['mia_auc']:.3f}" if "mia_auc" in rec else "")
         + (f", rejected {rec['rejected']}" if rec.get("rejected") else "")
     )
 

@@ -158,6 +158,7 @@ class ClientHost:
                 self.eval_splits,
                 self.settings.eval_batch_size,
                 receive=receive,
+                membership=self.settings.membership,
             )
         finally:
             self._give_back(cid, mods, borrowed)

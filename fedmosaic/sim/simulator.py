@@ -218,6 +218,7 @@ class SimTransport(secure.EmulatedSecureFit):
                     self.eval_splits,
                     self.settings.eval_batch_size,
                     receive=receive,
+                    membership=self.settings.membership,
                 )
             self.cache.put(cid, key, counts)
             out.append(EvalResult(cid, counts))

@@ -182,6 +182,12 @@ def test_eval_counts_and_phases():
     for bad in ({"test": {"n": 2, "acc": 3}}, {"train": {"n": 2}}, {"test": {"acc": 1}}):
         with pytest.raises(PayloadError):
             m.parse_counts(m.counts_record(bad), ("test", "val"), 100)
+    # eval.membership's attack counts travel with them, checked as a real client's could be
+    attack = {**counts, "mia_pairs": {"n": 60, "auc": 41}, "mia_members": {"n": 10, "tpr": 2}}
+    assert m.parse_counts(m.counts_record(attack), ("test", "val"), 100) == attack
+    forged = {**attack, "mia_pairs": {"n": 60, "auc": 61}}
+    with pytest.raises(PayloadError, match="membership attack: more wins"):
+        m.parse_counts(m.counts_record(forged), ("test", "val"), 100)
     phases = (Phase(("encoder.conv1", "head"), 2, False, "finetune"), Phase())
     assert m.phases_from_json(m.phases_to_json(phases)) == phases
     with pytest.raises(PayloadError):

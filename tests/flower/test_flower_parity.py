@@ -68,6 +68,17 @@ def test_parity_batchnorm_sampling_and_validation(tmp_path):
     assert "val_acc_weighted" in flower["rounds"][-1]
 
 
+def test_parity_of_the_membership_attack(tmp_path):
+    """eval.membership: each client's attack counts travel back with its evaluation."""
+    raw = tiny_raw(algorithm={"name": "fedproto"}, train={"rounds": 2}, eval={"membership": True})
+    sim, flower = run_both(raw, tmp_path)
+    assert_same_numbers(sim, flower)
+    for a, b in zip(sim["rounds"], flower["rounds"], strict=True):
+        attack = {k: v for k, v in a.items() if k.startswith("mia_")}
+        assert attack["mia_clients"] == 4 and attack == {k: b[k] for k in attack}
+    assert sim["summary"]["membership"] == flower["summary"]["membership"]
+
+
 def test_a_failed_run_leaves_failed_with_the_reason(tmp_path):
     # Missing dataset files: the ServerApp fails before round 1 and says why in FAILED.
     raw = tiny_raw(data={"dataset": "mnist", "root": str(tmp_path / "empty")})
