@@ -1,6 +1,7 @@
 """Accuracy and measured leak against epsilon, for each way of sharing, under ``[privacy]``.
 
     .venv/bin/python benchmarks/privacy.py --pilot             # honest upload norms: the clips
+    .venv/bin/python benchmarks/privacy.py --pilot --suite privacy_fmnist   # on a suite's
     .venv/bin/python benchmarks/privacy.py --out docs/results/privacy/digits.json
     .venv/bin/python benchmarks/privacy.py --table docs/results/privacy/digits.json
 
@@ -118,15 +119,33 @@ def cell(name: str, mechanism: str, epsilon: float, rounds: int, seed: int) -> d
     }
 
 
-def pilot(rounds: int) -> None:
-    """Median honest upload norm of round 1 per method (the update for weight-like uploads)."""
+def suite_experiment(suite: str, name: str) -> Any:
+    """Seed 0's config of method ``name`` in bundled suite ``suite``, one round, no privacy."""
+    import dataclasses
+
+    from fedmosaic.config import PrivacyRule
+    from fedmosaic.suite_runner import build_cells, load_suite
+
+    (cell,) = build_cells(load_suite(suite), methods=[name], seeds=[0], check=False)
+    cfg = cell.cfg
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, rounds=1), privacy=PrivacyRule()
+    )
+
+
+def pilot(rounds: int, suite: str = "") -> None:
+    """Median honest upload norm of round 1 per method (the update for weight-like uploads), on
+    the digits federation or, with ``suite``, on that suite's federation (its methods without
+    privacy)."""
     from fedmosaic.core import privacy
     from fedmosaic.federation import build_federation
 
     for name in METHODS:
-        fed = build_federation(from_dict(experiment(name, 1, 0, {})))
+        cfg = suite_experiment(suite, name) if suite else from_dict(experiment(name, 1, 0, {}))
+        fed = build_federation(cfg)
         state = fed.algo.init_server(fed.spec)
-        msgs = {c: fed.algo.broadcast(state, c, 1) for c in range(CLIENTS)}
+        n = fed.spec.num_clients
+        msgs = {c: fed.algo.broadcast(state, c, 1) for c in range(n)}
         from fedmosaic.sim.simulator import SimTransport
 
         t = SimTransport(
@@ -137,7 +156,7 @@ def pilot(rounds: int) -> None:
             plan = privacy.release_plan(type(r.upload))
             names = fed.algo.upload_names(state, r.upload)
             refs = privacy.server_refs(r.upload, names)
-            out = privacy.release(r.upload, refs, 1e30, 0.0, torch.Generator(), 10)
+            out = privacy.release(r.upload, refs, 1e30, 0.0, torch.Generator(), n)
             sq = 0.0
             for f in plan.updates:
                 sq += sum(
@@ -203,13 +222,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, help="print the table of a written JSON")
     ap.add_argument("--pilot", action="store_true")
+    ap.add_argument("--suite", default="", help="--pilot on this bundled suite's federation")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.table:
         print(table(json.loads(args.table.read_text())["rows"]))
         return
     if args.pilot:
-        pilot(args.rounds)
+        pilot(args.rounds, args.suite)
         return
     rows: list[dict[str, Any]] = []
     done = set()

@@ -76,6 +76,7 @@ LATER_KEYS: dict[str, Any] = {
     "sim.numerics": "native",
     "train.cuda_graphs": "auto",
     "eval.membership": False,
+    "train.stop_on_divergence": True,
 }
 # Tables added later, left out of the fingerprint when every key is at its default (the run
 # without them): ``[privacy]`` off.

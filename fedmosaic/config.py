@@ -140,6 +140,10 @@ class TrainConfig:
     plateau_delta: float = 0.0
     plateau_window: float = 0.2  # plateau stop: the window, as a fraction of the rounds run
     plateau_min_rounds: int = 20  # plateau stop: never before this many rounds
+    # stop with an error after 2 rounds in a row with no finite training loss; false: run every
+    # round and report what the diverged models give (a privacy grid where the noise breaks
+    # training is a result, not a crash); summary.diverged_rounds counts those rounds
+    stop_on_divergence: bool = True
     device: str = "cpu"  # where clients train and evaluate: cpu | cuda | cuda:N
     # Train the round's clients of one architecture together as one batched computation
     # (torch.func.vmap; accel/batched.py) where the method declares it equivalent: "auto" = on

@@ -214,6 +214,7 @@ def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
         plateau_min_rounds=cfg.train.plateau_min_rounds,
         local_epochs=cfg.train.local_epochs,
         batch_size=cfg.train.batch_size,
+        stop_on_divergence=cfg.train.stop_on_divergence,
     )
 
 

@@ -160,6 +160,23 @@ def test_divergence_warns_then_stops_with_one_line(tmp_path: Path, capsys, backe
     assert err.strip().splitlines()[-1].startswith("error: training diverged")
 
 
+def test_a_run_told_not_to_stop_reports_its_diverged_rounds(tmp_path: Path):
+    """train.stop_on_divergence = false: every round runs, the diverged ones are marked and
+    counted, and the run ends as a result (a privacy grid's broken cell is a number)."""
+    from fedmosaic import api
+    from fedmosaic.config import from_dict
+
+    raw = tiny_raw(
+        train={"rounds": 4, "lr": 1e6, "stop_on_divergence": False},
+        sim={"check_wire": False, "progress": False},
+    )
+    result = api.run(from_dict(raw))
+    assert [r["round"] for r in result.rounds] == [1, 2, 3, 4]
+    marked = [r["round"] for r in result.rounds if r.get("diverged")]
+    assert len(marked) >= 2 and result.summary["diverged_rounds"] == len(marked)
+    assert all(0.0 <= r["acc_weighted"] <= 1.0 for r in result.rounds)
+
+
 def test_compare_prints_an_eta(tmp_path: Path, capsys):
     suite = tmp_path / "s.toml"
     suite.write_text(

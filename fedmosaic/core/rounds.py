@@ -164,6 +164,7 @@ class RoundPlan:
     # what a client's local training is made of (DP-SGD's accounting counts its steps)
     local_epochs: int = 1
     batch_size: int = 10
+    stop_on_divergence: bool = True  # False: diverged rounds are run and reported, not raised
 
     @property
     def pool(self) -> list[int]:
@@ -425,7 +426,11 @@ def run_rounds(
             rec["epsilon"] = 0.0
         if sample_steps is not None:
             rec["epsilon_sample"] = count_sample_steps(algo, spec, plan, rec, sample_steps)
-        diverged = diverged + 1 if no_finite_loss(results, t) else 0
+        if no_finite_loss(results, t):
+            diverged += 1
+            rec["diverged"] = True  # what train.stop_on_divergence = false runs through
+        else:
+            diverged = 0
         evaluated = t % plan.eval_every == 0 or t == plan.rounds
         if evaluated:
             last_eval, scores = evaluate_round(algo, state, spec, transport, plan, t, server_eval)
@@ -441,7 +446,7 @@ def run_rounds(
             on_round(rec)
         if checkpoint is not None:
             checkpoint.after_round(t, state, history, last_eval)
-        if diverged >= DIVERGED_ROUNDS:
+        if diverged >= DIVERGED_ROUNDS and plan.stop_on_divergence:
             raise Diverged(
                 f"training diverged: no finite loss for {diverged} rounds in a row "
                 f"(rounds {t - diverged + 1}-{t}); lower train.lr or check the data"

@@ -195,6 +195,9 @@ def pair_values(
             return None if up is None or down is None else (float(up) + float(down)) / 1000
 
         return kb(sa), kb(sb), None
+    if c.metric == "mia_auc":  # eval.membership at the last evaluation, in AUC points (x 100)
+        ma, mb = sa.get("membership", {}), sb.get("membership", {})
+        return _pct(ma.get("mia_auc")), _pct(mb.get("mia_auc")), _rounds_run(a)
     if c.metric == "paper_cost_g":
         ca, cb = sa.get("paper_cost_total"), sb.get("paper_cost_total")
         return (

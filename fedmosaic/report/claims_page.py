@@ -78,6 +78,8 @@ def _metric_label(c: Comparison) -> str:
         return "kB/client/round (up + down)"
     if c.metric == "paper_cost_g":
         return "Table 4 cost (G)"
+    if c.metric == "mia_auc":
+        return "membership attack AUC x 100 (50 = chance)"
     acc = "weighted" if c.accuracy == "weighted" else "unweighted"
     where = {
         "final": "final",

@@ -39,6 +39,7 @@ METRICS = (
     "mean_over_rounds",
     "kb_per_round",
     "paper_cost_g",
+    "mia_auc",  # eval.membership: the attack's AUC on the final models (x 100, mean over clients)
 )
 ACCURACY_METRICS = ("final", "after_finetune", "common_round", "mean_over_rounds")
 
@@ -56,7 +57,8 @@ class Comparison:
     method: str
     baseline: str
     relation: str = "above"  # above | at_or_above | lower
-    # final | after_finetune | common_round | mean_over_rounds | kb_per_round | paper_cost_g
+    # final | after_finetune | common_round | mean_over_rounds | kb_per_round | paper_cost_g |
+    # mia_auc
     metric: str = "final"
     accuracy: str = "weighted"  # the paper's: weighted | unweighted (accuracy metrics only)
     paper: tuple[float, float] | None = None  # the paper's (method, baseline) numbers

@@ -64,6 +64,9 @@ def summarize(history: History) -> dict[str, Any]:
     for key in ("epsilon", "epsilon_sample"):  # [privacy]: the budget spent, at privacy.delta
         if key in history.rounds[-1]:
             summary[key] = history.rounds[-1][key]
+    lost = sum(1 for r in history.rounds if r.get("diverged"))
+    if lost:  # train.stop_on_divergence = false: rounds where no client had a finite loss
+        summary["diverged_rounds"] = lost
     secs = [r["seconds"] for r in history.rounds]
     summary["seconds_per_round"] = sum(secs) / len(secs)
     summary["bytes_up_per_client_per_round"] = sum(

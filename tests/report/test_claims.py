@@ -595,6 +595,26 @@ def test_final_reads_runs_of_different_lengths_at_their_common_round() -> None:
     assert claims.pair_values(c, a, b3) == (pytest.approx(99.0), pytest.approx(80.0), 3)
 
 
+def test_the_attack_auc_is_read_from_the_membership_summary_and_judged_lower() -> None:
+    """metric mia_auc (eval.membership): AUC x 100 at the last evaluation; DP lowering it by
+    about 5 AUC points on every seed holds, a seed with no attack (every model NaN) is left out."""
+    c = Comparison("x", "s", "m", "b", relation="lower", metric="mia_auc")
+    cells = {}
+    for seed, (a, b) in enumerate([(0.50, 0.55), (0.51, 0.555), (0.505, 0.56)]):
+        cells[("s", "m", seed)] = _doc(0.8, membership={"mia_auc": a}, rounds_run=20)
+        cells[("s", "b", seed)] = _doc(0.8, membership={"mia_auc": b}, rounds_run=20)
+    assert claims.pair_values(c, cells[("s", "m", 0)], cells[("s", "b", 0)]) == (
+        pytest.approx(50.0),
+        pytest.approx(55.0),
+        20,
+    )
+    j = _one(c, cells)
+    assert j["verdict"] == claims.HOLDS and j["diff"]["mean"] == pytest.approx(-5.0)
+    cells[("s", "m", 3)] = _doc(0.1, rounds_run=20)  # diverged everywhere: no attack to read
+    cells[("s", "b", 3)] = _doc(0.8, membership={"mia_auc": 0.55}, rounds_run=20)
+    assert len(_one(c, cells)["diffs"]) == 3
+
+
 def test_best_on_val_picks_the_validation_round_and_best_on_test_is_the_max() -> None:
     doc = {
         "rounds": [
