@@ -98,6 +98,7 @@ KINDS: dict[str, str] = {
     # report/
     "report/test_claim_figure.py": "integration",
     "report/test_claims.py": "unit",
+    "report/test_privacy_page.py": "unit",
     "report/test_results_table.py": "unit",
     "report/test_sinks.py": "unit",
     "report/test_sinks_wandb_hparams.py": "unit",
