@@ -279,6 +279,28 @@ def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs() -
     )
 
 
+def test_report_gap_points_pair_each_split_and_measure_the_references_own_range(
+    tmp_path: Path,
+) -> None:
+    spec = importlib.util.spec_from_file_location("parity_report3", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    a, b, again, off = _fake_run(0.02), _fake_run(-0.01), _fake_run(0.0), _fake_run(0.0)
+    b["setup"] = {"seed": 1}
+    # the reference on seed 0's split again, 3 points higher, and under shifted torch seeds
+    for run in (again, off):
+        for r in run["reference"]["rounds"]:
+            r["acc_weighted"] += 0.03
+    again["ref_seed_globals"] = 0
+    off["ref_seed_offset"] = 1
+    pts = report.gap_points([a, b, again, off])
+    assert pts["gaps"] == {("HtFLlib local", "dir01"): [pytest.approx(2.0), pytest.approx(-1.0)]}
+    assert pts["spread"] == {("HtFLlib local", "dir01"): pytest.approx(3.0)}
+    report.gap_figure([a, b, again, off], tmp_path / "gaps.png")
+    assert (tmp_path / "gaps.png").stat().st_size > 1000
+
+
 def test_skip_fedmosaic_refuses_a_result_of_another_config(
     harness: ModuleType, tmp_path: Path
 ) -> None:

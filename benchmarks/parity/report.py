@@ -5,7 +5,8 @@ one markdown table per metric (weighted, client mean) at rounds 5/10/20/40 and t
 every fedmosaic series beside the reference: fedmosaic's default (``acc``), the metric that
 evaluates the model the reference evaluates (where it differs, e.g. FedGH's ``acc_global``) and
 each variant (the fedmosaic options that reproduce the reference). Writes ``<fig>/<run>.png``: the
-curves (weighted solid, client mean dashed). Round ``r`` is the accuracy after ``r`` rounds of
+curves (weighted solid, client mean dashed), and ``<fig>/gaps.png``: every run's gap against its
+setting, with the reference's own spread as a band. Round ``r`` is the accuracy after ``r`` rounds of
 training on both sides; a method's evaluation after local fine-tuning (FedBABU) is its own row.
 ``--doc docs/parity.md`` refreshes that page's marked tables in place instead of printing.
 """
@@ -179,6 +180,89 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SETTING_ORDER = ("dir01", "dir05", "dir1", "pat2")  # the others after these, by name
+
+
+def _setting_key(setting: str) -> tuple[int, str]:
+    known = SETTING_ORDER.index(setting) if setting in SETTING_ORDER else len(SETTING_ORDER)
+    return known, setting
+
+
+def gap_points(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary figure's data. ``gaps``: ``(library method, setting) -> [gap per seed]``, the
+    last-5 weighted gap (points) of fedmosaic's default options, read on the model the reference
+    evaluates, on each seed's split (runs of the reference under other seeds left out). ``spread``: ``(library method, setting) -> range``
+    (points) of the reference's own last-5 weighted accuracy over its runs on one split (the
+    plain run, its ``--ref-seed-offset`` runs, its seeded runs; the largest range over seeds),
+    where it ran more than once: how far the reference moves from itself."""
+    gaps: dict[tuple[str, str], list[float]] = {}
+    refs: dict[tuple[str, str, int], list[float]] = {}
+    for doc in docs:
+        name = f"{doc['reference'].get('library', '?')} {doc['method']}"
+        setting, seed = str(doc["setting"]), int(doc["setup"]["seed"])
+        rw = by_round(doc["reference"]["rounds"], "acc_weighted")
+        # the metric of the model the reference evaluates (FedGH's acc_global): like with like
+        fw = by_round(doc["fedmosaic"]["rounds"], doc.get("ref_mode", "acc") + "_weighted")
+        common = sorted(set(rw) & set(fw) - {0})
+        if not common:
+            continue
+        last = common[-1]
+        refs.setdefault((name, setting, seed), []).append(100 * last_mean(rw, last))
+        if doc.get("ref_seed_offset") or doc.get("ref_seed_globals") is not None:
+            continue
+        gap = 100 * (last_mean(fw, last) - last_mean(rw, last))
+        gaps.setdefault((name, setting), []).append(gap)
+    spread: dict[tuple[str, str], float] = {}
+    for (name, setting, _), vals in refs.items():
+        if len(vals) > 1:
+            key = (name, setting)
+            spread[key] = max(spread.get(key, 0.0), max(vals) - min(vals))
+    return {"gaps": gaps, "spread": spread}
+
+
+def gap_figure(docs: list[dict[str, Any]], path: Path) -> None:
+    """fedmosaic minus the reference (last-5 weighted mean, points) against the setting, one
+    marker per seed and method; a grey band of +-half the reference's own range where it was
+    measured (its run-to-run spread on one split)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = gap_points(docs)
+    settings = sorted({s for _, s in pts["gaps"]}, key=_setting_key)
+    methods = sorted({m for m, _ in pts["gaps"]})
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(settings) + 3), 4.2))
+    cmap = plt.get_cmap("tab20")
+    for i, method in enumerate(methods):
+        for j, setting in enumerate(settings):
+            x = j - 0.4 + width * (i + 0.5)
+            half = pts["spread"].get((method, setting))
+            if half is not None:
+                ax.fill_between([x - width / 2, x + width / 2], -half / 2, half / 2, color="0.85")
+            ys = pts["gaps"].get((method, setting), [])
+            ax.plot(
+                [x] * len(ys), ys, "o", ms=4, color=cmap(i % 20), label=method if j == 0 else None
+            )
+    for i, method in enumerate(methods):  # a legend entry even where the first setting has none
+        if not any((method, s) in pts["gaps"] for s in settings[:1]):
+            ax.plot([], [], "o", color=cmap(i % 20), label=method)
+    ax.axhline(0.0, color="black", lw=0.8)
+    for y in (-1.0, 1.0):
+        ax.axhline(y, color="grey", lw=0.6, ls="--")
+    ax.set_xticks(range(len(settings)))
+    ax.set_xticklabels(settings)
+    ax.set_xlabel("setting")
+    ax.set_ylabel("fedmosaic - reference, last 5 rounds (points)")
+    ax.set_title("Parity gap per seed; grey: the reference's own range on one split")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def figure(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -260,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.fig:
         for stem, doc in runs.items():
             figure(doc, a.fig / f"{stem}.png")
+        gap_figure(list(runs.values()), a.fig / "gaps.png")
 
 
 if __name__ == "__main__":
