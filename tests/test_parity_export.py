@@ -328,6 +328,7 @@ def test_a_corrupt_earlier_result_is_named_not_a_traceback(
     ("args", "message"),
     [
         (["--clients", "0"], "--clients 0: at least 2 clients"),
+        (["--ref-repeat", "-1"], "--ref-repeat -1: >= 0"),
         (["--subsample", "nan"], "--subsample nan: a fraction in (0, 1]"),
         (["--subsample", "1.5"], "--subsample 1.5: a fraction in (0, 1]"),
         (["--rounds", "-1"], "--rounds -1: at least 1"),
@@ -458,3 +459,9 @@ def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary
     assert report._ref_name({**doc, "ref_seed_globals": 0}) == "HtFLlib (numpy and random seeded 0)"
     both = {**doc, "ref_seed_offset": 1, "ref_seed_globals": 3}
     assert report._ref_name(both) == "HtFLlib (torch seeds +1, numpy and random seeded 3)"
+    # --ref-repeat: the reference again on identical inputs, its spread and not a parity gap
+    again = {**_fake_run(0.5), "ref_repeat": 1}
+    assert report._ref_name(again) == "HtFLlib (again, run 2)"
+    assert report.seeds_table([*seeds, again]) == report.seeds_table(seeds)
+    pts = report.gap_points([doc, again])
+    assert pts["gaps"] == {("HtFLlib local", "dir01"): [pytest.approx(0.0)]}

@@ -620,6 +620,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--ref-seed-offset {a.ref_seed_offset}: >= 0")
     if a.ref_seed_globals is not None and not 0 <= a.ref_seed_globals < 2**32:
         p.error(f"--ref-seed-globals {a.ref_seed_globals}: 0 to 2**32 - 1 (numpy's seeds)")
+    if a.ref_repeat < 0:
+        p.error(f"--ref-repeat {a.ref_repeat}: >= 0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -676,6 +678,14 @@ def main(argv: list[str] | None = None) -> int:
         "<run>_g<S>.json, fedmosaic's side kept from <run>",
     )
     p.add_argument(
+        "--ref-repeat",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run the reference again, unchanged, on the identical inputs (its run-to-run spread "
+        "with nothing changed); the result is <run>_u<K>.json, fedmosaic's side kept from <run>",
+    )
+    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -699,8 +709,10 @@ def main(argv: list[str] | None = None) -> int:
     base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
     stem += "" if a.ref_seed_globals is None else f"_g{a.ref_seed_globals}"
-    # a run of the reference under other seeds than its own keeps fedmosaic's side of the base run
-    ref_variant = bool(a.ref_seed_offset) or a.ref_seed_globals is not None
+    stem += f"_u{a.ref_repeat}" if a.ref_repeat else ""
+    # a run of the reference under other seeds than its own, or again, keeps fedmosaic's side of
+    # the base run
+    ref_variant = bool(a.ref_seed_offset) or a.ref_seed_globals is not None or bool(a.ref_repeat)
     # plugin files recorded relative to the repository (no machine path in the record)
     fm_setup = setup.fedmosaic_config(
         method.algorithm, tuple(os.path.relpath(f, HERE.parents[1]) for f in method.plugins)
@@ -732,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         "ref_mode": method.ref_mode,
         "ref_seed_offset": a.ref_seed_offset,
         "ref_seed_globals": a.ref_seed_globals,
+        "ref_repeat": a.ref_repeat,
         "train_sizes": config["train_sizes"],
         "test_sizes": config["test_sizes"],
     }

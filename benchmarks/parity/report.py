@@ -51,14 +51,24 @@ def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
     return out
 
 
+def own_run(doc: dict[str, Any]) -> bool:
+    """A run of the reference against itself (other torch seeds, seeded generators, or again on
+    identical inputs): its spread, not a parity gap."""
+    return bool(doc.get("ref_seed_offset") or doc.get("ref_repeat")) or (
+        doc.get("ref_seed_globals") is not None
+    )
+
+
 def _ref_name(doc: dict[str, Any]) -> str:
     """The reference's name, with its seed offset when the run shifted its torch seeds and its
     global seed when the run seeded numpy's and Python's generators."""
     name = str(doc["reference"].get("library", "reference"))
     offset = doc.get("ref_seed_offset", 0)
     seeded = doc.get("ref_seed_globals")
+    again = doc.get("ref_repeat", 0)
     notes = [f"torch seeds +{offset}"] if offset else []
     notes += [] if seeded is None else [f"numpy and random seeded {seeded}"]
+    notes += [f"again, run {again + 1}"] if again else []
     return f"{name} ({', '.join(notes)})" if notes else name
 
 
@@ -135,7 +145,7 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
 
     groups: dict[tuple[str, str, str, str], dict[int, tuple[float, float]]] = {}
     for doc in docs:
-        if doc.get("ref_seed_offset") or doc.get("ref_seed_globals") is not None:
+        if own_run(doc):
             continue
         ref = doc["reference"]["rounds"]
         rw, rm = by_round(ref, "acc_weighted"), by_round(ref, "acc_mean")
@@ -208,7 +218,7 @@ def gap_points(docs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         last = common[-1]
         refs.setdefault((name, setting, seed), []).append(100 * last_mean(rw, last))
-        if doc.get("ref_seed_offset") or doc.get("ref_seed_globals") is not None:
+        if own_run(doc):
             continue
         gap = 100 * (last_mean(fw, last) - last_mean(rw, last))
         gaps.setdefault((name, setting), []).append(gap)
