@@ -391,6 +391,11 @@ def test_any_split_is_named_by_its_parameters(harness: ModuleType) -> None:
     setup = harness.Setup("dir05", 0.05, 10, 5, 1)
     cfg = from_dict(setup.fedmosaic_config({"name": "local"}))
     assert (cfg.data.partition, cfg.data.alpha, cfg.data.num_clients) == ("dirichlet", 0.5, 10)
+    # result files: the page's 20 clients at 5% keep their names, others carry theirs
+    assert harness.Setup("dir01", 0.05, 20, 40, 0).stem("fedtgp") == "fedtgp_dir01_s0"
+    assert setup.stem("local") == "local_dir05_s1_n10"
+    assert harness.Setup("dir01", 0.1, 10, 40, 2).stem("fml") == "fml_dir01_s2_n10_f0p1"
+    assert harness.Setup(library="pfllib").stem("fedavg") == "pfllib_fedavg_dir01_s0"
 
 
 @pytest.mark.parametrize(

@@ -314,6 +314,17 @@ class Setup:
             cfg["data"]["split_seed"] = self.seed
         return cfg
 
+    def stem(self, method: str) -> str:
+        """The result file's stem: ``<method>_<setting>_s<seed>``, with ``_n<clients>`` and
+        ``_f<fraction>`` where they differ from the page's 20 clients and 5% of FMNIST (the
+        results of other client counts or fractions never take another run's file)."""
+        out = f"{LIBRARIES[self.library].stem_prefix}{method}_{self.setting}_s{self.seed}"
+        if self.num_clients != Setup.num_clients:
+            out += f"_n{self.num_clients}"
+        if self.subsample != Setup.subsample:
+            out += "_f" + f"{self.subsample:g}".replace(".", "p")
+        return out
+
     @property
     def name(self) -> str:
         """The dataset folder name in the reference checkout (one per split)."""
@@ -706,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
         a.setting = register_setting(a.partition, a.alpha, a.classes_per_client)
     setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed, library=a.library)
     method = lib.methods[a.method]
-    base_stem = f"{lib.stem_prefix}{a.method}_{a.setting}_s{a.seed}"
+    base_stem = setup.stem(a.method)
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
     stem += "" if a.ref_seed_globals is None else f"_g{a.ref_seed_globals}"
     stem += f"_u{a.ref_repeat}" if a.ref_repeat else ""
