@@ -195,7 +195,9 @@ class EvalConfig:
     holdout_clients: int = 0
     # the loss-threshold membership attack at every evaluation, on each client's evaluated model:
     # its training split (members) against its test split (nonmembers); rounds get mia_auc and
-    # mia_tpr (at 1% false positives), means over clients (core/membership.py, docs/privacy.md)
+    # mia_tpr (at 1% false positives), means over clients (core/membership.py, docs/privacy.md);
+    # where an upload is a whole model, every round also attacks the model the server rebuilds
+    # from it (mia_upload_auc, mia_upload_tpr)
     membership: bool = False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Protocol, cast
@@ -177,6 +178,15 @@ class SharedWeights(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         model = spec.build_model(0)
         self.load_shared(model, state)
         return model
+
+    def upload_model(self, model: ClientModel, upload: SharedState) -> ClientModel | None:
+        """The whole model when the whole model is shared with its BatchNorm statistics (as
+        :meth:`server_model`); a part (or local statistics) leaves the server without one."""
+        if self.shared != "all" or self.bn != "average":
+            return None
+        view = copy.deepcopy(model)
+        self.load_shared(view, upload.state)
+        return view
 
     def upload_names(self, state: dict[str, Tensor], upload: SharedState) -> dict[str, Any]:
         return {"shared": state}

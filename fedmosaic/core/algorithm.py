@@ -316,6 +316,13 @@ class Algorithm(ABC, Generic[S, B, U]):
         model (personalized parts, prototypes, heterogeneous models): evaluation is skipped."""
         return None
 
+    def upload_model(self, model: ClientModel, upload: U) -> ClientModel | None:
+        """The client's model as the server can rebuild it from ``upload`` alone (a copy of
+        ``model`` with the upload's weights; ``eval.membership`` attacks it: what the server
+        learns of the client's data). None for an upload that is not a whole model (a head, a
+        body, prototypes, logits): the server has no model to score examples with."""
+        return None
+
     def summands(self, upload: U, weight: float) -> Mapping[str, Tensor] | None:
         """What ``upload`` (of weight ``weight``, at most 1) adds to the round's secure sum:
         float tensors by name, each entry in ``[-R, R]`` for the configured range (weights and

@@ -79,6 +79,9 @@ class FitOutput:
     upload: Payload
     num_examples: int
     stats: TrainStats
+    # eval.membership: the attack on the model the server rebuilds from the upload (counts of
+    # core/membership.py), None where the upload is not a whole model
+    attack: dict[str, dict[str, int]] | None = None
 
 
 def fit_clients(
@@ -148,7 +151,33 @@ def fit(
             privacy.local_generator(seed, round_num, cid),
             data.num_classes,
         )
-    return FitOutput(upload, data.num_train, stats)
+    attack = None
+    if settings.membership:  # what the server sees: the released upload
+        attack = upload_attack(algo, model, upload, data, settings.eval_batch_size)
+    return FitOutput(upload, data.num_train, stats, attack)
+
+
+def upload_attack(
+    algo: Algorithm, model: ClientModel, upload: Payload, data: ClientData, batch_size: int
+) -> dict[str, dict[str, int]] | None:
+    """``eval.membership`` at the fit: the loss-threshold attack on the model the server
+    rebuilds from this upload (``Algorithm.upload_model``), the client's training split against
+    its test split, as counts; None where the upload is not a whole model, a split is empty or a
+    loss is NaN (a model the noise broke: nothing to rank)."""
+    if data.num("train") == 0 or data.num("test") == 0:
+        return None
+    view = algo.upload_model(model, upload)
+    if view is None:
+        return None
+    view.eval()
+    with torch.inference_mode():
+        sides = [
+            torch.cat([mia.scores(view(x), y).cpu() for x, y in data.iter_batches(s, batch_size)])
+            for s in ("train", "test")
+        ]
+    if any(bool(s.isnan().any()) for s in sides):
+        return None
+    return mia.counts(sides[0], sides[1])
 
 
 def received_state(

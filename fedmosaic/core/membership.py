@@ -109,18 +109,22 @@ def client_scores(c: Mapping[str, Mapping[str, int]]) -> dict[str, float]:
     return {"mia_auc": pairs["auc"] / pairs["n"], "mia_tpr": members["tpr"] / members["n"]}
 
 
-def summarize(per_client: Sequence[Mapping[str, Mapping[str, int]]]) -> dict[str, float]:
-    """A round's attack over the clients that reported one: ``mia_auc`` and ``mia_tpr`` (means
-    over clients), ``mia_auc_max`` (the most exposed client) and ``mia_clients``."""
+def summarize(
+    per_client: Sequence[Mapping[str, Mapping[str, int]]], prefix: str = "mia"
+) -> dict[str, float]:
+    """A round's attack over the clients that reported one: ``<prefix>_auc`` and
+    ``<prefix>_tpr`` (means over clients), ``<prefix>_auc_max`` (the most exposed client) and
+    ``<prefix>_clients``. ``mia``: the evaluated models; ``mia_upload``: the models the server
+    rebuilds from the round's uploads."""
     got = [s for c in per_client if (s := client_scores(c))]
     if not got:
         return {}
     aucs = [s["mia_auc"] for s in got]
     return {
-        "mia_auc": sum(aucs) / len(aucs),
-        "mia_auc_max": max(aucs),
-        "mia_tpr": sum(s["mia_tpr"] for s in got) / len(got),
-        "mia_clients": len(got),
+        f"{prefix}_auc": sum(aucs) / len(aucs),
+        f"{prefix}_auc_max": max(aucs),
+        f"{prefix}_tpr": sum(s["mia_tpr"] for s in got) / len(got),
+        f"{prefix}_clients": len(got),
     }
 
 

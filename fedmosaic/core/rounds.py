@@ -56,6 +56,8 @@ class FitResult:
     error: str | None = None
     # under secure aggregation: the upload's metrics (costs), sent in clear with the masked sum
     metrics: dict[str, float] | None = None
+    # eval.membership: the attack on the model the server rebuilds from the upload (counts)
+    attack: dict[str, dict[str, int]] | None = None
 
 
 @dataclass
@@ -426,6 +428,9 @@ def run_rounds(
             rec["epsilon"] = 0.0
         if sample_steps is not None:
             rec["epsilon_sample"] = count_sample_steps(algo, spec, plan, rec, sample_steps)
+        if not p.secure_aggregation:  # eval.membership: what the server learns from the uploads
+            attacks = [r.attack for r in results if r.attack is not None]
+            rec.update(membership.summarize(attacks, "mia_upload"))
         if no_finite_loss(results, t):
             diverged += 1
             rec["diverged"] = True  # what train.stop_on_divergence = false runs through

@@ -95,6 +95,8 @@ class TrainSettings:
         measured faster: see README, Speed)."""
         if self.privacy.mechanism == "local" or self.privacy.dpsgd:  # one client at a time
             return False
+        if self.membership:  # the attack on each upload runs in the one-client fit
+            return False
         if isinstance(self.accel.batched_clients, bool):
             return self.accel.batched_clients
         return torch.device(self.device).type == "cuda"

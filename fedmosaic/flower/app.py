@@ -264,6 +264,8 @@ def train(msg: Message, context: Context) -> Message:
             "loss": float(out.stats.mean_loss),
         },
     )
+    if out.attack is not None:  # eval.membership: the attack on what this reply uploads
+        content[m.ATTACK] = m.counts_record(out.attack)
     if fault:
         _inject_fault(content, str(fault))
     return Message(content, reply_to=msg)

@@ -30,6 +30,7 @@ from fedmosaic.flower.codec import ARRAYS, SCALARS, payload_to_records
 
 HEADER = "fedmosaic"
 COUNTS = "counts"
+ATTACK = "attack"  # eval.membership: a fit reply's attack on its own upload (counts)
 
 HELLO = "query"
 FIT = "train"
@@ -63,7 +64,7 @@ def header(content: RecordDict) -> dict[str, Any]:
 # anything else in a reply is refused: nothing a client sends is ignored unseen.
 REPLY_RECORDS: dict[str, dict[str, frozenset[str]]] = {
     HELLO: {"configs": frozenset({HEADER})},
-    FIT: {"arrays": frozenset({ARRAYS}), "configs": frozenset({HEADER, SCALARS})},
+    FIT: {"arrays": frozenset({ARRAYS}), "configs": frozenset({HEADER, SCALARS, ATTACK})},
     EVALUATE: {"configs": frozenset({HEADER, COUNTS})},
     FINETUNE: {"configs": frozenset({HEADER})},
 }
@@ -135,6 +136,19 @@ def parse_counts(
             raise PayloadError(f"split {split!r}: example count {n!r} missing or implausible")
         if any(v > n for m, v in c.items() if m != "n"):
             raise PayloadError(f"split {split!r}: more correct predictions than examples")
+    return out
+
+
+def parse_attack(record: ConfigRecord, n_train: int, n_test: int) -> dict[str, dict[str, int]]:
+    """A fit reply's attack counts (``eval.membership``), checked against the client's split
+    sizes the server knows; PayloadError naming what no real client reports."""
+    out = parse_counts(record, (), max(n_train, n_test))
+    if set(out) != set(membership.SPLITS):
+        raise PayloadError(f"membership attack: needs {list(membership.SPLITS)}, got {sorted(out)}")
+    sizes = membership.sizes(n_train, n_test)
+    for split, c in out.items():
+        if c["n"] != sizes[split]:
+            raise PayloadError(f"membership attack: {split} claims {c['n']}; it has {sizes[split]}")
     return out
 
 

@@ -333,10 +333,15 @@ class GridTransport:
                 raise PayloadError(f"claims {n} training examples; its partition has {expected}")
             loss = m.finite_or_nan(m.float_field(head, "loss"))
             upload = records_to_payload(self.algo.Upload, reply.content)  # size checked above
+            attack = None
+            if m.ATTACK in reply.content.config_records:
+                data = self.clients[cid]
+                record = reply.content.config_records[m.ATTACK]
+                attack = m.parse_attack(record, data.num("train"), data.num("test"))
         except PayloadError as exc:
             error = f"SuperNode {self.node_of.get(cid)}: invalid reply: {exc}"
             return FitResult(cid, None, 0, up or content_bytes(reply.content), down, error=error)
-        return FitResult(cid, upload, n, up, down, loss)
+        return FitResult(cid, upload, n, up, down, loss, attack=attack)
 
     def evaluate(
         self, round_num: int, messages: dict[int, Payload], receive: bool = True

@@ -38,7 +38,7 @@ ROUND_COLUMNS = (
 # Columns only some runs have, after the fixed ones: ``[privacy]`` runs add the epsilon spent.
 PRIVACY_COLUMNS = ("epsilon", "epsilon_sample")
 # ``eval.membership`` runs add the attack on the evaluated models (core/membership.py).
-MEMBERSHIP_COLUMNS = ("mia_auc", "mia_auc_max", "mia_tpr")
+MEMBERSHIP_COLUMNS = ("mia_auc", "mia_auc_max", "mia_tpr", "mia_upload_auc", "mia_upload_tpr")
 
 
 def _jsonable(obj: Any) -> Any:

@@ -57,10 +57,16 @@ def summarize(history: History) -> dict[str, Any]:
         summary["membership"] = {
             "note": "loss-threshold membership attack on each client's evaluated model, its "
             "training split against its test split; means over clients (mia_tpr: at 1% false "
-            "positives; mia_auc_max: the most exposed client)",
+            "positives; mia_auc_max: the most exposed client); mia_upload_*: the same attack on "
+            "the models the server rebuilds from the last round's uploads, where they are whole "
+            "models",
             "round": last["round"],
             **{k: last[k] for k in ("mia_auc", "mia_auc_max", "mia_tpr", "mia_clients")},
         }
+        final = history.rounds[-1]
+        for k in ("mia_upload_auc", "mia_upload_auc_max", "mia_upload_tpr", "mia_upload_clients"):
+            if k in final:
+                summary["membership"][k] = final[k]
     for key in ("epsilon", "epsilon_sample"):  # [privacy]: the budget spent, at privacy.delta
         if key in history.rounds[-1]:
             summary[key] = history.rounds[-1][key]

@@ -114,8 +114,9 @@ class ClientHost:
     # ---- operations ----------------------------------------------------------------------
     def fit_many(
         self, round_num: int, todo: Sequence[tuple[int, Payload]]
-    ) -> Iterator[tuple[int, bytes | str, int, float, float]]:
-        """``(cid, upload, examples, loss, seconds)`` per client, as each is ready: clients of
+    ) -> Iterator[tuple[int, bytes | str, int, float, float, dict[str, dict[str, int]] | None]]:
+        """``(cid, upload, examples, loss, seconds, attack)`` per client, as each is ready (the
+        attack: ``eval.membership``'s on the upload, see ``client.upload_attack``): clients of
         one model layout train together (``accel.batched``) when ``train.batched_clients`` is on
         and the method allows it (a group's seconds are split evenly over its clients)."""
         fits = client_ops.fit_clients(
@@ -137,7 +138,7 @@ class ClientHost:
             seconds = (time.perf_counter() - t0) / len(group)
             for cid, res in zip(group, outs):
                 upload = self._encode(res.upload)
-                yield (cid, upload, res.num_examples, res.stats.mean_loss, seconds)
+                yield (cid, upload, res.num_examples, res.stats.mean_loss, seconds, res.attack)
 
     @staticmethod
     def _encode(upload: Payload) -> bytes | str:

@@ -424,8 +424,11 @@ class ProcessTransport(secure.EmulatedSecureFit):
         calls = self._per_worker(groups, table, "fit", round=round_num, offload=self.offload)
         results: dict[int, FitResult] = {}
 
-        def arrived(w: int, part: tuple[int, bytes | str, int, float, float]) -> None:
-            cid, blob, n, loss, seconds = part  # decoded as it arrives: one blob at a time
+        def arrived(
+            w: int,
+            part: tuple[int, bytes | str, int, float, float, dict[str, dict[str, int]] | None],
+        ) -> None:
+            cid, blob, n, loss, seconds, attack = part  # decoded as it arrives: one at a time
             self.measured[cid] = seconds
             self.holder[cid] = w
             self.version[cid] += 1
@@ -434,7 +437,7 @@ class ProcessTransport(secure.EmulatedSecureFit):
                 if self._on_client is not None:
                     self._on_client(len(results), len(messages))
                 return
-            res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss)
+            res = FitResult(cid, None, n, len(blob), table.sizes[cid], loss, attack=attack)
             try:
                 res.upload = decode(self.algo.Upload, blob)
             except PayloadError as exc:

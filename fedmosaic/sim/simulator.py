@@ -165,7 +165,9 @@ class SimTransport(secure.EmulatedSecureFit):
                 loss = res.stats.mean_loss
                 results[cid] = FitResult(cid, None, res.num_examples, 0, down, loss, error=str(exc))
                 continue
-            results[cid] = FitResult(cid, upload, res.num_examples, up, down, res.stats.mean_loss)
+            results[cid] = FitResult(
+                cid, upload, res.num_examples, up, down, res.stats.mean_loss, attack=res.attack
+            )
         return [results[c] for c in messages]
 
     def _fit_all(

@@ -91,11 +91,12 @@ def test_check_accepts_a_real_report():
     assert mia.check({"test": {"n": 3, "acc": 1}}, max_examples=30) == ""
 
 
-def _run(name: str, backend: str = "serial") -> api.Result:
+def _run(name: str, backend: str = "serial", **privacy: object) -> api.Result:
     raw = tiny_raw(
         algorithm={"name": name},
         train={"rounds": 2, "local_epochs": 5},
         eval={"membership": True},
+        privacy=privacy,
         sim={"check_wire": False, "progress": False, "threads": 1, "backend": backend},
     )
     return api.run(from_dict(raw))
@@ -134,11 +135,27 @@ def test_the_attack_is_off_by_default_and_validated():
         from_dict(tiny_raw(eval={"membership": "yes"}))
 
 
+def test_the_uploads_are_attacked_where_they_are_whole_models():
+    """FedAvg uploads its whole model: every round attacks it (mia_upload_*); LG-FedAvg uploads
+    a head, the server has no model to attack; under secure aggregation it sees no upload."""
+    fedavg = _run("fedavg")
+    for rec in fedavg.rounds:
+        assert 0.0 <= rec["mia_upload_auc"] <= rec["mia_upload_auc_max"] <= 1.0
+        assert rec["mia_upload_clients"] == 4
+    assert fedavg.summary["membership"]["mia_upload_auc"] == fedavg.rounds[-1]["mia_upload_auc"]
+    assert "mia_upload_auc" not in _run("lg_fedavg").rounds[-1]
+    hidden = _run("fedavg", secure_aggregation=True)
+    assert "mia_upload_auc" not in hidden.rounds[-1] and "mia_auc" in hidden.rounds[-1]
+
+
 @pytest.mark.integration  # worker processes
-def test_worker_processes_give_the_same_attack():
-    """FedProto classifies by distance to the prototypes: the attack scores those scores."""
-    serial, procs = _run("fedproto"), _run("fedproto", backend="processes")
-    keys = ("mia_auc", "mia_auc_max", "mia_tpr")
+@pytest.mark.parametrize("name", ["fedproto", "fedavg"])
+def test_worker_processes_give_the_same_attack(name):
+    """FedProto classifies by distance to the prototypes: the attack scores those scores;
+    FedAvg's uploads are attacked too."""
+    serial, procs = _run(name), _run(name, backend="processes")
+    keys = [k for k in serial.rounds[-1] if k.startswith("mia_")]
+    assert len(keys) == (8 if name == "fedavg" else 4)
     assert [{k: r[k] for k in keys} for r in serial.rounds] == [
         {k: r[k] for k in keys} for r in procs.rounds
     ]

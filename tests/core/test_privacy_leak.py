@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
 import torch
 from helpers.experiments import tiny_raw
 
@@ -36,13 +37,15 @@ class Recording(SimTransport):
         return out
 
 
-def server_attack_auc(privacy: dict) -> tuple[float, float]:
-    """The attack's mean AUC over the clients' last uploads, and the run's epsilon (0: none)."""
+def server_attack_auc(privacy: dict) -> tuple[float, float, float]:
+    """The attack's mean AUC over the clients' last uploads, the run's epsilon (0: none), and
+    the same attack as the run measured it (eval.membership's mia_upload_auc)."""
     cfg = from_dict(
         tiny_raw(
             data={"synthetic_size": 160, "num_clients": 4, "alpha": 100.0},
             train={"rounds": 1, "local_epochs": 10, "lr": 0.05},
             privacy=privacy,
+            eval={"membership": True},
             sim={"check_wire": False, "progress": False, "threads": 1},
         )
     )
@@ -61,14 +64,18 @@ def server_attack_auc(privacy: dict) -> tuple[float, float]:
         members = (data.source.batch(data.rows("train")), data.targets("train"))
         nonmembers = (data.source.batch(data.rows("test")), data.targets("test"))
         aucs.append(loss_threshold_attack(model, members, nonmembers).auc)
-    return statistics.mean(aucs), history.rounds[-1].get("epsilon", 0.0)
+    last = history.rounds[-1]
+    return statistics.mean(aucs), last.get("epsilon", 0.0), last["mia_upload_auc"]
 
 
 def test_the_server_sees_membership_without_privacy_and_not_at_a_small_epsilon():
-    plain, _ = server_attack_auc({})
-    private, epsilon = server_attack_auc(
+    plain, _, plain_in_run = server_attack_auc({})
+    private, epsilon, private_in_run = server_attack_auc(
         {"mechanism": "local", "clip": 1.0, "noise_multiplier": 50.0}
     )
+    # eval.membership measures the same attack inside the run, from the clients' side
+    assert plain_in_run == pytest.approx(plain, abs=1e-12)
+    assert private_in_run == pytest.approx(private, abs=1e-12)
     assert plain > 0.8, plain  # measured 0.866 (2026-11-28)
     assert epsilon < 1.0, epsilon
     assert abs(private - 0.5) < 0.1, private  # measured 0.557: 40 examples a client

@@ -188,6 +188,15 @@ def test_eval_counts_and_phases():
     forged = {**attack, "mia_pairs": {"n": 60, "auc": 61}}
     with pytest.raises(PayloadError, match="membership attack: more wins"):
         m.parse_counts(m.counts_record(forged), ("test", "val"), 100)
+    # a fit reply's attack on its upload: only the two groups, at the client's split sizes
+    upload = {"mia_pairs": {"n": 60, "auc": 41}, "mia_members": {"n": 10, "tpr": 2}}
+    assert m.parse_attack(m.counts_record(upload), 10, 3) == upload
+    with pytest.raises(PayloadError, match="mia_pairs claims 60; it has 72"):
+        m.parse_attack(m.counts_record(upload), 12, 3)
+    with pytest.raises(PayloadError, match="unexpected count 'test/n'"):
+        m.parse_attack(m.counts_record({**upload, "test": {"n": 3, "acc": 1}}), 10, 3)
+    with pytest.raises(PayloadError, match="only one of"):
+        m.parse_attack(m.counts_record({"mia_pairs": upload["mia_pairs"]}), 10, 3)
     phases = (Phase(("encoder.conv1", "head"), 2, False, "finetune"), Phase())
     assert m.phases_from_json(m.phases_to_json(phases)) == phases
     with pytest.raises(PayloadError):

@@ -68,14 +68,17 @@ def test_parity_batchnorm_sampling_and_validation(tmp_path):
     assert "val_acc_weighted" in flower["rounds"][-1]
 
 
-def test_parity_of_the_membership_attack(tmp_path):
-    """eval.membership: each client's attack counts travel back with its evaluation."""
-    raw = tiny_raw(algorithm={"name": "fedproto"}, train={"rounds": 2}, eval={"membership": True})
+@pytest.mark.parametrize("name", ["fedproto", "fedavg"])
+def test_parity_of_the_membership_attack(name, tmp_path):
+    """eval.membership: each client's attack counts travel back with its evaluation, and with
+    its fit reply the attack on its upload where that is a whole model (FedAvg)."""
+    raw = tiny_raw(algorithm={"name": name}, train={"rounds": 2}, eval={"membership": True})
     sim, flower = run_both(raw, tmp_path)
     assert_same_numbers(sim, flower)
     for a, b in zip(sim["rounds"], flower["rounds"], strict=True):
         attack = {k: v for k, v in a.items() if k.startswith("mia_")}
         assert attack["mia_clients"] == 4 and attack == {k: b[k] for k in attack}
+        assert ("mia_upload_auc" in attack) == (name == "fedavg")
     assert sim["summary"]["membership"] == flower["summary"]["membership"]
 
 
