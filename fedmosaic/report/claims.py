@@ -33,6 +33,9 @@ Labels (a comparison):
   most the paper's ratio + 0.1; **holds but smaller** above that; **does not hold** when it
   resolves above 0.
 - One seed: **inconclusive (1 seed)**. Fewer seeds than the plan's first look: **waiting**.
+- Cells that ran but hold no value of the metric on any paired seed (the membership attack of a
+  model whose every loss is NaN): **not measurable**, with the reason; a claim counts it as
+  inconclusive.
 
 A claim holds when every comparison holds; it does not hold when one resolves against it (after
 Holm); else it is inconclusive. A resolved accuracy verdict from less than the paper's budget
@@ -95,12 +98,14 @@ FAILS = "does not hold"
 NOT_COMPARABLE = "not comparable"
 WAITING = "waiting"
 NOT_RUN = "not run"
+NOT_MEASURED = "not measurable"  # the cells ran, and hold no value of the metric
 RANK = {
     FAILS: 0,
     NOT_COMPARABLE: 0,
     NOT_RUN: 0,
     WAITING: 0,
     INCONCLUSIVE: 1,
+    NOT_MEASURED: 1,
     SMALLER: 2,
     WITHIN: 2,
     HOLDS: 3,
@@ -434,6 +439,10 @@ def label(j: dict[str, Any]) -> str:
     if j["wait"]:
         return f"{WAITING}: {j['wait']}"
     if j["test"] is None:
+        if j["seeds"] and not j["diffs"]:
+            why = " (the attack's models gave no finite loss)" if c.metric == "mia_auc" else ""
+            n = len(j["seeds"])
+            return f"{NOT_MEASURED}: the cells of {n} paired seeds hold no {c.metric}{why}"
         return NOT_RUN
     t: stats.Test = j["test"]
     if t.n == 1 or t.p is None:
@@ -509,7 +518,7 @@ def claim_verdict(verdicts: Sequence[str]) -> str:
         return "not run (cells missing)"
     if any(v.startswith(NOT_COMPARABLE) for v in verdicts):
         return NOT_COMPARABLE
-    if any(v.startswith(INCONCLUSIVE) for v in verdicts):
+    if any(v.startswith((INCONCLUSIVE, NOT_MEASURED)) for v in verdicts):
         return INCONCLUSIVE
     worst = min(verdicts, key=lambda v: RANK[next(k for k in RANK if v.startswith(k))])
     return worst.split(";")[0]

@@ -613,6 +613,12 @@ def test_the_attack_auc_is_read_from_the_membership_summary_and_judged_lower() -
     cells[("s", "m", 3)] = _doc(0.1, rounds_run=20)  # diverged everywhere: no attack to read
     cells[("s", "b", 3)] = _doc(0.8, membership={"mia_auc": 0.55}, rounds_run=20)
     assert len(_one(c, cells)["diffs"]) == 3
+    # no seed with an attack on both sides: the cells ran, the metric is not measurable
+    broken = {k: v for k, v in cells.items() if k[2] == 3}
+    j = _one(c, broken)
+    assert j["verdict"].startswith(claims.NOT_MEASURED) and "no finite loss" in j["verdict"]
+    assert claims.claim_verdict([j["verdict"], claims.HOLDS]) == claims.INCONCLUSIVE
+    assert claims.claim_verdict([j["verdict"], claims.FAILS]) == claims.FAILS
 
 
 def test_best_on_val_picks_the_validation_round_and_best_on_test_is_the_max() -> None:
