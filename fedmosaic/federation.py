@@ -215,6 +215,7 @@ def round_plan(cfg: ExperimentConfig, num_clients: int) -> RoundPlan:
         local_epochs=cfg.train.local_epochs,
         batch_size=cfg.train.batch_size,
         stop_on_divergence=cfg.train.stop_on_divergence,
+        membership=cfg.eval.membership,
     )
 
 

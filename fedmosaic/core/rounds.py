@@ -167,6 +167,7 @@ class RoundPlan:
     local_epochs: int = 1
     batch_size: int = 10
     stop_on_divergence: bool = True  # False: diverged rounds are run and reported, not raised
+    membership: bool = False  # eval.membership: the replies' attacks on their uploads are read
 
     @property
     def pool(self) -> list[int]:
@@ -428,7 +429,7 @@ def run_rounds(
             rec["epsilon"] = 0.0
         if sample_steps is not None:
             rec["epsilon_sample"] = count_sample_steps(algo, spec, plan, rec, sample_steps)
-        if not p.secure_aggregation:  # eval.membership: what the server learns from the uploads
+        if plan.membership and not p.secure_aggregation:  # what the server learns from uploads
             attacks = [r.attack for r in results if r.attack is not None]
             rec.update(membership.summarize(attacks, "mia_upload"))
         if no_finite_loss(results, t):

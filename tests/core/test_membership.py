@@ -148,6 +148,28 @@ def test_the_uploads_are_attacked_where_they_are_whole_models():
     assert "mia_upload_auc" not in hidden.rounds[-1] and "mia_auc" in hidden.rounds[-1]
 
 
+def test_attack_counts_of_a_run_that_did_not_ask_are_not_read():
+    """Replies carrying upload attacks (here: clients told to attack, a server not) add nothing
+    to the round record: only eval.membership's plan reads them."""
+    import dataclasses
+
+    from fedmosaic.core.rounds import run_rounds
+    from fedmosaic.federation import build_federation
+    from fedmosaic.sim.simulator import SimTransport
+
+    raw = tiny_raw(
+        algorithm={"name": "fedavg"},
+        train={"rounds": 1},
+        eval={"membership": True},
+        sim={"check_wire": False, "progress": False, "threads": 1},
+    )
+    fed = build_federation(from_dict(raw))
+    t = SimTransport(fed.algo, fed.models, fed.extras, fed.clients, fed.settings, 0, 1)
+    quiet = dataclasses.replace(fed.plan, membership=False)
+    history, _ = run_rounds(fed.algo, fed.spec, t, quiet)
+    assert "mia_upload_auc" not in history.rounds[-1]
+
+
 @pytest.mark.integration  # worker processes
 @pytest.mark.parametrize("name", ["fedproto", "fedavg"])
 def test_worker_processes_give_the_same_attack(name):
