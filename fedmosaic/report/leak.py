@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedmosaic.core import membership
@@ -98,8 +97,7 @@ def per_example_loss(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1
             for start in range(0, len(x), batch_size):
                 xb = x[start : start + batch_size].to(device)
                 yb = y[start : start + batch_size].to(device)
-                logits = model(xb).to(torch.float64)
-                out.append(F.cross_entropy(logits, yb, reduction="none").cpu())
+                out.append(-membership.scores(model(xb), yb).cpu())  # the run's own score
     finally:
         for module, mode in modes:
             module.training = mode

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedmosaic.report.claims import RESULTS, load_cells
-from fedmosaic.report.results import save_figure
+from fedmosaic.report.results import save_figure, write_atomic
 from fedmosaic.report.suite_report import aggregate
 
 SUITE = "privacy_fmnist"
@@ -193,13 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--suite", default=SUITE)
     ap.add_argument("--root", type=Path, default=ROOT, help="the budget folder of the cells")
     args = ap.parse_args(argv)
-    table = rows(load_cells(args.root, args.suite))
+    try:
+        table = rows(load_cells(args.root, args.suite))
+    except ValueError as exc:  # a cell's results.json that cannot be read, named
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not table:
         print(f"no cells under {args.root / args.suite / 'cells'}")
         return 1
     name = f"{args.suite}_epsilon"
     figure(table, args.root / f"{name}.png")
-    (args.root / f"{args.suite}.md").write_text(page(table, args.suite, name))
+    write_atomic(args.root / f"{args.suite}.md", page(table, args.suite, name).encode())
     print(f"wrote {args.root / (args.suite + '.md')} and {name}.png/.svg/.pdf")
     return 0
 

@@ -76,6 +76,11 @@ def test_the_page_and_its_figures_are_written(tmp_path):
     for ext in ("png", "svg", "pdf"):
         assert (cells_root / f"suite_epsilon.{ext}").stat().st_size > 1000
     assert pp.main(["--suite", "none", "--root", str(cells_root)]) == 1
+    # a cut-off cell is named (exit 2) and the page is left as it was
+    page = (cells_root / "suite.md").read_text()
+    (cells_root / "suite" / "cells" / "s" / "fedproto" / "seed0" / "results.json").write_text("{")
+    assert pp.main(["--suite", "suite", "--root", str(cells_root)]) == 2
+    assert (cells_root / "suite.md").read_text() == page
 
 
 def test_the_committed_page_carries_the_committed_cells():
