@@ -1,6 +1,6 @@
 """FedClassAvg (Jang et al., ICPP 2022): classifier averaging plus local contrastive learning.
 
-Jang, Kim, Lee, Kim, Choi. FedClassAvg: Local Representation Learning for Personalized Federated
+Jang, Ha, Jung, Yoon. FedClassAvg: Local Representation Learning for Personalized Federated
 Learning on Heterogeneous Neural Networks. ICPP 2022.
 
 Shared: the classifier head ``Linear(feature_dim, C)`` only (sample-weighted average, Eq. 3);
@@ -8,6 +8,9 @@ each client's encoder stays local, so encoders may differ. Client loss per batch
 ``SupCon(F(x'), F(x''), y) + CE(C(F(x')), y) + rho * ||w_C - w_C_global||_2`` on two augmented
 views x', x'' of the batch, the proximal term being Eq. 5's unsquared L2 distance over the head's
 weight and bias (with a zero gradient, not NaN, at distance 0 - the start of every round).
+Evaluated (``acc``): each client's model as Algorithm 1 outputs it, ``w_k = w_F_k + w_C_k``: its
+encoder with its own classifier as it was after its last local training (the reference code
+evaluates the same); ``acc_global``: the encoder with the global head received before evaluation.
 
 Where we differ from the reference code (github.com/hukla/FedClassAvg), with its form as options:
 - proximal term: the code uses ``rho/2 * sum_tensors mean((w - w_g)^2)`` (``prox="mse"``) and skips
@@ -17,11 +20,13 @@ Where we differ from the reference code (github.com/hukla/FedClassAvg), with its
   temperature=100, base_temperature=0.07``. Default: the paper's SupCon (Khosla et al.), features
   L2-normalized, temperature 0.07, scale 1.
 - augmentations are tensor ops (``_augment.py``): resized crop (scale 0.2-1), flip,
-  brightness/contrast jitter; the code's torchvision pipeline also has saturation/hue jitter and
-  random grayscale, which do not apply to normalized grayscale tensors.
-- evaluation: ``acc`` uses the global head (loaded on receive, like LG-FedAvg); the code evaluates
-  each client with its classifier as it was after local training, reported here as ``acc_local``.
-- the code's classifier is ``ReLU -> Linear``; ours is the zoo's plain ``Linear`` head.
+  brightness/contrast jitter on every image; the code's torchvision pipeline applies its
+  ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` (brightness, contrast, saturation, hue) with p = 0.8 and
+  random grayscale with p = 0.2; saturation, hue and grayscale do not apply to normalized
+  grayscale tensors.
+- the code's classifier is ``ReLU -> Linear`` on the feature extractor's last FC output, so its
+  SupCon sees features before the ReLU; ours is the zoo's plain ``Linear`` head on the encoder's
+  output, which ends in a ReLU for most zoo encoders (SupCon then sees non-negative features).
 - the code trains with Adam (lr 1e-4, betas 0.5/0.999, batch 64): set it in ``[train]``.
 """
 
@@ -179,14 +184,15 @@ class FedClassAvg(SharedWeights):
     ) -> SharedState:
         head = model.part_state("head")
         if isinstance(extras, LocalHead):
-            extras.store(head)  # the personalized classifier, for ``acc_local``
+            extras.store(head)  # the personalized classifier: the headline ``acc``
         return SharedState(head)
 
     def predict(
         self, model: ClientModel, extras: nn.Module, x: Tensor, msg: SharedState
     ) -> dict[str, Tensor]:
         f = model.features(x)  # [B, d]
-        out = {"acc": model.head(f)}  # global head (received before evaluation)
-        if isinstance(extras, LocalHead):
-            out["acc_local"] = functional_call(model.head, extras.state(), (f,))
-        return out
+        glob = model.head(f)  # the global head, received before evaluation
+        if not isinstance(extras, LocalHead):
+            return {"acc": glob}
+        # Algorithm 1's output w_k = w_F_k + w_C_k: the client's classifier after its local update
+        return {"acc": functional_call(model.head, extras.state(), (f,)), "acc_global": glob}

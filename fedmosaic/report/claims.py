@@ -153,6 +153,14 @@ def _val_key(key: str) -> str:
     return "val_" + key  # acc_weighted -> val_acc_weighted, acc_mean -> val_acc_mean
 
 
+def side_keys(c: Comparison) -> tuple[str, str]:
+    """The accuracy keys read for ``method`` and ``baseline``: the plan's weighted/unweighted
+    key of each side's prediction (``acc_mean``, or ``acc_local_mean`` where the comparison reads
+    that method's ``acc_local``)."""
+    suffix = METRIC_KEYS.get(c.accuracy, "acc_weighted")[len("acc") :]  # _weighted | _mean
+    return c.prediction(c.method) + suffix, c.prediction(c.baseline) + suffix
+
+
 def pair_values(
     c: Comparison, a: dict[str, Any], b: dict[str, Any]
 ) -> tuple[float | None, float | None, int | None]:
@@ -160,28 +168,25 @@ def pair_values(
     %), and the round both were read at where that matters (``final``: the last round when both
     ran the same number of rounds, else the last round both evaluated; ``common_round``)."""
     sa, sb = a.get("summary", {}), b.get("summary", {})
+    ka, kb_ = side_keys(c)
     if c.metric == "final":
-        key = METRIC_KEYS[c.accuracy]
         ra, rb = _rounds_run(a), _rounds_run(b)
         if ra == rb:  # the same length (or no record of it): the final rows
-            return _pct(sa.get("final", {}).get(key)), _pct(sb.get("final", {}).get(key)), ra
-        r = min(_last_evaluated(a, key), _last_evaluated(b, key))
-        return _pct(_at_round(a, r, key)), _pct(_at_round(b, r, key)), r
+            return _pct(sa.get("final", {}).get(ka)), _pct(sb.get("final", {}).get(kb_)), ra
+        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
+        return _pct(_at_round(a, r, ka)), _pct(_at_round(b, r, kb_)), r
     if c.metric == "after_finetune":
-        key = METRIC_KEYS[c.accuracy]
-        va, vb = sa.get(c.metric, {}).get(key), sb.get(c.metric, {}).get(key)
+        va, vb = sa.get(c.metric, {}).get(ka), sb.get(c.metric, {}).get(kb_)
         return _pct(va), _pct(vb), _rounds_run(a)
     if c.metric == "common_round":
-        key = METRIC_KEYS[c.accuracy]
-        r = min(_last_evaluated(a, key), _last_evaluated(b, key))
-        return _pct(_at_round(a, r, key)), _pct(_at_round(b, r, key)), r
+        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
+        return _pct(_at_round(a, r, ka)), _pct(_at_round(b, r, kb_)), r
     if c.metric == "mean_over_rounds":
-        key = METRIC_KEYS[c.accuracy]
-        r = min(_last_evaluated(a, key), _last_evaluated(b, key))
+        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
         both = [
             (x, y)
             for t in range(1, r + 1)
-            if (x := _at_round(a, t, key)) is not None and (y := _at_round(b, t, key)) is not None
+            if (x := _at_round(a, t, ka)) is not None and (y := _at_round(b, t, kb_)) is not None
         ]
         if not both:
             return None, None, r
@@ -303,7 +308,7 @@ def judge(
         seeds = []
     va, vb, vd, rounds, problems = [], [], [], [], []
     val_d, test_d, slopes_a, slopes_b = [], [], [], []
-    key = METRIC_KEYS.get(c.accuracy, "acc_weighted")
+    key_a, key_b = side_keys(c)
     for s in all_seeds:
         a, b = cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)]
         problems += [f"seed {s}: {p}" for p in pair_problems(c, a, b)]
@@ -321,12 +326,12 @@ def judge(
         if r is not None:
             rounds.append(r)
         if c.metric == "final" and r is not None:
-            (av, at), (bv, bt) = best_up_to(a, key, r), best_up_to(b, key, r)
+            (av, at), (bv, bt) = best_up_to(a, key_a, r), best_up_to(b, key_b, r)
             val_d.append(None if av is None or bv is None else av - bv)
             test_d.append(None if at is None or bt is None else at - bt)
         if plan is not None and plan.flat_window > 0 and c.metric in ACCURACY_METRICS:
-            slopes_a.append(curve_slope(a, key, plan.flat_window))
-            slopes_b.append(curve_slope(b, key, plan.flat_window))
+            slopes_a.append(curve_slope(a, key_a, plan.flat_window))
+            slopes_b.append(curve_slope(b, key_b, plan.flat_window))
     null = -c.margin if c.relation == "at_or_above" else 0.0
     test = stats.paired_test(vd, null) if vd else None
     direction = stats.paired_test(vd, 0.0) if vd else None

@@ -87,7 +87,9 @@ def _metric_label(c: Comparison) -> str:
         "common_round": "same round",
         "mean_over_rounds": "mean over rounds 1..r",
     }
-    return f"{where[c.metric]} acc, {acc} (%)"
+    # e.g. "; fedclassavg: acc_local", for the sides of this comparison read from another prediction
+    read = "".join(f"; {m}: {p}" for m, p in c.predictions if m in (c.method, c.baseline))
+    return f"{where[c.metric]} acc, {acc} (%){read}"
 
 
 def _resolution_text(r: dict[str, Any]) -> str:

@@ -16,9 +16,10 @@ The page shows each plan beside its verdicts with the date it was committed (git
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,13 @@ class Comparison:
     looks: tuple[int, ...] = ()
     # dotted config keys the paper prescribes differently for the two methods (allowed to differ)
     declared: tuple[str, ...] = ()
+    # (method, prediction): read that method's accuracy from another of its recorded predictions
+    # (``acc_local`` -> ``acc_local_mean``); the others read the headline ``acc``
+    predictions: tuple[tuple[str, str], ...] = ()
+
+    def prediction(self, method: str) -> str:
+        """The prediction whose accuracy is read for ``method`` (``acc``: the headline)."""
+        return dict(self.predictions).get(method, "acc")
 
     @property
     def key(self) -> tuple[str, str, str, str, str, str]:
@@ -234,6 +242,22 @@ def _comparison(where: str, suite: str, raw: dict[str, Any], margin: float) -> C
     )
 
 
+_PREDICTION = re.compile(r"acc(_[a-z0-9]+)*")
+
+
+def _predictions(where: str, raw: Any) -> tuple[tuple[str, str], ...]:
+    """``{method = "acc_local", ...}``: the recorded prediction each method is read from."""
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and _PREDICTION.fullmatch(v)
+        for k, v in raw.items()
+    ):
+        raise PlanError(
+            f"{where}: predictions must map method names to recorded predictions such as "
+            f'"acc_local", got {raw!r}'
+        )
+    return tuple(sorted(raw.items()))
+
+
 def load_plan(path: Path) -> Plan:
     """Parse and check one plan file (:class:`PlanError` names the file and the key)."""
     try:
@@ -271,7 +295,7 @@ def load_plan(path: Path) -> Plan:
     exploratory = []
     for i, e in enumerate(raw.get("exploratory", [])):
         where = f"{path} exploratory[{i}]"
-        _unknown(where, e, {"budget", "note", "comparisons"})
+        _unknown(where, e, {"budget", "note", "comparisons", "predictions"})
         comps_raw = e.get("comparisons", [])
         if comps_raw == "confirmatory":  # the plan's own comparisons, read from other cells
             comps = tuple(x for cl in claims for x in cl.comparisons)
@@ -280,6 +304,9 @@ def load_plan(path: Path) -> Plan:
                 _comparison(f"{where}.comparisons[{j}]", suite, x, margin)
                 for j, x in enumerate(comps_raw)
             )
+        preds = _predictions(where, e.get("predictions", {}))
+        if preds:  # the same comparisons, some methods read from another prediction
+            comps = tuple(replace(x, predictions=preds) for x in comps)
         exploratory.append(Exploratory(str(e.get("budget", "")), str(e.get("note", "")), comps))
     return Plan(
         suite=suite,

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _handmade import run_handmade
 from helpers.experiments import tiny_raw
 from torch import nn
@@ -178,8 +179,8 @@ def test_color_jitter_ranges():
 # ---- runs -----------------------------------------------------------------------------------
 
 
-def _numbers(h: History) -> list[tuple[float, float, float]]:
-    return [(r["acc_weighted"], r["acc_mean"], r["train_loss"]) for r in h.rounds]
+def _numbers(h: History, acc: str = "acc") -> list[tuple[float, float, float]]:
+    return [(r[f"{acc}_weighted"], r[f"{acc}_mean"], r["train_loss"]) for r in h.rounds]
 
 
 def test_no_contrast_no_prox_no_augment_trains_exactly_like_lg_fedavg():
@@ -187,10 +188,31 @@ def test_no_contrast_no_prox_no_augment_trains_exactly_like_lg_fedavg():
     plain = FedClassAvg(contrastive=False, rho=0.0, augment=False)
     h_cls, s_cls = run_handmade(plain, rounds=3)
     h_lg, s_lg = run_handmade(LGFedAvg(), rounds=3)
-    assert _numbers(h_cls) == _numbers(h_lg)
+    # LG-FedAvg evaluates the global head: FedClassAvg's acc_global
+    assert _numbers(h_cls, "acc_global") == _numbers(h_lg)
     assert all(torch.equal(s_cls[k], s_lg[k]) for k in s_lg)
     h_full, _ = run_handmade(FedClassAvg(), rounds=3)
-    assert _numbers(h_full) != _numbers(h_lg)
+    assert _numbers(h_full, "acc_global") != _numbers(h_lg)
+
+
+def test_the_headline_is_the_clients_own_classifier_after_local_training():
+    """Algorithm 1 outputs w_k = w_F_k + w_C_k: ``acc`` scores the client's classifier as its
+    local update left it (stored at upload), ``acc_global`` the global head received since."""
+    torch.manual_seed(0)
+    model = ClientModel(nn.Sequential(nn.Flatten(), nn.Linear(12, 4)), nn.Linear(4, 3), 4, 3)
+    algo = FedClassAvg()
+    extras = algo.init_client(model, None, None)  # type: ignore[arg-type]
+    trained = {k: v + 1.0 for k, v in model.part_state("head").items()}  # after local training
+    model.load_part_state("head", trained)
+    algo.upload(model, extras, None, SharedState({}))  # type: ignore[arg-type]
+    glob = {k: -v for k, v in trained.items()}  # the next broadcast, loaded on receive
+    model.load_part_state("head", glob)
+    x = torch.randn(5, 1, 3, 4)
+    out = algo.predict(model, extras, x, SharedState(glob))
+    f = model.features(x)
+    assert torch.equal(out["acc"], F.linear(f, trained["weight"], trained["bias"]))
+    assert torch.equal(out["acc_global"], F.linear(f, glob["weight"], glob["bias"]))
+    assert not torch.equal(out["acc"], out["acc_global"])
 
 
 def test_handmade_two_rounds_with_wire_check_and_bytes():
@@ -199,7 +221,7 @@ def test_handmade_two_rounds_with_wire_check_and_bytes():
     d, c = 8, 3
     for r in h.rounds:
         assert r["rejected"] == [] and math.isfinite(r["train_loss"])
-        assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_local_weighted"] <= 1.0
+        assert 0.0 <= r["acc_weighted"] <= 1.0 and 0.0 <= r["acc_global_weighted"] <= 1.0
         # (d + 1) * C float32 up, plus the safetensors framing.
         assert (d + 1) * c * 4 < r["bytes_up_per_client"] < (d + 1) * c * 4 + 400
     assert set(state) == {"weight", "bias"} and state["weight"].shape == (c, d)

@@ -193,6 +193,8 @@ EVALUATES = {
     "fedproto": "nearest_prototype",  # FedProto Alg. 1 inference: nearest global prototype
     "fedtgp": "nearest_prototype",  # FedTGP: as FedProto
     "fedrod": "generic_plus_personal",  # FedRoD: the generic head's logits + the personal head's
+    # FedClassAvg Alg. 1 output w_k = w_F_k + w_C_k: the client's classifier after its local update
+    "fedclassavg": "own_head",
     # FedGH: the default is right: its receive keeps a trained client's own header (the paper's
     # "local model"); the global header is the second mode, acc_global (tests/.../test_fedgh.py)
 }
@@ -204,6 +206,8 @@ def _reference_scores(kind: str, model, extras, x: torch.Tensor, msg) -> torch.T
     f = model.features(x)  # [B, d]
     if kind == "generic_plus_personal":
         return model.head(f) + extras(f)
+    if kind == "own_head":  # the head the client's last upload stored, not the received one
+        return torch.func.functional_call(model.head, extras.state(), (f,))
     if kind == "nearest_prototype":
         if not bool(msg.known.any()):
             return model.head(f)

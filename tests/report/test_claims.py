@@ -492,8 +492,52 @@ def test_exploratory_cells_never_decide(tmp_path: Path) -> None:
     result = claims.evaluate(tmp_path, plans)
     (res,) = result["claims"]
     assert res["verdict"] == "not run (cells missing)"
-    (group,) = result["exploratory"]
+    (group,) = [g for g in result["exploratory"] if g["group"].budget == "converged"]
     assert all(len(j["seeds"]) >= 3 for j in group["comparisons"])
+
+
+def test_a_side_can_be_read_from_another_of_its_predictions() -> None:
+    """``predictions``: the method's accuracy from its ``acc_local`` record, the baseline's from
+    its headline."""
+    cells = _cells([0.90, 0.92, 0.91], [0.88, 0.89, 0.90])
+    for seed, local in enumerate([0.80, 0.81, 0.83]):
+        cells[("s", "m", seed)]["summary"]["final"]["acc_local_mean"] = local
+    plain = Comparison("x", "s", "m", "b", accuracy="unweighted")
+    read = Comparison("x", "s", "m", "b", accuracy="unweighted", predictions=(("m", "acc_local"),))
+    assert _one(plain, cells)["method"]["mean"] == pytest.approx(90.0)
+    j = _one(read, cells)
+    assert j["method"]["mean"] == pytest.approx(81.333333333)
+    assert j["baseline"]["mean"] == pytest.approx(88.0)  # acc_mean = acc_weighted - 1 point
+    assert "m: acc_local" in claims_page._metric_label(read)
+
+
+@pytest.mark.parametrize("bad", ['{ m = "loss" }', "{ m = 3 }", '"acc_local"'])
+def test_predictions_that_are_not_recorded_accuracies_are_refused(tmp_path: Path, bad) -> None:
+    plan = _tiny_plan(tmp_path).path.read_text()
+    path = tmp_path / "y.toml"
+    path.write_text(
+        plan + f'\n[[exploratory]]\nbudget = "full"\ncomparisons = "confirmatory"\n'
+        f"predictions = {bad}\n"
+    )
+    with pytest.raises(PlanError, match="predictions must map method names"):
+        load_plan(path)
+
+
+def test_fedclassavg_is_also_read_on_its_own_classifier_from_the_committed_cells() -> None:
+    """The paper's model (each client's classifier after local training) beside the planned
+    reading of the same cells (the global head they recorded as ``acc``)."""
+    (plan,) = [p for p in load_plans() if p.suite == "fedclassavg_table2"]
+    result = claims.evaluate(RESULTS, [plan])
+    (group,) = [g for g in result["exploratory"] if g["group"].budget == "equal"]
+    cells = claims.load_cells(RESULTS / "equal", "fedclassavg_table2")
+    for j in group["comparisons"]:
+        c = j["comparison"]
+        assert c.prediction("fedclassavg") == "acc_local" and c.prediction(c.baseline) == "acc"
+        want = [
+            100 * cells[(c.setting, "fedclassavg", s)]["summary"]["final"]["acc_local_mean"]
+            for s in j["seeds"]
+        ]
+        assert len(want) == 6 and j["method"]["mean"] == pytest.approx(sum(want) / len(want))
 
 
 def test_cli_refuses_a_missing_folder(tmp_path: Path, capsys) -> None:
