@@ -46,10 +46,10 @@ class DataConfig:
     download: bool = False  # opt-in download for users with internet (never in tests/CI)
     emnist_split: str = "balanced"  # which EMNIST: letters (26 classes) | balanced (47)
     # how labels (or sizes) are dealt to clients: iid | dirichlet | pathological | skewed |
-    # quantity_dirichlet | quantity_power_law
+    # shards | pfedhn | quantity_dirichlet | quantity_power_law
     partition: str = "dirichlet"
     alpha: float = 0.1  # dirichlet concentration (beta in some papers)
-    classes_per_client: int = 2  # pathological / skewed: classes each client holds
+    classes_per_client: int = 2  # pathological / skewed / shards / pfedhn: classes per client
     num_clients: int = 20  # clients in the federation (held-out newcomers included)
     min_size: int = 10  # dirichlet: redraw until every client has at least this many samples
     # the data's own seed (subsample, partition, splits); -1 = the experiment's seed. Set it to
@@ -241,6 +241,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
         "dirichlet",
         "pathological",
         "skewed",
+        "shards",
+        "pfedhn",
         "quantity_dirichlet",
         "quantity_power_law",
     ),

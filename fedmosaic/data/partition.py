@@ -244,6 +244,168 @@ def skewed(
     return _finish(parts)
 
 
+# ------------------------------------------------------------ label skew as the papers split
+
+
+@PARTITIONERS.register("shards")
+def shards(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 1,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """k single-class shards per client, dealt at random: FedHeNN's split (Makhija et al. 2022).
+
+    Follows ``noniid`` in the FedHeNN authors' ``scripts/heterogeneous_clients.py``
+    (github.com/dishamakhija/FedHeNN), the per-class form of McMahan et al.'s (2017) shards.
+    There are ``num_clients * k`` shards, ``s = num_clients * k / num_classes`` of each class:
+    class c's rows, in pool order, are cut into s consecutive runs of ``n_c // s`` rows, and its
+    last ``n_c % s`` rows go one each to its first shards. Client i's shard labels are row i of
+    the multiset ``[0..C-1] * s`` shuffled and read as a ``num_clients x k`` table; for each of
+    its labels it takes one of that class's remaining shards at random. So clients hold random,
+    overlapping class sets, and sizes are equal up to one row per shard when the classes are
+    equally large (McMahan's sort-and-cut shards may straddle two classes; these never do).
+    A client may draw a label twice: then, as in the reference, it takes two shards of that
+    class and holds fewer than k classes. Every row goes to exactly one client.
+
+    Raises :class:`PartitionError` unless ``num_clients * k`` is a multiple of ``num_classes``
+    (the reference's table needs it) and every class has at least s rows, or when a client
+    would get fewer than ``min_size`` rows.
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    k = classes_per_client
+    _check_k(k, c, "shards")
+    total = num_clients * k
+    if total % c:
+        raise PartitionError(
+            f"shards: num_clients x classes_per_client = {num_clients} x {k} = {total} shards "
+            f"cannot be shared equally among num_classes = {c} classes; choose num_clients and "
+            f"classes_per_client with a product that is a multiple of {c}"
+        )
+    per_class = total // c  # shards of each class
+    by_class = _by_class(labels, c)
+    for cls, idx_c in enumerate(by_class):
+        if idx_c.size < per_class:
+            raise PartitionError(
+                f"shards: class {cls} has {idx_c.size} samples for {per_class} shards "
+                f"({num_clients} clients x classes_per_client = {k} / {c} classes); use fewer "
+                "clients or a smaller classes_per_client"
+            )
+    pools: list[list[np.ndarray]] = []
+    for idx_c in by_class:
+        size, extra = divmod(idx_c.size, per_class)
+        cut = [idx_c[j * size : (j + 1) * size] for j in range(per_class)]
+        tail = idx_c[per_class * size :]  # extra rows, one each to the first shards
+        pools.append([np.append(run, tail[j]) if j < extra else run for j, run in enumerate(cut)])
+    deal = rng.permutation(np.tile(np.arange(c), per_class)).reshape(num_clients, k)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for i, row in enumerate(deal):
+        for cls in row:
+            parts[i].append(pools[cls].pop(int(rng.integers(len(pools[cls])))))
+    out = _finish(parts)
+    smallest = min(p.size for p in out)
+    if smallest < min_size:
+        raise PartitionError(
+            f"shards: a client gets {smallest} samples, fewer than min_size = {min_size}; use "
+            "fewer clients, a larger classes_per_client or a smaller min_size"
+        )
+    return out
+
+
+# pFedHN's range for the unnormalized share of each class slot (``low_prob``, ``high_prob``).
+PFEDHN_SHARE_RANGE = (0.4, 0.6)
+
+
+@PARTITIONERS.register("pfedhn")
+def pfedhn(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    num_classes: int | None = None,
+    alpha: float = 0.1,
+    classes_per_client: int = 2,
+    min_size: int = 1,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """k random classes per client, balanced over classes: pFedHN's split (Shamsian et al. 2021).
+
+    Follows ``gen_classes_per_node`` and ``gen_data_split`` in ``experiments/dataset.py`` of
+    github.com/AvivSham/pFedHN; FedGH (Yi et al.) cites this split. Each class has
+    ``m = num_clients * k // num_classes + 1`` slots with shares ``u / sum(u)``,
+    ``u ~ U(0.4, 0.6)`` drawn for all m slots. Clients, in order, each pick k classes one at a
+    time, uniformly among the classes with the most slots left, taking one slot; so every class
+    ends up with ``floor`` or ``ceil(num_clients * k / num_classes)`` holders. The j-th holder of
+    class c takes the share of slot ``m - 1 - j`` (the reference pops from the end). Each class's
+    rows are shuffled, and clients in order take ``int(n_c * share)`` of them.
+
+    As in the reference, the shares are normalized over all m slots while only about ``m - 1``
+    are taken, so roughly one slot's share of each class (plus the rounding down) is left out:
+    this partition does not cover the whole pool. One difference: the reference can give a client
+    a class it already holds (the class it just took can still be among those with the most
+    slots left, e.g. with 10 clients x 3 of 10 classes); here such a draw is repeated, so every
+    client holds exactly k distinct classes. Otherwise the draws are the reference's, in its
+    order (shares, then classes, then the shuffles). The reference applies one draw of classes
+    and shares to its train, validation and test sets separately; here it splits the pool, which
+    the per-client splits then divide.
+
+    Raises :class:`PartitionError` when a class is too small for a holder to get one row of it, or
+    a client would get fewer than ``min_size`` rows.
+    """
+    labels, c = _prepare(labels, num_clients, num_classes)
+    k = classes_per_client
+    _check_k(k, c, "pfedhn")
+    slots = num_clients * k // c + 1
+    low, high = PFEDHN_SHARE_RANGE
+    shares: list[list[float]] = []
+    for _ in range(c):
+        u = rng.uniform(low, high, size=slots)
+        shares.append((u / u.sum()).tolist())
+    left = np.full(c, slots)  # slots not yet taken, per class
+    held: list[list[int]] = []
+    for _ in range(num_clients):
+        mine: list[int] = []
+        for _ in range(k):
+            top = np.flatnonzero(left == left.max())
+            if np.isin(top, mine).all():  # not reached while holder counts differ by <= 1
+                open_ = np.where(np.isin(np.arange(c), mine), -1, left)
+                top = np.flatnonzero(open_ == open_.max())
+            cls = int(top[rng.integers(top.size)])
+            while cls in mine:  # a client does not take a class twice: draw again
+                cls = int(top[rng.integers(top.size)])
+            mine.append(cls)
+            left[cls] -= 1
+        held.append(mine)
+    by_class = _by_class(labels, c)
+    pools = [rng.permutation(idx) for idx in by_class]
+    taken = np.zeros(c, dtype=np.int64)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for i, mine in enumerate(held):
+        for cls in mine:
+            count = int(by_class[cls].size * shares[cls].pop())
+            if count < 1:
+                raise PartitionError(
+                    f"pfedhn: class {cls} has {by_class[cls].size} samples, too few to give each "
+                    f"of its holders one ({num_clients} clients x classes_per_client = {k} over "
+                    f"{c} classes); use fewer clients or a smaller classes_per_client"
+                )
+            parts[i].append(pools[cls][taken[cls] : taken[cls] + count])
+            taken[cls] += count
+    out = _finish(parts)
+    smallest = min(p.size for p in out)
+    if smallest < min_size:
+        raise PartitionError(
+            f"pfedhn: a client gets {smallest} samples, fewer than min_size = {min_size}; use "
+            "fewer clients, a larger classes_per_client or a smaller min_size"
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- quantity skew
 
 

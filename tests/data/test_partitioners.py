@@ -27,8 +27,10 @@ def test_registry() -> None:
         "dirichlet",
         "iid",
         "pathological",
+        "pfedhn",
         "quantity_dirichlet",
         "quantity_power_law",
+        "shards",
         "skewed",
     ]
 
@@ -161,6 +163,6 @@ def test_bad_labels() -> None:
     with pytest.raises(PartitionError, match="num_classes = 5"):
         pathological(LABELS, 5, np.random.default_rng(0), num_classes=5)
     with pytest.raises(PartitionError, match="unknown"):
-        partition("shards", LABELS, 5, np.random.default_rng(0))
+        partition("mcmahan", LABELS, 5, np.random.default_rng(0))
     with pytest.raises(PartitionError, match="1-D integer"):
         skewed(LABELS.astype(float), 5, np.random.default_rng(0))
