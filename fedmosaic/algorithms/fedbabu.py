@@ -12,7 +12,7 @@ paper, or the head only) for ``finetune_epochs``; the round loop reports accurac
 Where we differ from the reference code (jhoon-oh/FedBABU, PFLlib's clientbabu):
 - the head is frozen with ``requires_grad=False`` (no gradient computed); the reference sets the
   head's learning rate to 0 (gradient computed, never applied): identical weights, less compute.
-- aggregation is weighted by training examples (the issue and PFLlib); the authors' script takes the
+- aggregation is weighted by training examples (as PFLlib); the authors' script takes the
   plain mean over the round's clients (equal shards in its experiments).
 - the body's BatchNorm statistics are averaged with its parameters (state-dict FedAvg, as the
   authors' code); ``bn = "local_stats"`` keeps them on each client (PFLlib/HtFLlib average

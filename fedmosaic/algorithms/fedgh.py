@@ -29,10 +29,13 @@ Where we differ from the reference code (HtFLlib ``servergh.py``/``clientgh.py``
   (10): ``server_batch_size = 10`` (then ``server_step`` is not used).
 - the upload is ``protos [k, d]`` + ``classes [k]`` (k = |C_k|, sorted int64 class ids) instead of
   a dict keyed by class; no class counts leave the client.
-- LARs are exact means over the whole training split; HtFLlib iterates its shuffled training
-  loader with ``drop_last=True`` and so leaves the ragged tail out.
+- LARs are exact means over the whole training split; HtFLlib iterates its training loader
+  (``shuffle=False, drop_last=True``), so the same ragged tail is left out every round.
 - the global header starts from client 0's initial head (as HtFLlib); clients' own initial heads
   are replaced by it when they first receive it.
+
+The authors' own code (github.com/LipingYi/FedGH) differs further from the paper and from us
+(optimizer, augmentation, LARs, header, data split): see ``docs/algorithms/fedgh.md``.
 """
 
 from __future__ import annotations

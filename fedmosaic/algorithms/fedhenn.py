@@ -31,6 +31,19 @@ normalizes the RAD with its running statistics and leaves them as training on lo
 leaves them (the RAD is another distribution); dropout is off. The paper's and the reference's CNNs
 have no BatchNorm and no dropout before the representation, so there this equals train mode.
 
+Where we differ from the paper:
+- round 1 has no alignment term; Algorithm 2 aligns round 1 to the kernels of the initial models
+  ``W_j(0)`` (the reference has none either: its ``eta`` is 0 in its first round).
+- ``K_bar`` averages the kernels received in the round; the paper's server recomputes all N
+  clients' kernels from their last known weights (w_j = 1/N), which a kernel upload cannot do (a
+  non-participant has no kernel on the new RAD).
+- the RAD is ``min(rad_size, data.public_size)`` inputs of the public split: when the split is no
+  larger than ``rad_size`` (``fedhenn_5cnn``'s quick, full and converged budgets: 200 public
+  inputs, ``rad_size`` 5000) every round's RAD is the whole split in a new order, so every round
+  aligns on the same inputs, where the paper samples a new RAD each round (Sec. 3.3).
+- the heterogeneous families give client i member ``i % len(family)`` (``models/families.py``);
+  the paper samples each client's CNN uniformly at random from the five.
+
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 - representations: the reference's models return ``(log_softmax, features)`` and its loss applies
   CE to the features and CKA to the log-probabilities; we follow the paper (CE on the head's
@@ -39,14 +52,14 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
   (the reference samples it from the pooled training set).
 - eta schedule: ``eta(t) = eta0 * f(t)`` with the paper's round index t = 1, 2, ...; the
   reference's loop starts at 0, so its ``sqrt`` schedule is ``eta0 * sqrt(t - 1)`` in our indexing.
-- ``K_bar`` averages the kernels received in the round (the reference: its participants); the
-  paper's server recomputes all N clients' kernels from their last known weights (w_j = 1/N), which
-  a kernel upload cannot do (a non-participant has no kernel on the new RAD).
 - ``eta0`` defaults to the paper's CIFAR value 0.001; the reference's heterogeneous script uses
-  0.01 (``fedhenn_5cnn`` does). Optimizer: the paper "SGD with momentum"; ``train.momentum``.
+  0.01 (``fedhenn_5cnn`` does). Optimizer: the paper says "SGD with momentum"; the reference uses
+  momentum 0.5 and weight decay 1e-4 on weights, not biases (``train.momentum``,
+  ``train.weight_decay``, which applies to every parameter).
 - ``rad_batch > 0`` (not in the paper) aligns on a random subset of the RAD per step (speed).
-- RBF kernel: bandwidth ``sigma`` times the median pairwise distance (Kornblith et al. 2019's
-  convention), treated as a constant in the backward pass.
+- RBF kernel: ``exp(-||a_p - a_q||^2 / (2 sigma^2 m))``, ``m`` the median of the L x L squared
+  distances, zero diagonal included (Kornblith et al. 2019's ``gram_rbf``; torch's lower median),
+  treated as a constant in the backward pass.
 """
 
 from __future__ import annotations
@@ -257,7 +270,7 @@ class FedHeNN(Algorithm[HeNNState, HeNNBroadcast, HeNNUpload]):
     # f(t) in eta(t) = eta0 * f(t): sqrt (reference) | constant | linear
     schedule: Schedule = "sqrt"
     kernel: Kernel = "linear"  # kernel on representations: linear | rbf
-    sigma: float = 1.0  # rbf bandwidth, in units of the median pairwise distance
+    sigma: float = 1.0  # rbf: exp(-d^2 / (2 sigma^2 m)), m the median squared distance
     rad_size: int = 1000  # L: RAD inputs per round (paper 5000), capped to data.public_size
     rad_batch: int = 0  # >0: align on this many random RAD rows per step (0: whole RAD, paper)
     weighting: Weighting = "uniform"  # w_j in K_bar: uniform 1/N (paper) | samples (n_j / sum n)

@@ -16,12 +16,18 @@ BatchNorm: the server averages the whole state dict, so running statistics are a
 weights (float buffers by the same sample weights, ``num_batches_tracked`` the maximum) and every
 client loads them each round; there is no ``bn`` option as in the SharedWeights family.
 
+Where we differ from the paper: the final model is the last round's average over that round's
+participants (Algorithm 1 ends with one average over all N clients' models); evaluation (``acc``)
+is the global model on each client's test split, the paper's Table 1 "FedHeNN global", so Table
+2's personalised "FedHeNN Homo" number (the clients' local models) has no counterpart here; the
+RAD is drawn as in ``fedhenn`` (the same inputs every round when ``data.public_size`` is no
+larger than ``rad_size``).
+
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
 ``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
 reference swaps them); RAD from the public split (the reference samples the training set);
 ``eta(t) = eta0 * f(t)`` with t = 1, 2, ... (the reference's loop starts at 0, so round 1 has no
-alignment there). Evaluation (``acc``) is the global model on each client's test split, as the
-paper's Table 1 "FedHeNN global".
+alignment there).
 """
 
 from __future__ import annotations

@@ -6,15 +6,20 @@ class and broadcasts ``protos [C, d]`` + ``known [C]``. Encoders and heads stay 
 client may have its own architecture (only ``feature_dim`` is common). Client loss:
 ``CE(h(f(x)), y) + lam * MSE(f(x), P[y])``; inference by the nearest global prototype.
 
+Why the defaults are the code's: FedProto's authors' code (as PFLlib's and HtFLlib's) takes the
+plain server mean, the MSE term and ``lam = 1``; it is the likely source of FedProto's published
+numbers, so those are the defaults. FedTGP's paper describes FedProto differently (a Euclidean
+term, ``lam = 0.1``): ``distance="euclidean", lam=0.1`` is that form.
+
 Paper vs reference code vs default, and other choices (the authors' code, PFLlib, HtFLlib):
 
 - Server mean. Paper: its aggregation equation weights client k's prototype of class c by
-  ``|D_k,c| / N_c`` (its example count of the class). Reference code (the authors', PFLlib, HtFLlib): the plain mean over the clients that have the
-  class. Default: ``weighting = "uniform"``, the plain mean, i.e. what produced the paper's
-  numbers; ``weighting = "count"`` is the count-weighted mean ``sum_k n_kc p_kc / sum_k n_kc``
-  (the paper's weights normalized to sum to 1). Both recompute the prototypes from this round's
-  uploads only (as paper and code do): with partial participation a class no sampled client holds
-  becomes unknown for that round.
+  ``|D_k,c| / N_c`` (its example count of the class). Reference code (the authors', PFLlib,
+  HtFLlib): the plain mean over the clients that have the class. Default: ``weighting =
+  "uniform"``, the code's plain mean; ``weighting = "count"`` is the count-weighted mean
+  ``sum_k n_kc p_kc / sum_k n_kc`` (the paper's weights normalized to sum to 1). Both recompute
+  the prototypes from this round's uploads only (as paper and code do): with partial
+  participation a class no sampled client holds becomes unknown for that round.
 - Inference. Paper: the nearest global prototype (over every known class) -- the default,
   ``inference = "all"``. The authors' code compares a client's features with the global
   prototypes of the classes that client holds only: ``inference = "own"`` (classes with training
@@ -26,8 +31,8 @@ Paper vs reference code vs default, and other choices (the authors' code, PFLlib
   global prototype included with target = their own detached feature (zero value, zero gradient),
   exactly as ``nn.MSELoss`` in the reference code, so ``lam`` means the same as in their scripts.
   (An early PFLlib version used a zero target for such rows, pulling them to the origin; not copied.)
-  The paper writes the regularizer on local prototypes; all reference code applies it per sample, as
-  the issue specifies, and so do we.
+  The paper writes the regularizer on local prototypes; all reference code applies it per sample,
+  and so do we.
 - Client term. ``distance = "mse"`` (default): ``MSELoss`` as above. ``distance = "euclidean"``:
   the per-sample Euclidean distance ``mean_i ||f(x_i) - P[y_i]||_2`` (rows without a prototype add
   0), FedProto's regularizer as FedTGP's paper writes it (its Eq. 4, "the same as FedProto" for

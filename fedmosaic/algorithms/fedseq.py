@@ -16,9 +16,12 @@ buffers by sample weight, ``num_batches_tracked`` the maximum); there is no ``bn
 
 Schedule (``unfreeze_rounds``, one entry per block in unfreezing order): the k-th block to unfreeze
 trains in round t (1-based) iff ``t > unfreeze_rounds[k]``, i.e. the entry is the number of rounds
-completed before the block first trains (Algorithm 1's "current round > t_k"). Default: evenly
-spaced ``floor(k R / B)``; the paper's (0, 100, 200) of R = 300 trains 1 block in rounds 1-100,
-2 in 101-200, 3 in 201-300. After round R (final evaluation, fine-tuning) every block is unfrozen.
+completed before the block first trains (Algorithm 1's "current round > t_k"). The paper's points
+are absolute rounds, 0, 100 and 200 whatever R (also in its 1000-round runs): at R = 100 they
+would train only the first block during the rounds. Our default, our choice, spaces them evenly,
+``floor(k R / B)`` (0, 33, 66 at R = 100): each phase keeps its share of the rounds, and so Table
+4's cost ratio, at any R, and it equals the paper's at R = 300. ``unfreeze_rounds = [0, 100,
+200]`` gives the paper's. After round R (final evaluation, fine-tuning) every block is unfrozen.
 The broadcast carries ``num_active`` (and ``order``) so clients know which blocks train and upload.
 
 Compute: uploads carry ``paper_cost``, this round's cost in the paper's Table 4 measure (trainable
@@ -33,6 +36,8 @@ code. Choices of ours:
 - frozen blocks' BatchNorm layers stay in eval mode (running statistics frozen too), so a frozen
   block equals its initialization exactly; the paper's shallow CNN has no BatchNorm.
 - the head is frozen with ``requires_grad=False``, as the paper (FedBABU's code uses lr 0).
+- the paper gives batch 10 and lr 0.005 only: ``finetune_epochs = 5`` (it leaves the fine-tuning
+  rounds unspecified) is ours, as are the suites' 1 local epoch and momentum 0.
 """
 
 from __future__ import annotations
@@ -205,7 +210,7 @@ class SequentialLayerExpansion(Algorithm[ExpansionState, ExpansionBroadcast, Exp
     order: ClassVar[str] = "vanilla"  # vanilla: input side first | anti: head side first
 
     # Per block, in unfreezing order: rounds completed before it trains; () = floor(k R / B).
-    unfreeze_rounds: tuple[int, ...] = ()  # e.g. (0, 100, 200) of R = 300 (the paper)
+    unfreeze_rounds: tuple[int, ...] = ()  # e.g. (0, 100, 200): the paper's, absolute rounds
     finetune_epochs: int = 5  # fine-tuning epochs after the last round; [train] can override
     # what fine-tuning trains: all (body + head, the paper) | head
     finetune_part: FinetunePart = "all"

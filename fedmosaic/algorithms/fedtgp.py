@@ -10,17 +10,28 @@ the server trains global prototypes ``P_hat = F(Embedding(c))`` with the ACL los
 broadcasts them. Client models (encoder and head, any architecture) stay local; the client loss is
 ``CE + lam * phi(f(x), P_hat[y])`` (Eq. 11) and inference is the nearest global prototype.
 
+Where we differ from the paper:
+- client term: Eq. 11 is one distance per class, ``lam * E_{c in C_i} phi(P_i^c, P_hat^c)``
+  between the client's class prototype and the global one; we use ``mean_i ||f(x_i) -
+  P_hat[y_i]||`` over the batch, as FedProto's code applies its term per sample.
+- classes no client has uploaded yet are zero rows in the broadcast and are never predicted; the
+  paper compares features with all C global prototypes (the reference broadcasts the trained
+  ``F(Embedding(c))`` of every class).
+
 Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``clienttgp.py`` /
 ``servertgp.py``), with its behaviour as options:
 - uploaded prototypes: the reference's ``collect_protos()`` reloads the model from disk *before*
   ``train()`` saves the updated one, so it uploads the prototypes of the model before this round's
   training; we upload the trained model's prototypes (the paper's Algorithm 1, lines 7-9).
   ``stale_prototypes=True`` reproduces the reference.
-- client distance: the paper's phi is the Euclidean distance (``lam=0.1``), applied per sample to
-  ``f(x)`` and ``P_hat[y]`` and averaged over the batch, as FedProto-style code does (Eq. 11 writes
-  it on the client's class prototypes); the reference uses ``MSELoss`` over the batch with ``lam=10`` (its run script).
-  ``distance="mse"`` gives the reference's form; ``lam`` stays a separate field, so reproducing the
-  reference means ``distance="mse", lam=10``.
+- client distance: ours is the paper's Euclidean phi (``lam=0.1``) per sample (above); the
+  reference uses ``MSELoss`` over the batch with ``lam=10`` (its run script). ``distance="mse"``
+  gives the reference's form; ``lam`` stays a separate field, so reproducing the reference means
+  ``distance="mse", lam=10``.
+- prototypes: the reference collects them through its training loader (``shuffle=False,
+  drop_last=True``), so the last partial batch is left out; ours are means over every training
+  row. It also trains in that fixed order; ``train.shuffle = false`` gives it (the
+  ``fedtgp_table10`` suite keeps ``shuffle = true``, ``drop_last = true``).
 - server distance: the reference computes ``sqrt(|a|^2 - 2ab + |b|^2)``, NaN when rounding makes it
   negative and an infinite gradient at 0; we clamp the squared distance before the square root.
 - adaptive margin (Eq. 9): ``delta(t) = min(max_c min_{c' != c} ||Q_c - Q_c'||, tau)``, the
@@ -250,7 +261,7 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     distance: Distance = "euclidean"  # client phi: euclidean (paper) | mse (reference code)
     tau: float = 100.0  # threshold capping the adaptive margin delta(t)
     margin: Margin = "adaptive"  # adaptive (Eq. 9) | fixed (fixed_margin) | none (Eq. 6, delta 0)
-    fixed_margin: float = 1.0  # delta when margin = "fixed"
+    fixed_margin: float = 1.0  # delta when margin = "fixed" (ours: the paper gives none for FM)
     mlp: bool = True  # further-processing MLP F after the embedding (False: Table 6 ablation)
     server_epochs: int = 100  # S: server epochs over the uploaded prototypes per round
     server_batch_size: int = 10  # server minibatch (the reference uses the client batch size, 10)
