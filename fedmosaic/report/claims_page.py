@@ -5,6 +5,7 @@ them)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fedmosaic.report import stats
@@ -418,12 +419,15 @@ def markdown(result: dict[str, Any]) -> str:
     """The verdict table, then per plan its rules and its claims' tables, every look, the
     page-wide error control and the exploratory groups."""
     lines = [summary_markdown(result["claims"])]
-    seen: set[str] = set()
+    seen: set[Path] = set()
     for res in result["claims"]:
         plan: Plan = res["plan"]
-        if plan.suite not in seen:
-            seen.add(plan.suite)
-            lines += [f"### {plan.suite}", ""] + plan_markdown(plan)
+        if plan.path not in seen:  # a suite may have several plans (e.g. one per split)
+            seen.add(plan.path)
+            title = (
+                plan.suite if plan.path.stem == plan.suite else f"{plan.suite} ({plan.path.stem})"
+            )
+            lines += [f"### {title}", ""] + plan_markdown(plan)
         lines += claim_markdown(res)
     lines += looks_markdown(result["claims"])
     lines += page_markdown_table(result["page"])

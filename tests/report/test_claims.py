@@ -154,7 +154,7 @@ def test_power_targets_the_papers_gap_the_plans_smallest_gap_or_the_margin() -> 
     )
     ni = Comparison("x", "s", "m", "b", relation="at_or_above", paper=(90.5, 90.0))
     assert claims.target_gap(ni, None)[0] == pytest.approx(1.5)  # margin 1 + the paper's +0.5
-    (henn,) = [p for p in load_plans() if p.suite == "fedhenn_5cnn"]
+    henn = next(p for p in load_plans() if p.path.stem == "fedhenn_5cnn")
     assert claims.target_gap(Comparison("x", "s", "m", "b"), henn) == (
         0.5,
         "smallest gap that matters",
@@ -865,3 +865,14 @@ def test_a_malformed_rerun_is_named_not_a_traceback(tmp_path: Path, bad: dict) -
     plans = [p for p in load_plans() if p.suite == "fedtgp_table10"]
     with pytest.raises(ValueError, match="not a re-run's results.json"):
         claims.reruns(tmp_path, plans)
+
+
+def test_every_plan_of_a_suite_shows_its_own_rules(tmp_path: Path) -> None:
+    """A suite judged by two plans (its first split and the paper's): each plan's rules head its
+    own claims, not only the first plan's."""
+    page = claims.markdown(claims.evaluate(tmp_path))
+    first = page.index("### fedgh_table3\n")
+    second = page.index("### fedgh_table3 (fedgh_table3_pfedhn)\n")
+    assert "(`fedgh_table3.toml`" in page[first:second]
+    assert "(`fedgh_table3_pfedhn.toml`" in page[second:] and "portable numerics" in page[second:]
+    assert page.index("on the paper's split (pFedHN's") > second
