@@ -875,4 +875,4 @@ def test_every_plan_of_a_suite_shows_its_own_rules(tmp_path: Path) -> None:
     second = page.index("### fedgh_table3 (fedgh_table3_pfedhn)\n")
     assert "(`fedgh_table3.toml`" in page[first:second]
     assert "(`fedgh_table3_pfedhn.toml`" in page[second:] and "portable numerics" in page[second:]
-    assert page.index("on the paper's split (pFedHN's") > second
+    assert page.index("#### FedGH above LG-FedAvg and FedProto on the paper's split") > second
