@@ -41,6 +41,26 @@ def check_state_like(state: dict[str, Tensor], template: dict[str, Tensor], what
 PROTO_BATCH = 100
 
 
+class StoredState(nn.Module):
+    """A state dict kept as buffers, e.g. a client's head or whole model as its last local training
+    left it (evaluated beside the received global one). Buffers: never trained, checkpointed with
+    the client's extras."""
+
+    def __init__(self, state: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.names = list(state)
+        for k, v in state.items():
+            self.register_buffer(k.replace(".", "__"), v.detach().clone())
+
+    def state(self) -> dict[str, Tensor]:
+        return {k: getattr(self, k.replace(".", "__")) for k in self.names}
+
+    @torch.no_grad()
+    def store(self, state: dict[str, Tensor]) -> None:
+        for k, v in state.items():
+            getattr(self, k.replace(".", "__")).copy_(v)
+
+
 class FeatureModel(Protocol):
     """What ``class_means`` reads of a model: a ClientModel, or a view of one whose "features"
     are something else (FedDistill's logits)."""

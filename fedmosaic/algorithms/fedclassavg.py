@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms._augment import augment
-from fedmosaic.algorithms._shared import SharedState, SharedWeights
+from fedmosaic.algorithms._shared import SharedState, SharedWeights, StoredState
 from fedmosaic.algorithms.lg_fedavg import check_same_heads
 from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.client import ClientData
@@ -111,24 +111,6 @@ def prox_term(head: nn.Module, global_state: dict[str, Tensor], form: str = "l2"
     raise ValueError(f"prox = {form!r}; choose one of {get_args(ProxForm)}")
 
 
-class LocalHead(nn.Module):
-    """The head as it was after the client's last local training (buffers: never trained)."""
-
-    def __init__(self, state: dict[str, Tensor]) -> None:
-        super().__init__()
-        self.names = list(state)
-        for k, v in state.items():
-            self.register_buffer(k.replace(".", "__"), v.detach().clone())
-
-    def state(self) -> dict[str, Tensor]:
-        return {k: getattr(self, k.replace(".", "__")) for k in self.names}
-
-    @torch.no_grad()
-    def store(self, state: dict[str, Tensor]) -> None:
-        for k, v in state.items():
-            getattr(self, k.replace(".", "__")).copy_(v)
-
-
 @ALGORITHMS.register("fedclassavg")
 @dataclass(frozen=True)
 class FedClassAvg(SharedWeights):
@@ -160,7 +142,7 @@ class FedClassAvg(SharedWeights):
 
     # ---- client half (server half: SharedWeights' sample-weighted head average) ------------
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
-        return LocalHead(model.part_state("head"))
+        return StoredState(model.part_state("head"))  # the client's own head
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
@@ -183,7 +165,7 @@ class FedClassAvg(SharedWeights):
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> SharedState:
         head = model.part_state("head")
-        if isinstance(extras, LocalHead):
+        if isinstance(extras, StoredState):
             extras.store(head)  # the personalized classifier: the headline ``acc``
         return SharedState(head)
 
@@ -192,7 +174,7 @@ class FedClassAvg(SharedWeights):
     ) -> dict[str, Tensor]:
         f = model.features(x)  # [B, d]
         glob = model.head(f)  # the global head, received before evaluation
-        if not isinstance(extras, LocalHead):
+        if not isinstance(extras, StoredState):
             return {"acc": glob}
         # Algorithm 1's output w_k = w_F_k + w_C_k: the client's classifier after its local update
         return {"acc": functional_call(model.head, extras.state(), (f,)), "acc_global": glob}

@@ -16,12 +16,14 @@ BatchNorm: the server averages the whole state dict, so running statistics are a
 weights (float buffers by the same sample weights, ``num_batches_tracked`` the maximum) and every
 client loads them each round; there is no ``bn`` option as in the SharedWeights family.
 
+Evaluated: ``acc`` is the global model on each client's test split (Table 1, "FedHeNN global");
+``acc_local`` each client's own model as its last local training left it (Table 2's personalised
+"FedHeNN Homo"; a client that never trained: its initial model).
+
 Where we differ from the paper: the final model is the last round's average over that round's
-participants (Algorithm 1 ends with one average over all N clients' models); evaluation (``acc``)
-is the global model on each client's test split, the paper's Table 1 "FedHeNN global", so Table
-2's personalised "FedHeNN Homo" number (the clients' local models) has no counterpart here; the
-RAD is drawn as in ``fedhenn`` (the same inputs every round when ``data.public_size`` is no
-larger than ``rad_size``).
+participants (Algorithm 1 ends with one average over all N clients' models); the RAD is drawn as
+in ``fedhenn`` (the same inputs every round when ``data.public_size`` is no larger than
+``rad_size``).
 
 Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
 ``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
@@ -39,8 +41,9 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
-from fedmosaic.algorithms._shared import SharedState, weighted_average
+from fedmosaic.algorithms._shared import SharedState, StoredState, weighted_average
 from fedmosaic.algorithms.fedhenn import (
     Kernel,
     Schedule,
@@ -149,6 +152,8 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
         extras = nn.Module()
         # K_global(t-1) of the current round: recomputed every round, never trained or saved.
         extras.register_buffer("k_global", torch.zeros(0, 0), persistent=False)
+        # the client's own model as its last local training left it (Table 2's local model)
+        extras.local = StoredState(model.part_state("all"))
         return extras
 
     def receive(self, model: ClientModel, extras: nn.Module, msg: HomoBroadcast) -> None:
@@ -175,4 +180,17 @@ class FedHeNNHomo(Algorithm[HomoState, HomoBroadcast, SharedState]):
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: HomoBroadcast
     ) -> SharedState:
-        return SharedState(model.part_state("all"))
+        state = model.part_state("all")
+        local = getattr(extras, "local", None)
+        if isinstance(local, StoredState):
+            local.store(state)
+        return SharedState(state)
+
+    def predict(
+        self, model: ClientModel, extras: nn.Module, x: Tensor, msg: HomoBroadcast
+    ) -> dict[str, Tensor]:
+        out = {"acc": model(x)}  # the global model, received before evaluation (Table 1)
+        local = getattr(extras, "local", None)
+        if isinstance(local, StoredState):  # each client's own model (Table 2, "FedHeNN Homo")
+            out["acc_local"] = functional_call(model, local.state(), (x,))
+        return out

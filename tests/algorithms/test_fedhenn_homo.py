@@ -142,3 +142,30 @@ def test_two_rounds_with_config_and_wire_check():
     doc = run_experiment(from_dict(raw), progress=False)
     assert [r["round"] for r in doc["rounds"]] == [1, 2]
     assert all(r["rejected"] == [] for r in doc["rounds"])
+
+
+def test_acc_is_the_global_model_and_acc_local_the_clients_own():
+    """Table 1 scores the received global model (``acc``), Table 2 each client's own model as its
+    local training left it (``acc_local``, stored at upload)."""
+    public = torch.randn(20, *CLASS_MEANS.shape)
+    algo = FedHeNNHomo(eta0=0.5, rad_size=10)
+    spec = _spec(public)
+    torch.manual_seed(3)
+    model, data = toy_model(), means_client()
+    extras = algo.init_client(model, spec, data)
+    x = torch.randn(6, *CLASS_MEANS.shape)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # "after local training"
+        own = model(x)
+    msg = algo.broadcast(algo.init_server(spec), 0, 1)
+    algo.upload(model, extras, data, msg)
+    algo.receive(model, extras, msg)  # the next round's global model
+    model.eval()
+    with torch.no_grad():
+        out = algo.predict(model, extras, x, msg)
+        glob = model(x)
+    assert torch.equal(out["acc"], glob) and torch.equal(out["acc_local"], own)
+    assert not torch.equal(out["acc"], out["acc_local"])
+    # the stored model travels with the extras (checkpoints, offloaded clients)
+    assert any(k.startswith("local.") for k in extras.state_dict())
