@@ -470,3 +470,27 @@ def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary
     assert report.seeds_table([*seeds, again]) == report.seeds_table(seeds)
     pts = report.gap_points([doc, again])
     assert pts["gaps"] == {("HtFLlib local", "dir01"): [pytest.approx(0.0)]}
+
+
+def test_report_spread_table_sets_each_repeat_beside_the_run_it_repeats() -> None:
+    spec = importlib.util.spec_from_file_location("parity_report4", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base, again, same = _fake_run(0.0), _fake_run(0.0), _fake_run(0.0)
+    again["ref_repeat"] = 1
+    for r in again["reference"]["rounds"][3:]:  # parts after round 2, by 0.5 to 2 points
+        r["acc_weighted"] += 0.005 * (r["round"] - 3) + 0.005
+    same["ref_repeat"] = 1
+    table = report.spread_table({"local_dir01_s0": base, "local_dir01_s0_u1": again})
+    (row,) = table.splitlines()[2:]
+    # last 5 rounds 2..6: 0.52..0.56 -> mean 54.00; again + (0 + .5 + 1 + 1.5 + 2) / 5 points
+    assert row == "| HtFLlib local | dir01 | 0 | 2 | 2.00 | 54.00 / 55.00 |"
+    table = report.spread_table({"local_dir01_s0": base, "local_dir01_s0_u1": same})
+    assert "| 6 (every round) | 0.00 |" in table
+    # a repeat without the run it repeats is left out, and no repeat at all says so
+    assert report.spread_table({"local_dir01_s0_u1": again}) == "(no repeated reference runs)"
+    page = "<!-- parity:spread -->\nold\n<!-- /parity -->\n"
+    assert "54.00 / 55.00" in report.fill(
+        page, {"local_dir01_s0": base, "local_dir01_s0_u1": again}
+    )

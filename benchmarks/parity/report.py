@@ -303,6 +303,36 @@ def figure(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def spread_table(runs: dict[str, dict[str, Any]]) -> str:
+    """Every ``--ref-repeat`` run beside the run it repeats: the reference twice on identical
+    inputs (the same split, model, seeds and arguments), round by round (weighted accuracy)."""
+    head = (
+        "| method | setting | seed | equal through round | largest difference in a round "
+        "(points) | mean of the last 5 rounds, first run / again |\n|---|---|---|---|---|---|"
+    )
+    rows = []
+    for stem, doc in sorted(runs.items()):
+        k = doc.get("ref_repeat") or 0
+        base = runs.get(stem.removesuffix(f"_u{k}")) if k else None
+        if base is None or own_run(base):
+            continue
+        ra = by_round(base["reference"]["rounds"], "acc_weighted")
+        rb = by_round(doc["reference"]["rounds"], "acc_weighted")
+        common = sorted(set(ra) & set(rb))
+        if not common:
+            continue
+        differ = [r for r in common if ra[r] != rb[r]]
+        through = f"{differ[0] - 1}" if differ else f"{common[-1]} (every round)"
+        largest = 100 * max(abs(ra[r] - rb[r]) for r in common)
+        last = common[-1]
+        rows.append(
+            f"| {doc['reference'].get('library', '?')} {doc['method']} | {doc['setting']} | "
+            f"{doc['setup'].get('seed', '?')} | {through} | {largest:.2f} | "
+            f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
+        )
+    return "\n".join([head, *rows]) if rows else "(no repeated reference runs)"
+
+
 def complete(doc: dict[str, Any]) -> bool:
     """Both sides finished (a run writes its result after each side)."""
     return "rounds" in doc.get("reference", {}) and "fedmosaic" in doc
@@ -315,7 +345,7 @@ def run_block(doc: dict[str, Any]) -> str:
     return f"{table(doc, 'weighted')}\n\n{table(doc, 'client mean')}\n\n{walls}."
 
 
-_MARK = re.compile(r"<!-- parity:(summary|seeds|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
+_MARK = re.compile(r"<!-- parity:(summary|seeds|spread|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
 
 
 def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
@@ -327,6 +357,8 @@ def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
             text = summary(list(runs.values()))
         elif m.group(1) == "seeds":
             text = seeds_table(list(runs.values()))
+        elif m.group(1) == "spread":
+            text = spread_table(runs)
         elif m.group(2) in runs:
             text = run_block(runs[m.group(2)])
         else:
