@@ -485,9 +485,15 @@ def test_report_spread_table_sets_each_repeat_beside_the_run_it_repeats() -> Non
     table = report.spread_table({"local_dir01_s0": base, "local_dir01_s0_u1": again})
     (row,) = table.splitlines()[2:]
     # last 5 rounds 2..6: 0.52..0.56 -> mean 54.00; again + (0 + .5 + 1 + 1.5 + 2) / 5 points
-    assert row == "| HtFLlib local | dir01 | 0 | 2 | 2.00 | 54.00 / 55.00 |"
+    assert row == "| HtFLlib local | dir01 | 0 | 1 / 2 | 2 | 2.00 | 54.00 / 55.00 |"
     table = report.spread_table({"local_dir01_s0": base, "local_dir01_s0_u1": same})
-    assert "| 6 (every round) | 0.00 |" in table
+    assert "| 1 / 2 | 6 (every round) | 0.00 |" in table
+    third = dict(same, ref_repeat=2)  # a third run: every two of the three side by side
+    table = report.spread_table(
+        {"local_dir01_s0": base, "local_dir01_s0_u1": again, "local_dir01_s0_u2": third}
+    )
+    assert [r.split(" | ")[3] for r in table.splitlines()[2:]] == ["1 / 2", "1 / 3", "2 / 3"]
+    assert "| 1 / 3 | 6 (every round) |" in table and "| 2 / 3 | 2 | 2.00 |" in table
     # a repeat without the run it repeats is left out, and no repeat at all says so
     assert report.spread_table({"local_dir01_s0_u1": again}) == "(no repeated reference runs)"
     page = "<!-- parity:spread -->\nold\n<!-- /parity -->\n"

@@ -304,32 +304,43 @@ def figure(doc: dict[str, Any], path: Path) -> None:
 
 
 def spread_table(runs: dict[str, dict[str, Any]]) -> str:
-    """Every ``--ref-repeat`` run beside the run it repeats: the reference twice on identical
-    inputs (the same split, model, seeds and arguments), round by round (weighted accuracy)."""
+    """The reference run more than once on identical inputs (the same split, model, seeds and
+    arguments: ``--ref-repeat K`` is run K + 1), every two of its runs side by side, round by
+    round (weighted accuracy)."""
     head = (
-        "| method | setting | seed | equal through round | largest difference in a round "
-        "(points) | mean of the last 5 rounds, first run / again |\n|---|---|---|---|---|---|"
+        "| method | setting | seed | runs | equal through round | largest difference in a round "
+        "(points) | mean of the last 5 rounds |\n|---|---|---|---|---|---|---|"
     )
-    rows = []
-    for stem, doc in sorted(runs.items()):
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    for stem, doc in runs.items():
         k = doc.get("ref_repeat") or 0
-        base = runs.get(stem.removesuffix(f"_u{k}")) if k else None
+        if k:
+            groups.setdefault(stem.removesuffix(f"_u{k}"), {})[k + 1] = doc
+    rows = []
+    for base_stem, again in sorted(groups.items()):
+        base = runs.get(base_stem)
         if base is None or own_run(base):
             continue
-        ra = by_round(base["reference"]["rounds"], "acc_weighted")
-        rb = by_round(doc["reference"]["rounds"], "acc_weighted")
-        common = sorted(set(ra) & set(rb))
-        if not common:
-            continue
-        differ = [r for r in common if ra[r] != rb[r]]
-        through = f"{differ[0] - 1}" if differ else f"{common[-1]} (every round)"
-        largest = 100 * max(abs(ra[r] - rb[r]) for r in common)
-        last = common[-1]
-        rows.append(
-            f"| {doc['reference'].get('library', '?')} {doc['method']} | {doc['setting']} | "
-            f"{doc['setup'].get('seed', '?')} | {through} | {largest:.2f} | "
-            f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
-        )
+        every = {1: base, **again}
+        for a in sorted(every):
+            for b in sorted(every):
+                if b <= a:
+                    continue
+                ra = by_round(every[a]["reference"]["rounds"], "acc_weighted")
+                rb = by_round(every[b]["reference"]["rounds"], "acc_weighted")
+                common = sorted(set(ra) & set(rb))
+                if not common:
+                    continue
+                differ = [r for r in common if ra[r] != rb[r]]
+                through = f"{differ[0] - 1}" if differ else f"{common[-1]} (every round)"
+                largest = 100 * max(abs(ra[r] - rb[r]) for r in common)
+                last = common[-1]
+                rows.append(
+                    f"| {base['reference'].get('library', '?')} {base['method']} | "
+                    f"{base['setting']} | {base['setup'].get('seed', '?')} | {a} / {b} | "
+                    f"{through} | {largest:.2f} | "
+                    f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
+                )
     return "\n".join([head, *rows]) if rows else "(no repeated reference runs)"
 
 
