@@ -635,6 +635,13 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--ref-repeat {a.ref_repeat}: >= 0")
 
 
+def _cpu() -> str:
+    """This host's processor model (recorded per side: two hosts' runs differ in rounding)."""
+    from fedmosaic.provenance import host
+
+    return str(host()["cpu"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("method", help="a key of the library's table (HTFLLIB, PFLLIB)")
@@ -784,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
             # as run, without this machine's paths: the venv's python and the shim in this repo
             command=["<ref-python>", "benchmarks/parity/launch_shim.py", *cmd[2:]],
             seconds=round(secs, 1),
+            cpu=_cpu(),  # the processor it ran on: runs on two hosts differ in rounding
             rounds=parse_reference_log(log.read_text(), config["test_sizes"]),
         )
     path = a.out / f"{stem}.json"
@@ -802,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     _write_json(path, doc)  # after each side: a later failure keeps what finished
     if "fedmosaic" not in a.skip:
         rounds, secs = run_fedmosaic(setup, method)
-        doc["fedmosaic"] = {"seconds": round(secs, 1), "rounds": rounds}
+        doc["fedmosaic"] = {"seconds": round(secs, 1), "cpu": _cpu(), "rounds": rounds}
         _write_json(path, doc)
     unknown = set(a.variant) - set(method.variants)
     if unknown:
