@@ -44,6 +44,11 @@ vs the round's clients of one layout as one ``torch.func`` computation, and the 
 ``cuda`` "ours" and the reference loop also run on the GPU (serial backend, batched clients on),
 and the FedTGP line projects Table 10 (16 cells x 1,000 rounds) at the measured round time.
 
+``--isa avx2`` runs everything as on a CPU without AVX-512: the benchmark starts again with ATen's
+capability, oneDNN's ISA and MKL's instructions pinned at AVX2 (the native kernel follows ATen's);
+the first line after the header names the instruction sets that ran (the CPU's, ATen's, the native
+kernel's).
+
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
 
@@ -131,6 +136,35 @@ def raw_config(
 # GEMM shapes (rows, in, out) the peak is the best of: large squares (the libraries' best case)
 # and the workloads' own Linear shapes at an evaluation batch (100) and a training batch (10, the
 # native kernel's case), so no shape a workload runs is missing from the peak.
+# --isa avx2 on an AVX-512 host: ATen's kernels (and the native kernels, which follow ATen),
+# oneDNN's JIT code and MKL's GEMM at AVX2, as on a machine without AVX-512 (set before torch loads)
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def isa_env(isa: str, environ: dict[str, str]) -> dict[str, str] | None:
+    """The environment to run this benchmark again in for ``--isa avx2`` (None: ``native``, or
+    the AVX2 pins are already in place)."""
+    if isa != "avx2" or all(environ.get(k) == v for k, v in AVX2_ENV.items()):
+        return None
+    return {**environ, **AVX2_ENV}
+
+
+def isa_line(forced: bool) -> str:
+    """Which instruction sets this process runs: the CPU's, ATen's, the native kernel's."""
+    from fedmosaic import numerics
+
+    kernel = kernels.isa() if kernels.load() is not None else "no kernel"
+    how = "forced to AVX2 (--isa avx2)" if forced else "as the host has them"
+    return (
+        f"# instruction sets: CPU {numerics.host_level()}, ATen "
+        f"{torch.backends.cpu.get_cpu_capability()}, native kernel {kernel}; {how}"
+    )
+
+
 PEAK_SHAPES = ((1024, 1024, 1024), (512, 1024, 512), (100, 4608, 1024), (10, 4608, 1024))
 
 
@@ -606,6 +640,13 @@ def main() -> None:
     )
     p.add_argument("--layers", action="store_true", help="also the per-layer Linear table")
     p.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: run as on a CPU without AVX-512 (ATen, oneDNN, MKL and the native kernel "
+        "pinned at AVX2); native: what the host has",
+    )
+    p.add_argument(
         "--batched-only",
         action="store_true",
         help="with --device: only the batched vs one-at-a-time comparison",
@@ -618,6 +659,9 @@ def main() -> None:
         "the GPU",
     )
     args = p.parse_args()
+    env = isa_env(args.isa, dict(os.environ))
+    if env is not None:  # ATen reads its capability when torch loads: start again with the pins
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available")
     subsample = args.subsample if args.subsample is not None else (0.05 if args.quick else 1.0)
@@ -631,6 +675,7 @@ def main() -> None:
         f"# torch {torch.__version__}, {cores} cores, default threads {threads}, "
         f"subsample {subsample}, rounds {args.rounds} (last timed), load {os.getloadavg()[0]:.1f}"
     )
+    print(isa_line(args.isa == "avx2"))
     machine = Peak(cores or 1)
     machine.measure()
     peak, mkl_peak = machine.value, machine.mkl

@@ -143,6 +143,7 @@ KINDS: dict[str, str] = {
     "test_runfolder.py": "integration",
     "test_runfolder_replace.py": "integration",
     "test_transports.py": "integration",
+    "test_speed_benchmark.py": "unit",  # the subprocess case: integration
     "test_test_workers.py": "unit",
     "test_types.py": "integration",  # mypy over pyproject's [tool.mypy] files; slow
     "test_upfront_checks.py": "integration",

@@ -1,0 +1,50 @@
+"""benchmarks/speed.py's instruction-set switch: --isa avx2 runs as on a CPU without AVX-512."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SPEED = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
+
+
+def _speed() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("speed_bench", SPEED)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.unit
+def test_avx2_pins_every_library_and_native_asks_for_nothing() -> None:
+    speed = _speed()
+    env = speed.isa_env("avx2", {"PATH": "/bin"})
+    assert env == {
+        "PATH": "/bin",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    }
+    assert speed.isa_env("avx2", env) is None  # pinned already: no second start
+    assert speed.isa_env("native", {"PATH": "/bin"}) is None
+
+
+@pytest.mark.integration
+def test_the_benchmark_says_which_instruction_sets_ran() -> None:
+    out = subprocess.run(
+        [sys.executable, str(SPEED), "--isa", "avx2", "--workloads", ""],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("# instruction sets:"))
+    assert "ATen AVX2" in line and "forced to AVX2 (--isa avx2)" in line
+    assert "native kernel avx512" not in line
