@@ -359,7 +359,9 @@ def run_block(doc: dict[str, Any]) -> str:
 _MARK = re.compile(r"<!-- parity:(summary|seeds|spread|run (\S+)) -->\n.*?<!-- /parity -->", re.S)
 
 
-def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
+def fill(
+    page: str, runs: dict[str, dict[str, Any]], refs: dict[str, dict[str, Any]] | None = None
+) -> str:
     """``page`` with every ``<!-- parity:summary -->`` / ``<!-- parity:run STEM -->`` block
     (closed by ``<!-- /parity -->``) replaced by the current table; a missing run fails."""
 
@@ -368,8 +370,8 @@ def fill(page: str, runs: dict[str, dict[str, Any]]) -> str:
             text = summary(list(runs.values()))
         elif m.group(1) == "seeds":
             text = seeds_table(list(runs.values()))
-        elif m.group(1) == "spread":
-            text = spread_table(runs)
+        elif m.group(1) == "spread":  # the reference's side is enough there
+            text = spread_table(runs if refs is None else refs)
         elif m.group(2) in runs:
             text = run_block(runs[m.group(2)])
         else:
@@ -387,8 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     loaded = [(path, json.loads(path.read_text())) for path in sorted(a.results.glob("*.json"))]
     runs = {path.stem: doc for path, doc in loaded if complete(doc)}
+    refs = {path.stem: doc for path, doc in loaded if "rounds" in doc.get("reference", {})}
     if a.doc:
-        a.doc.write_text(fill(a.doc.read_text(), runs))
+        a.doc.write_text(fill(a.doc.read_text(), runs, refs))
     else:
         print(f"## Summary\n\n{summary(list(runs.values()))}\n")
         print(f"## Over seeds\n\n{seeds_table(list(runs.values()))}\n")
