@@ -21,7 +21,8 @@ are absolute rounds, 0, 100 and 200 whatever R (also in its 1000-round runs): at
 would train only the first block during the rounds. Our default, our choice, spaces them evenly,
 ``floor(k R / B)`` (0, 33, 66 at R = 100): each phase keeps its share of the rounds, and so Table
 4's cost ratio, at any R, and it equals the paper's at R = 300. ``unfreeze_rounds = [0, 100,
-200]`` gives the paper's. After round R (final evaluation, fine-tuning) every block is unfrozen.
+200]`` gives the paper's. After the rounds (final evaluation, fine-tuning, newcomers) every block is
+unfrozen, also when a plateau stopped the run before round R.
 The broadcast carries ``num_active`` (and ``order``) so clients know which blocks train and upload.
 
 Compute: uploads carry ``paper_cost``, this round's cost in the paper's Table 4 measure (trainable

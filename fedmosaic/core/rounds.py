@@ -871,6 +871,13 @@ def save_unless_due(
         checkpoint.save(round_num, state, history, last_eval)
 
 
+def after_rounds(plan: RoundPlan, round_num: int) -> int:
+    """The round number the broadcast after the rounds carries: past the plan's last round even
+    when a plateau stopped the run early, so a schedule over the rounds (layer expansion's
+    unfreezing) reads it as finished."""
+    return max(round_num, plan.rounds + 1)
+
+
 def finetune(
     algo: Algorithm,
     state: Any,
@@ -884,7 +891,7 @@ def finetune(
     phases = algo.finetune_phases(None if plan.finetune_epochs < 0 else plan.finetune_epochs)
     if plan.finetune_epochs == 0 or not phases:
         return
-    msgs = broadcast(algo, state, plan.pool, round_num)
+    msgs = broadcast(algo, state, plan.pool, after_rounds(plan, round_num))
     transport.finetune(msgs, phases)
     history.finetune_eval = transport.evaluate(round_num, msgs, receive=False)
 
@@ -903,7 +910,7 @@ def serve_newcomers(
     # Newcomers: their initial models receive the final broadcast (evaluated as they
     # arrive), then run one round of the method's own client procedure (receive, its
     # phases and loss; the upload is discarded) and are evaluated again.
-    msgs = broadcast(algo, state, plan.holdout, round_num)
+    msgs = broadcast(algo, state, plan.holdout, after_rounds(plan, round_num))
     history.holdout_before = transport.evaluate(round_num, msgs)
     transport.fit(round_num, msgs)
     history.holdout_after = transport.evaluate(round_num, msgs, receive=False)

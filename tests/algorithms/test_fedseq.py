@@ -415,3 +415,32 @@ def test_three_rounds_on_the_zoo_with_wire_check(name):
     cost = [r["paper_cost"] for r in rounds]
     assert doc["summary"]["paper_cost_total"] == sum(cost)
     assert [r["paper_cost"] for r in babu["rounds"]][0] == cost[2]
+
+
+@pytest.mark.unit
+def test_fine_tuning_after_an_early_stop_unfreezes_every_block():
+    """A plateau stop at round 2 of 6: the broadcast after the rounds is past the last round, so
+    the clients fine-tune (and newcomers train) with every block unfrozen, as after round 6."""
+    from fedmosaic.core import rounds as rounds_mod
+
+    algo = FedSeqVanilla(finetune_epochs=1)
+    state = algo.init_server(block_spec(rounds=6))
+    plan = RoundPlan(2, 6, 2, holdout=(1,))
+    seen: list[dict[int, ExpansionBroadcast]] = []
+
+    class Capture:
+        def finetune(self, msgs, phases):
+            seen.append(msgs)
+
+        def evaluate(self, round_num, msgs, receive=True):
+            seen.append(msgs)
+            return []
+
+        def fit(self, round_num, msgs):
+            return []
+
+    history = rounds_mod.History()
+    rounds_mod.finetune(algo, state, Capture(), plan, history, 3)  # stopped after round 2
+    rounds_mod.serve_newcomers(algo, state, Capture(), plan, history, 3)
+    assert seen and all(m.num_active == 3 for msgs in seen for m in msgs.values())
+    assert algo.broadcast(state, 0, 3).num_active == 2  # round 3 itself: 2 of 3 (schedule 0, 2, 4)
