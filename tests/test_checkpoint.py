@@ -381,7 +381,12 @@ def test_committed_cells_keep_their_config_hashes() -> None:
         (root / "fedgh_table3/cells/pathological/fedgh/seed0/results.json").read_text()
     )
     (cell,) = build_cells(
-        load_suite("fedgh_table3"), converged=True, methods=["fedgh"], seeds=[0], check=False
+        load_suite("fedgh_table3"),
+        converged=True,
+        methods=["fedgh"],
+        settings=["pathological"],
+        seeds=[0],
+        check=False,
     )
     assert cell.hash == config_hash(doc["config"])
 
