@@ -32,6 +32,16 @@ def harness() -> ModuleType:
     return mod
 
 
+@pytest.fixture(scope="module")
+def report() -> ModuleType:
+    """``benchmarks/parity/report.py``, loaded once."""
+    spec = importlib.util.spec_from_file_location("parity_report", HARNESS.parent / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _tiny() -> DataConfig:
     return DataConfig(
         dataset="synthetic",
@@ -231,11 +241,7 @@ def _fake_run(gap: float) -> dict:
     }
 
 
-def test_report_fills_the_marked_tables_of_the_page() -> None:
-    spec = importlib.util.spec_from_file_location("parity_report", HARNESS.parent / "report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+def test_report_fills_the_marked_tables_of_the_page(report: ModuleType) -> None:
     page = (
         "# t\n<!-- parity:summary -->\nold\n<!-- /parity -->\ntext\n"
         "<!-- parity:run local_dir01_s0 -->\nold\n<!-- /parity -->\n"
@@ -249,11 +255,9 @@ def test_report_fills_the_marked_tables_of_the_page() -> None:
         report.fill("<!-- parity:run other_run -->\n<!-- /parity -->", {})
 
 
-def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs() -> None:
-    spec = importlib.util.spec_from_file_location("parity_report2", HARNESS.parent / "report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs(
+    report: ModuleType,
+) -> None:
     a, b, off = _fake_run(0.02), _fake_run(0.04), _fake_run(0.5)
     b["setup"] = {"seed": 1}
     off["ref_seed_offset"] = 1
@@ -280,12 +284,8 @@ def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs() -
 
 
 def test_report_gap_points_pair_each_split_and_measure_the_references_own_range(
-    tmp_path: Path,
+    tmp_path: Path, report: ModuleType
 ) -> None:
-    spec = importlib.util.spec_from_file_location("parity_report3", HARNESS.parent / "report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
     a, b, again, off = _fake_run(0.02), _fake_run(-0.01), _fake_run(0.0), _fake_run(0.0)
     b["setup"] = {"seed": 1}
     # the reference on seed 0's split again, 3 points higher, and under shifted torch seeds
@@ -450,11 +450,9 @@ def test_shim_seeds_the_global_generators_the_references_leave_unseeded() -> Non
         np.random.set_state(state[1])
 
 
-def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary() -> None:
-    spec = importlib.util.spec_from_file_location("parity_report3", HARNESS.parent / "report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary(
+    report: ModuleType,
+) -> None:
     doc = _fake_run(0.0)
     seeds = [doc, {**_fake_run(0.5), "setup": {"seed": 1}}]
     assert report.seeds_table(seeds) != report.seeds_table([])
@@ -472,11 +470,7 @@ def test_a_globally_seeded_reference_run_is_labelled_and_left_out_of_the_summary
     assert pts["gaps"] == {("HtFLlib local", "dir01"): [pytest.approx(0.0)]}
 
 
-def test_report_spread_table_sets_each_repeat_beside_the_run_it_repeats() -> None:
-    spec = importlib.util.spec_from_file_location("parity_report4", HARNESS.parent / "report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+def test_report_spread_table_sets_each_repeat_beside_the_run_it_repeats(report: ModuleType) -> None:
     base, again, same = _fake_run(0.0), _fake_run(0.0), _fake_run(0.0)
     again["ref_repeat"] = 1
     for r in again["reference"]["rounds"][3:]:  # parts after round 2, by 0.5 to 2 points

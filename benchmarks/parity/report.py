@@ -14,6 +14,7 @@ training on both sides; a method's evaluation after local fine-tuning (FedBABU) 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 from pathlib import Path
@@ -322,25 +323,22 @@ def spread_table(runs: dict[str, dict[str, Any]]) -> str:
         if base is None or own_run(base):
             continue
         every = {1: base, **again}
-        for a in sorted(every):
-            for b in sorted(every):
-                if b <= a:
-                    continue
-                ra = by_round(every[a]["reference"]["rounds"], "acc_weighted")
-                rb = by_round(every[b]["reference"]["rounds"], "acc_weighted")
-                common = sorted(set(ra) & set(rb))
-                if not common:
-                    continue
-                differ = [r for r in common if ra[r] != rb[r]]
-                through = f"{differ[0] - 1}" if differ else f"{common[-1]} (every round)"
-                largest = 100 * max(abs(ra[r] - rb[r]) for r in common)
-                last = common[-1]
-                rows.append(
-                    f"| {base['reference'].get('library', '?')} {base['method']} | "
-                    f"{base['setting']} | {base['setup'].get('seed', '?')} | {a} / {b} | "
-                    f"{through} | {largest:.2f} | "
-                    f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
-                )
+        for a, b in itertools.combinations(sorted(every), 2):
+            ra = by_round(every[a]["reference"]["rounds"], "acc_weighted")
+            rb = by_round(every[b]["reference"]["rounds"], "acc_weighted")
+            common = sorted(set(ra) & set(rb))
+            if not common:
+                continue
+            differ = [r for r in common if ra[r] != rb[r]]
+            through = f"{differ[0] - 1}" if differ else f"{common[-1]} (every round)"
+            largest = 100 * max(abs(ra[r] - rb[r]) for r in common)
+            last = common[-1]
+            rows.append(
+                f"| {base['reference'].get('library', '?')} {base['method']} | "
+                f"{base['setting']} | {base['setup'].get('seed', '?')} | {a} / {b} | "
+                f"{through} | {largest:.2f} | "
+                f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
+            )
     return "\n".join([head, *rows]) if rows else "(no repeated reference runs)"
 
 

@@ -247,6 +247,17 @@ def skewed(
 # ------------------------------------------------------------ label skew as the papers split
 
 
+def _at_least(parts: list[np.ndarray], min_size: int, name: str) -> list[np.ndarray]:
+    """``parts``, or a :class:`PartitionError` naming the smallest client below ``min_size``."""
+    smallest = min(p.size for p in parts)
+    if smallest < min_size:
+        raise PartitionError(
+            f"{name}: a client gets {smallest} samples, fewer than min_size = {min_size}; use "
+            "fewer clients, a larger classes_per_client or a smaller min_size"
+        )
+    return parts
+
+
 @PARTITIONERS.register("shards")
 def shards(
     labels: np.ndarray,
@@ -307,14 +318,7 @@ def shards(
     for i, row in enumerate(deal):
         for cls in row:
             parts[i].append(pools[cls].pop(int(rng.integers(len(pools[cls])))))
-    out = _finish(parts)
-    smallest = min(p.size for p in out)
-    if smallest < min_size:
-        raise PartitionError(
-            f"shards: a client gets {smallest} samples, fewer than min_size = {min_size}; use "
-            "fewer clients, a larger classes_per_client or a smaller min_size"
-        )
-    return out
+    return _at_least(_finish(parts), min_size, "shards")
 
 
 # pFedHN's range for the unnormalized share of each class slot (``low_prob``, ``high_prob``).
@@ -396,14 +400,7 @@ def pfedhn(
                 )
             parts[i].append(pools[cls][taken[cls] : taken[cls] + count])
             taken[cls] += count
-    out = _finish(parts)
-    smallest = min(p.size for p in out)
-    if smallest < min_size:
-        raise PartitionError(
-            f"pfedhn: a client gets {smallest} samples, fewer than min_size = {min_size}; use "
-            "fewer clients, a larger classes_per_client or a smaller min_size"
-        )
-    return out
+    return _at_least(_finish(parts), min_size, "pfedhn")
 
 
 # ----------------------------------------------------------------------------- quantity skew
