@@ -168,25 +168,26 @@ def pair_values(
     %), and the round both were read at where that matters (``final``: the last round when both
     ran the same number of rounds, else the last round both evaluated; ``common_round``)."""
     sa, sb = a.get("summary", {}), b.get("summary", {})
-    ka, kb_ = side_keys(c)
+    key_a, key_b = side_keys(c)
     if c.metric == "final":
         ra, rb = _rounds_run(a), _rounds_run(b)
         if ra == rb:  # the same length (or no record of it): the final rows
-            return _pct(sa.get("final", {}).get(ka)), _pct(sb.get("final", {}).get(kb_)), ra
-        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
-        return _pct(_at_round(a, r, ka)), _pct(_at_round(b, r, kb_)), r
+            return _pct(sa.get("final", {}).get(key_a)), _pct(sb.get("final", {}).get(key_b)), ra
+        r = min(_last_evaluated(a, key_a), _last_evaluated(b, key_b))
+        return _pct(_at_round(a, r, key_a)), _pct(_at_round(b, r, key_b)), r
     if c.metric == "after_finetune":
-        va, vb = sa.get(c.metric, {}).get(ka), sb.get(c.metric, {}).get(kb_)
+        va, vb = sa.get(c.metric, {}).get(key_a), sb.get(c.metric, {}).get(key_b)
         return _pct(va), _pct(vb), _rounds_run(a)
     if c.metric == "common_round":
-        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
-        return _pct(_at_round(a, r, ka)), _pct(_at_round(b, r, kb_)), r
+        r = min(_last_evaluated(a, key_a), _last_evaluated(b, key_b))
+        return _pct(_at_round(a, r, key_a)), _pct(_at_round(b, r, key_b)), r
     if c.metric == "mean_over_rounds":
-        r = min(_last_evaluated(a, ka), _last_evaluated(b, kb_))
+        r = min(_last_evaluated(a, key_a), _last_evaluated(b, key_b))
         both = [
             (x, y)
             for t in range(1, r + 1)
-            if (x := _at_round(a, t, ka)) is not None and (y := _at_round(b, t, kb_)) is not None
+            if (x := _at_round(a, t, key_a)) is not None
+            and (y := _at_round(b, t, key_b)) is not None
         ]
         if not both:
             return None, None, r
