@@ -620,6 +620,51 @@ def layer_table(families: list[str], batch: int = 10) -> None:
         torch.set_num_threads(before)
 
 
+def forward_table(families: list[str], batch: int = 10, seconds: float = 0.25) -> None:
+    """GFLOP/s of the Linear forward per shape of the families at ``batch``, one thread: MKL
+    (``torch.mm`` against the transposed weight, its best layout), oneDNN (where this torch has
+    it) and the native kernel on each instruction set the CPU has; the native/MKL ratio. Each is
+    the best of three interleaved windows (a noisy neighbour moves all three alike)."""
+    from fedmosaic.accel import inference
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    native = kernels.load() is not None
+    isas = (
+        (["avx2"] + (["avx512"] if kernels.set_isa("avx512") == "avx512" else [])) if native else []
+    )
+    libs = ["mkl"] + (["onednn"] if inference._ONEDNN else []) + isas
+    try:
+        print(f"\n== Linear forward per layer at batch {batch}, 1 thread (GFLOP/s)")
+        print(f"{'in x out':>12} " + " ".join(f"{k:>7}" for k in libs) + "  native/mkl")
+        for i, o in sorted(
+            {s for f in families for s in linear_shapes(f)}, key=lambda s: -s[0] * s[1]
+        ):
+            x, w = torch.randn(batch, i), torch.randn(o, i)
+            wt, c = w.t().contiguous(), torch.empty(batch, o)
+            ops: dict[str, Any] = {"mkl": lambda x=x, wt=wt, c=c: torch.mm(x, wt, out=c)}
+            if inference._ONEDNN:
+                ops["onednn"] = lambda x=x, w=w: inference._onednn_linear(x, w, None)
+            for isa in isas:  # the instruction set is chosen before each window below
+                ops[isa] = lambda x=x, w=w: kernels.linear_forward(x, w, None)
+            rate = dict.fromkeys(ops, 0.0)
+            for _ in range(3):
+                for k, op in ops.items():
+                    if k in isas:
+                        kernels.set_isa(k)
+                    rate[k] = max(rate[k], _best_rate(op, 2.0 * batch * i * o, seconds))
+            mine = rate[kernels.isa()] if native else math.nan
+            print(
+                f"{f'{i}x{o}':>12} "
+                + " ".join(f"{rate[k]:7.1f}" for k in libs)
+                + f"  {mine / rate['mkl']:10.2f}"
+            )
+    finally:
+        if native:
+            kernels.set_isa("avx512")
+        torch.set_num_threads(before)
+
+
 # ---- driver -----------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -773,7 +818,9 @@ def main() -> None:
     if args.device is not None:
         batched_comparison(names, subsample, args.rounds, device)
     if args.layers:
-        layer_table(sorted({WORKLOADS[n]["family"] for n in names or ["fedtgp", "fedavg"]}))
+        families = sorted({WORKLOADS[n]["family"] for n in names or ["fedtgp", "fedavg"]})
+        forward_table(families)
+        layer_table(families)
     if args.memory:
         print()
         measure_memory(args.rounds, 1.0 if not args.quick else 0.2)

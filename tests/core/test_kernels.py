@@ -127,6 +127,30 @@ def test_avx512_code_gives_the_avx2_bits():
     assert batches == set(range(1, 65))
 
 
+@native
+@pytest.mark.parametrize(("batch", "i", "o"), [(10, 1000, 37), (24, 3136, 5), (10, 4100, 9)])
+def test_forward_column_blocks_give_the_one_pass_bits(batch, i, o):
+    """A batch whose rows of x overflow L1 is summed in column blocks, the partial sums stored
+    between blocks (and 4100 columns end in a masked tail); one row alone is summed in one pass.
+    Both give every output the same bits, on either instruction set."""
+    gen = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(batch, i, generator=gen), torch.randn(o, i, generator=gen), None
+    isas = ["avx2"] + (["avx512"] if _avx512_here() else [])
+    try:
+        for isa in isas:
+            assert kernels.set_isa(isa) == isa
+            for bias in (None, torch.randn(o, generator=gen)):
+                whole = kernels.linear_forward(x, w, bias)
+                rows = torch.cat(
+                    [kernels.linear_forward(x[r : r + 1], w, bias) for r in range(batch)]
+                )
+                assert torch.equal(whole, rows), (isa, bias is None)
+                b = bias
+    finally:
+        kernels.set_isa("avx512")
+    assert b is not None
+
+
 def test_isa_choice():
     with pytest.raises(ValueError, match="avx2 or avx512"):
         kernels.set_isa("sse")
