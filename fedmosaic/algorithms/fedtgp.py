@@ -9,14 +9,14 @@ class counts, the paper's privacy point);
 the server trains global prototypes ``P_hat = F(Embedding(c))`` with the ACL loss (Eq. 10) and
 broadcasts them. Client models (encoder and head, any architecture) stay local; the client loss is
 ``CE + lam * phi(f(x), P_hat[y])`` (Eq. 11) and inference is the nearest global prototype.
+Once the server has trained, the broadcast holds all C global prototypes, classes no client has
+uploaded yet included (the paper's and the reference's; ``unseen="zero"`` sends zero rows for
+them instead, never predicted and without an alignment term).
 
 Where we differ from the paper:
 - client term: Eq. 11 is one distance per class, ``lam * E_{c in C_i} phi(P_i^c, P_hat^c)``
   between the client's class prototype and the global one; we use ``mean_i ||f(x_i) -
   P_hat[y_i]||`` over the batch, as FedProto's code applies its term per sample.
-- classes no client has uploaded yet are zero rows in the broadcast and are never predicted; the
-  paper compares features with all C global prototypes (the reference broadcasts the trained
-  ``F(Embedding(c))`` of every class).
 
 Where we differ from the reference code (github.com/TsingZ0/FedTGP, HtFLlib ``clienttgp.py`` /
 ``servertgp.py``), with its behaviour as options:
@@ -71,6 +71,7 @@ from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.core.schema import Claims, Rows
 
 Margin = Literal["adaptive", "fixed", "none"]
+Unseen = Literal["generator", "zero"]
 EPS = 1e-12  # floor of squared distances before sqrt: finite gradients at distance 0
 
 
@@ -268,6 +269,10 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     server_lr: float = 0.01  # server SGD learning rate
     server_fused_sgd: bool = True  # server step by hand, SGD fused (False: autograd + SGD)
     stale_prototypes: bool = False  # True: upload pre-training prototypes (reference code)
+    # classes no client has uploaded yet, once the server has trained: generator (paper, reference
+    # code: every class's F(Embedding(c)) is broadcast and may be predicted) | zero (zero rows,
+    # never predicted, no alignment term for them)
+    unseen: Unseen = "generator"
 
     supports_heterogeneous: ClassVar[bool] = True
     acceleration: ClassVar[Acceleration] = Acceleration(batched=True, fused_sgd=True)
@@ -294,8 +299,13 @@ class FedTGP(Algorithm[TGPState, Prototypes, ClientPrototypes]):
     def broadcast(self, state: TGPState, client_id: int, round_num: int) -> Prototypes:
         with torch.no_grad():
             protos = global_prototypes(state.params).float()  # [C, d]
-        protos = protos.masked_fill(~state.known.unsqueeze(1), 0.0)
-        return Prototypes(protos.contiguous(), state.known.clone())
+        known = state.known.clone()  # [C] bool
+        if self.unseen == "generator" and bool(known.any()):
+            # After the first aggregation the generator gives a prototype for every class (the
+            # paper's C global prototypes); before it there is none (nothing trained yet).
+            known.fill_(True)
+        protos = protos.masked_fill(~known.unsqueeze(1), 0.0)
+        return Prototypes(protos.contiguous(), known)
 
     def upload_names(self, state: TGPState, upload: ClientPrototypes) -> dict[str, Any]:
         c, d = state.params["embedding.weight"].shape

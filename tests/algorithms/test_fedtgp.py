@@ -203,13 +203,22 @@ def test_aggregate_trains_persistent_prototypes_deterministically():
     # Q0 = (0.5, 0, 0, 0), Q1 = (0, 1.5, 0, 0), Q2 = (0, 0, 3, 0): nearest-other-class distances
     # |Q0 Q1| = 1.58, |Q1 Q0| = 1.58, |Q2 Q0| = sqrt(0.25 + 9) = 3.04 -> the margin is 3.04.
     assert new.margin == pytest.approx(math.sqrt(0.5**2 + 3**2), rel=1e-6)
-    # Broadcast: all C trained prototypes, classes never uploaded masked out.
+    # Broadcast, class 2 never uploaded: before any training there is no prototype at all; after
+    # it all C trained prototypes (the paper's), or with unseen="zero" class 2 as a zero row.
+    assert not algo.broadcast(state, 0, 1).known.any()
     only0 = algo.aggregate(state, [Weighted(0, 1.0, up)], 1)
+    assert only0.known.tolist() == [True, True, False]  # the server's record is unchanged
+    with torch.no_grad():
+        trained = global_prototypes(only0.params)  # [C, D]
     msg = algo.broadcast(only0, 0, 2)
+    assert msg.known.tolist() == [True, True, True]
+    assert torch.equal(msg.protos, trained) and msg.protos[2].abs().sum() > 0
+    zero = dataclasses.replace(algo, unseen="zero")
+    assert not zero.broadcast(state, 0, 1).known.any()
+    msg = zero.broadcast(only0, 0, 2)
     assert msg.known.tolist() == [True, True, False]
     assert torch.equal(msg.protos[2], torch.zeros(D))
-    with torch.no_grad():
-        assert torch.allclose(msg.protos[:2], global_prototypes(only0.params)[:2])
+    assert torch.equal(msg.protos[:2], trained[:2])
     # A second round keeps training the same module (persistent across rounds).
     third = algo.aggregate(new, uploads, 2)
     assert not torch.equal(third.params["embedding.weight"], new.params["embedding.weight"])
