@@ -49,6 +49,10 @@ capability, oneDNN's ISA and MKL's instructions pinned at AVX2 (the native kerne
 the first line after the header names the instruction sets that ran (the CPU's, ATen's, the native
 kernel's).
 
+``--competing N`` then runs every workload again beside N single-threaded processes that keep a
+core busy each (one-thread matmuls): ours on worker processes and serially, and the reference,
+so the ratio with and without competition comes from one invocation.
+
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
 
@@ -620,6 +624,53 @@ def layer_table(families: list[str], batch: int = 10) -> None:
         torch.set_num_threads(before)
 
 
+# A single-threaded process that keeps one core busy with float work (matmuls through MKL on one
+# thread, as another user's training would), for --competing.
+COMPETITOR = (
+    "import torch\n"
+    "torch.set_num_threads(1)\n"
+    "a = torch.randn(384, 384)\n"
+    "while True:\n"
+    "    a = torch.tanh(a @ a)\n"
+)
+
+
+def under_load(
+    names: list[str], subsample: float, rounds: int, workers: int, competing: int, quick: bool
+) -> None:
+    """Each workload again while ``competing`` single-threaded processes hold cores: ours as
+    ``auto`` would lay it out unloaded (worker processes, one per core) and serially (one process,
+    one thread), and the reference loop; seconds per round and the ratios, beside the unloaded
+    run printed above (the same invocation)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", COMPETITOR], stdout=subprocess.DEVNULL)
+        for _ in range(competing)
+    ]
+    try:
+        time.sleep(1.0)  # the competitors are running before the first timed round
+        print(f"\n== under load: {competing} competing single-threaded process(es)")
+        for name in names:
+            data = {"min_size": 2} if (quick and WORKLOADS[name]["clients"] > 20) else {}
+            raw = raw_config(name, subsample, rounds, workers, **data)
+            set_kernel(kernels.load() is not None)
+            spread = run_ours(raw)
+            serial = run_ours(
+                {**raw, "sim": {"backend": "serial", "threads": 1, "progress": False}}
+            )
+            ref = Reference(build_federation(from_dict(raw)), "cpu").run(rounds)[-1]
+            print(
+                f"{name}: ours {spread['seconds']:.2f} s/round on worker processes, "
+                f"{serial['seconds']:.2f} serially; reference {ref['seconds']:.2f}; speedup "
+                f"{ref['seconds'] / spread['seconds']:.2f}x (processes), "
+                f"{ref['seconds'] / serial['seconds']:.2f}x (serial); acc {spread['acc']:.4f} "
+                f"{serial['acc']:.4f} {ref['acc']:.4f}"
+            )
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def forward_table(families: list[str], batch: int = 10, seconds: float = 0.25) -> None:
     """GFLOP/s of the Linear forward per shape of the families at ``batch``, one thread: MKL
     (``torch.mm`` against the transposed weight, its best layout), oneDNN (where this torch has
@@ -684,6 +735,13 @@ def main() -> None:
         help="ours with the native kernel, on the torch path, or both (default; ratio line)",
     )
     p.add_argument("--layers", action="store_true", help="also the per-layer Linear table")
+    p.add_argument(
+        "--competing",
+        type=int,
+        default=0,
+        help="then run the workloads again beside this many single-threaded processes that keep "
+        "a core busy each (ours on worker processes and serially, and the reference)",
+    )
     p.add_argument(
         "--isa",
         choices=("native", "avx2"),
@@ -815,6 +873,8 @@ def main() -> None:
     if "fedtgp" in rates:
         speedup, round_rate = rates["fedtgp"]
         last = f"speedup={speedup:.2f} peak_fraction={round_rate / peak:.2f}"
+    if args.competing > 0 and not gpu:
+        under_load(names, subsample, args.rounds, args.workers, args.competing, args.quick)
     if args.device is not None:
         batched_comparison(names, subsample, args.rounds, device)
     if args.layers:

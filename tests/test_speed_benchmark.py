@@ -48,3 +48,16 @@ def test_the_benchmark_says_which_instruction_sets_ran() -> None:
     line = next(x for x in out.splitlines() if x.startswith("# instruction sets:"))
     assert "ATen AVX2" in line and "forced to AVX2 (--isa avx2)" in line
     assert "native kernel avx512" not in line
+
+
+@pytest.mark.unit
+def test_the_competitor_keeps_one_core_busy_until_killed() -> None:
+    speed = _speed()
+    proc = subprocess.Popen([sys.executable, "-c", speed.COMPETITOR])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)  # it runs on (a loop, not a script that ends)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode != 0  # it stopped because it was killed
