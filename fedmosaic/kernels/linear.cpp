@@ -57,11 +57,12 @@ inline void with_size(int64_t n, F&& f) {
 
 // ---- forward ---------------------------------------------------------------------------------
 // R rows of W (starting at w) against NB batch rows of x (row stride lx), columns [i0, i1) (i0 a
-// multiple of 8; i1 = I or a multiple of 8): R * NB accumulators in registers. Lane l of accumulator (r, b) sums
-// x[b, i] w[r, i] over i = l (mod 8) in increasing i, one fused multiply-add each; y = the
-// 8-lane tree sum + bias. A pass over a part of the columns starts from the partial sums the
-// previous part stored in part[(b * R + r) * 8 ...] (first: from 0) and stores them again (last:
-// reduces them into y): the same operations in the same order as one pass, so the same bits.
+// multiple of 8; i1 = I or a multiple of 8): R * NB accumulators in registers. Lane l of
+// accumulator (r, b) sums x[b, i] w[r, i] over i = l (mod 8) in increasing i, one fused
+// multiply-add each; y = the 8-lane tree sum + bias. A pass over a part of the columns starts
+// from the partial sums the previous part stored in part[(b * R + r) * 8 ...] (first: from 0)
+// and stores them again (last: reduces them into y): the same operations in the same order as
+// one pass, so the same bits.
 template <int R, int NB>
 void fwd_tile(const float* x, const float* w, int64_t I, int64_t lx, int64_t i0, int64_t i1,
               float* part, bool first, bool last, float* y, int64_t O, const float* bias) {
