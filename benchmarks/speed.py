@@ -186,26 +186,32 @@ def _best_rate(op: Any, flop: float, seconds: float) -> float:
     return best
 
 
+def linear_ops(x: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
+    """``x W^T`` by library, each a no-argument callable: ``mkl`` (``torch.mm`` against the
+    transposed weight, its best layout), ``onednn`` (oneDNN's matmul, where this torch has it) and
+    ``native`` (the project's skinny-batch kernel, where it takes the shape)."""
+    from fedmosaic.accel import inference
+
+    wt, c = w.t().contiguous(), torch.empty(x.shape[0], w.shape[0])
+    ops: dict[str, Any] = {"mkl": lambda: torch.mm(x, wt, out=c)}
+    if inference._ONEDNN:
+        ops["onednn"] = lambda: inference._onednn_linear(x, w, None)
+    if kernels.load() is not None and kernels.usable(x, w, None):
+        ops["native"] = lambda: kernels.linear_forward(x, w, None)
+    return ops
+
+
 def matmul_gflops(threads: int, seconds: float = 0.4) -> dict[str, float]:
     """Sustained fp32 GFLOP/s on ``threads`` threads by library, each the best over
     :data:`PEAK_SHAPES`: ``mkl`` (``torch.mm``, MKL's sgemm), ``onednn`` (oneDNN's matmul, where
     this torch has it; on AMD CPUs with AVX-512 about twice MKL, whose code there is AVX2) and
     ``native`` (the project's skinny-batch Linear kernel, up to its batch limit)."""
-    from fedmosaic.accel import inference
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    native = kernels.load() is not None
     out: dict[str, float] = {}
     try:
         for m, k, n in PEAK_SHAPES:
-            a, w = torch.randn(m, k), torch.randn(n, k)
-            wt, c = w.t().contiguous(), torch.empty(m, n)
-            ops = {"mkl": lambda a=a, wt=wt, c=c: torch.mm(a, wt, out=c)}
-            if inference._ONEDNN:
-                ops["onednn"] = lambda a=a, w=w: inference._onednn_linear(a, w, None)
-            if native and kernels.usable(a, w, None):
-                ops["native"] = lambda a=a, w=w: kernels.linear_forward(a, w, None)
+            ops = linear_ops(torch.randn(m, k), torch.randn(n, k))
             for lib, op in ops.items():
                 out[lib] = max(out.get(lib, 0.0), _best_rate(op, 2.0 * m * k * n, seconds))
         return out
@@ -691,13 +697,10 @@ def forward_table(families: list[str], batch: int = 10, seconds: float = 0.25) -
         for i, o in sorted(
             {s for f in families for s in linear_shapes(f)}, key=lambda s: -s[0] * s[1]
         ):
-            x, w = torch.randn(batch, i), torch.randn(o, i)
-            wt, c = w.t().contiguous(), torch.empty(batch, o)
-            ops: dict[str, Any] = {"mkl": lambda x=x, wt=wt, c=c: torch.mm(x, wt, out=c)}
-            if inference._ONEDNN:
-                ops["onednn"] = lambda x=x, w=w: inference._onednn_linear(x, w, None)
-            for isa in isas:  # the instruction set is chosen before each window below
-                ops[isa] = lambda x=x, w=w: kernels.linear_forward(x, w, None)
+            ops = linear_ops(torch.randn(batch, i), torch.randn(o, i))
+            kernel = ops.pop("native", None)
+            for isa in isas if kernel is not None else []:  # the set is chosen per window below
+                ops[isa] = kernel
             rate = dict.fromkeys(ops, 0.0)
             for _ in range(3):
                 for k, op in ops.items():
@@ -762,6 +765,10 @@ def main() -> None:
         "the GPU",
     )
     args = p.parse_args()
+    if args.competing < 0:
+        p.error(f"--competing: {args.competing} processes; give 0 or more")
+    if args.competing and args.device == "cuda":
+        p.error("--competing measures the CPU path: leave out --device cuda")
     env = isa_env(args.isa, dict(os.environ))
     if env is not None:  # ATen reads its capability when torch loads: start again with the pins
         os.execve(sys.executable, [sys.executable, *sys.argv], env)

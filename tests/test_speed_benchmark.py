@@ -1,4 +1,5 @@
-"""benchmarks/speed.py's instruction-set switch: --isa avx2 runs as on a CPU without AVX-512."""
+"""benchmarks/speed.py's instruction-set switch (--isa avx2 runs as on a CPU without AVX-512) and
+its competing process (--competing)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_the_benchmark_says_which_instruction_sets_ran() -> None:
 
 
 @pytest.mark.unit
-def test_the_competitor_keeps_one_core_busy_until_killed() -> None:
+def test_the_competitor_runs_until_killed() -> None:
     speed = _speed()
     proc = subprocess.Popen([sys.executable, "-c", speed.COMPETITOR])
     try:
@@ -61,3 +62,22 @@ def test_the_competitor_keeps_one_core_busy_until_killed() -> None:
         proc.kill()
         proc.wait()
     assert proc.returncode != 0  # it stopped because it was killed
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--competing", "-1"], "--competing: -1 processes; give 0 or more"),
+        (["--competing", "1", "--device", "cuda"], "--competing measures the CPU path"),
+    ],
+)
+def test_a_bad_competing_count_is_one_line_and_exit_2(args: list[str], why: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(SPEED), "--workloads", "", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert why in out.stderr.strip().splitlines()[-1]

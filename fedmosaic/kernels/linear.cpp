@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -160,12 +161,21 @@ inline int64_t fwd_columns(int64_t B, int64_t I) {
   return (I + blocks * 8 - 1) / (blocks * 8) * 8;
 }
 
-// R rows of W against all B rows of x, columns [i0, i1): part holds the B * R partial sums.
+// The partial sums one task keeps between column blocks (n floats, uninitialized: each block's
+// first pass writes them before any read); none when the columns fit in one pass, which never
+// touches them.
+inline std::unique_ptr<float[]> partial_sums(bool blocked, int64_t n) {
+  return blocked ? std::unique_ptr<float[]>(new float[n]) : nullptr;
+}
+
+// R rows of W against all B rows of x, columns [i0, i1): part holds the B * R partial sums
+// (nullptr for one pass over all columns).
 template <int R>
 void fwd_rows(const float* x, int64_t B, const float* w, int64_t I, int64_t lx, int64_t i0,
               int64_t i1, float* part, float* y, int64_t O, const float* bias) {
   batch_blocks<FB>(B, [&](auto n, int64_t b0) {
-    fwd_tile<R, decltype(n)::value>(x + b0 * lx, w, I, lx, i0, i1, part + b0 * R * 8, i0 == 0,
+    fwd_tile<R, decltype(n)::value>(x + b0 * lx, w, I, lx, i0, i1,
+                                    part ? part + b0 * R * 8 : nullptr, i0 == 0,
                                     i1 == I, y + b0 * O, O, bias);
   });
 }
@@ -319,7 +329,8 @@ AVX512 void fwd_rows512(const float* x, int64_t B, const float* w, int64_t I, in
                         int64_t i0, int64_t i1, float* part, float* y, int64_t O,
                         const float* bias) {
   batch_blocks<FB512>(B, [&](auto n, int64_t b0) {
-    fwd_tile512<FP512, decltype(n)::value>(x + b0 * lx, w, I, lx, i0, i1, part + b0 * FP512 * 16,
+    fwd_tile512<FP512, decltype(n)::value>(x + b0 * lx, w, I, lx, i0, i1,
+                                           part ? part + b0 * FP512 * 16 : nullptr,
                                            i0 == 0, i1 == I, y + b0 * O, O, bias);
   });
 }
@@ -745,17 +756,17 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w,
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, R4 * I));
     const int64_t cols = fwd_columns(B, I);
     at::parallel_for(0, tiles, grain, [&](int64_t s, int64_t e) {
-      std::vector<float> part((e - s) * R4 * B * 8);
+      const auto part = partial_sums(cols < I, (e - s) * R4 * B * 8);
       for (int64_t i0 = 0; i0 < I; i0 += cols) {
         const int64_t i1 = std::min(I, i0 + cols);
         for (int64_t t = s; t < e; ++t)
-          fwd_rows512(xp, B, wp + t * R4 * I, I, lx, i0, i1, part.data() + (t - s) * R4 * B * 8,
-                      yp + t * R4, O, bp ? bp + t * R4 : nullptr);
+          fwd_rows512(xp, B, wp + t * R4 * I, I, lx, i0, i1,
+                      part ? part.get() + (t - s) * R4 * B * 8 : nullptr, yp + t * R4, O,
+                      bp ? bp + t * R4 : nullptr);
       }
     });
-    std::vector<float> part(B * 8);
-    for (int64_t o = tiles * R4; o < O; ++o)
-      fwd_rows<1>(xp, B, wp + o * I, I, lx, 0, I, part.data(), yp + o, O, bp ? bp + o : nullptr);
+    for (int64_t o = tiles * R4; o < O; ++o)  // one pass over all columns: no partial sums
+      fwd_rows<1>(xp, B, wp + o * I, I, lx, 0, I, nullptr, yp + o, O, bp ? bp + o : nullptr);
     return y;
   }
   const int64_t pairs = (O + FR - 1) / FR;
@@ -764,13 +775,13 @@ at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& w,
   const int64_t cols = fwd_columns(B, I);
   at::parallel_for(0, pairs, grain, [&](int64_t s, int64_t e) {
     // every row pair of the task over one block of columns, then the next block
-    std::vector<float> part((e - s) * FR * B * 8);
+    const auto part = partial_sums(cols < I, (e - s) * FR * B * 8);
     for (int64_t i0 = 0; i0 < I; i0 += cols) {
       const int64_t i1 = std::min(I, i0 + cols);
       for (int64_t p = s; p < e; ++p) {
         const int64_t o = p * FR;
         const float* b = bp ? bp + o : nullptr;
-        float* pp = part.data() + (p - s) * FR * B * 8;
+        float* pp = part ? part.get() + (p - s) * FR * B * 8 : nullptr;
         if (o + FR <= O)
           fwd_rows<FR>(xp, B, wp + o * I, I, lx, i0, i1, pp, yp + o, O, b);
         else
