@@ -337,6 +337,7 @@ def run_ours(raw: dict) -> dict[str, Any]:
         "eval": last["seconds_eval"],
         "setup": wall - rounds_total,
         "acc": last.get("acc_weighted", math.nan),
+        "runtime": doc["provenance"]["runtime"],
     }
 
 
@@ -644,10 +645,11 @@ COMPETITOR = (
 def under_load(
     names: list[str], subsample: float, rounds: int, workers: int, competing: int, quick: bool
 ) -> None:
-    """Each workload again while ``competing`` single-threaded processes hold cores: ours as
-    ``auto`` would lay it out unloaded (worker processes, one per core) and serially (one process,
-    one thread), and the reference loop; seconds per round and the ratios, beside the unloaded
-    run printed above (the same invocation)."""
+    """Each workload again while ``competing`` single-threaded processes hold cores: ours with
+    the default runtime (``sim.backend = "auto"``, which measures its layout between rounds: at
+    least 5 rounds, the last timed, so the measured layout is the one timed), on worker processes
+    (one per core) and serially (one process, one thread), and the reference loop; seconds per
+    round and the ratios, beside the unloaded run printed above (the same invocation)."""
     procs = [
         subprocess.Popen([sys.executable, "-c", COMPETITOR], stdout=subprocess.DEVNULL)
         for _ in range(competing)
@@ -659,15 +661,28 @@ def under_load(
             data = {"min_size": 2} if (quick and WORKLOADS[name]["clients"] > 20) else {}
             raw = raw_config(name, subsample, rounds, workers, **data)
             set_kernel(kernels.load() is not None)
+            auto = run_ours(
+                {
+                    **raw,
+                    "train": {**raw["train"], "rounds": max(rounds, 5)},
+                    "sim": {"progress": False},
+                }
+            )
             spread = run_ours(raw)
             serial = run_ours(
                 {**raw, "sim": {"backend": "serial", "threads": 1, "progress": False}}
             )
             ref = Reference(build_federation(from_dict(raw)), "cpu").run(rounds)[-1]
+            rt = auto["runtime"]
+            chose = "; ".join(
+                f"from fit {e['fit']} {e['workers']} worker(s)" for e in rt.get("layouts", [])
+            )
             print(
-                f"{name}: ours {spread['seconds']:.2f} s/round on worker processes, "
-                f"{serial['seconds']:.2f} serially; reference {ref['seconds']:.2f}; speedup "
-                f"{ref['seconds'] / spread['seconds']:.2f}x (processes), "
+                f"{name}: ours {auto['seconds']:.2f} s/round as auto runs it ({rt['backend']}, "
+                f"{rt['workers']} worker(s){'; ' + chose if chose else ''}), "
+                f"{spread['seconds']:.2f} on worker processes, {serial['seconds']:.2f} serially; "
+                f"reference {ref['seconds']:.2f}; speedup {ref['seconds'] / auto['seconds']:.2f}x "
+                f"(auto), {ref['seconds'] / spread['seconds']:.2f}x (processes), "
                 f"{ref['seconds'] / serial['seconds']:.2f}x (serial); acc {spread['acc']:.4f} "
                 f"{serial['acc']:.4f} {ref['acc']:.4f}"
             )

@@ -164,8 +164,9 @@ class SimConfig:
     # own steps); "auto" = 1, the numbers of every backend on any machine; 0 = torch's default
     threads: int | str = "auto"
     # serial (one process) | processes (worker processes, one thread each) | auto: processes with
-    # more than one usable core and enough work to repay starting them, else serial (the same
-    # numbers either way; sim/backend.py's resolve_runtime, recorded in provenance.runtime)
+    # more than one usable core and enough work to repay starting them, how many train a round
+    # measured between rounds, else serial (the same numbers either way; sim/backend.py's
+    # resolve_runtime and sim/layout.py, recorded in provenance.runtime)
     backend: str = "auto"
     workers: int = 0  # processes backend: number of workers; 0 = number of CPU cores
     # processes backend: one worker per entry (cpu | cuda | cuda:N), each holding its clients'

@@ -26,6 +26,7 @@ from fedmosaic.core.rounds import Transport, run_rounds
 from fedmosaic.federation import Federation, add_clients, build_federation
 from fedmosaic.report.summary import FinetuneLines, results_document, round_line
 from fedmosaic.sim.backend import Runtime, make_transport, resolve_runtime
+from fedmosaic.sim.processes import ProcessTransport
 
 log = logging.getLogger("fedmosaic")
 
@@ -113,6 +114,9 @@ def run_experiment(
         # The config keeps what was asked ("auto"): the resolution does not change the numbers,
         # so it is not part of the run's identity; it is recorded beside the worker count.
         doc["provenance"]["runtime"] = runtime.to_dict()
+        if isinstance(transport, ProcessTransport) and transport.chooser is not None:
+            # every change of layout the measurements made (fit number, workers, why)
+            doc["provenance"]["runtime"]["layouts"] = list(transport.chooser.log)
         return doc
     finally:
         torch.set_num_threads(threads)
@@ -121,7 +125,8 @@ def run_experiment(
 def _runtime_words(rt: Runtime) -> str:
     if rt.backend == "serial":
         return f"serial, {rt.threads or 'torch default'} thread(s)"
-    return f"processes, {rt.workers} worker(s) of one thread each"
+    measured = ", how many train a round measured between rounds" if rt.adaptive else ""
+    return f"processes, {rt.workers} worker(s) of one thread each{measured}"
 
 
 def _rounds(

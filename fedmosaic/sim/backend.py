@@ -1,10 +1,11 @@
 """The simulator backend chosen by ``[sim] backend``, built from an assembled federation.
 
 ``sim.backend = "auto"`` (the default) and ``sim.threads = "auto"`` are resolved here, per run
-(:func:`resolve_runtime`), into a backend, a worker count and this process's torch threads. Every
-choice ``auto`` can make runs each client's math on one thread, so the numbers are those of
-``serial`` with ``sim.threads = 1`` bit for bit, on any machine (the process backend's promise);
-only the speed depends on the machine.
+(:func:`resolve_runtime`), into a backend, a worker count and this process's torch threads; with
+worker processes, how many of them train each round is then measured as the run goes
+(``sim/layout.py``). Every choice ``auto`` can make runs each client's math on one thread, so the
+numbers are those of ``serial`` with ``sim.threads = 1`` bit for bit, on any machine (the process
+backend's promise); only the speed depends on the machine.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Runtime:
     workers: int  # processes that train clients (1 serially)
     threads: int  # torch threads of this process; 0 = torch's default, left alone
     why: str  # how it was chosen (a short phrase, for provenance and the log)
+    adaptive: bool = False  # processes: how many workers train a round is measured per round
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,8 +80,10 @@ def resolve_runtime(fed: Federation) -> Runtime:
     """The backend, workers and threads this run uses (``"auto"`` decided here)."""
     sim = fed.cfg.sim
     backend, why, cores = sim.backend, "sim.backend", default_workers()
+    adaptive = False
     if backend == "auto":
         backend, why, cores = _auto_backend(fed)
+        adaptive = backend == "processes" and not sim.devices and not sim.workers
     if sim.threads == "auto" or (
         sim.threads == 0 and (backend == "processes" or sim.backend == "auto")
     ):
@@ -93,7 +97,7 @@ def resolve_runtime(fed: Federation) -> Runtime:
     if backend != "processes":
         return Runtime("serial", 1, threads, why)
     n = sim.workers or len(sim.devices) or cores
-    return Runtime("processes", max(1, min(n, fed.plan.num_clients)), threads, why)
+    return Runtime("processes", max(1, min(n, fed.plan.num_clients)), threads, why, adaptive)
 
 
 def _auto_backend(fed: Federation) -> tuple[str, str, int]:
@@ -109,15 +113,17 @@ def _auto_backend(fed: Federation) -> tuple[str, str, int]:
         return "serial", f"auto: train.device = {cfg.train.device!r} (one process drives it)", 1
     if fed.plan.num_clients < 2:
         return "serial", "auto: one client", 1
-    cores = spare_cores()
+    cores, spare = default_workers(), spare_cores()
     if cores < 2:
-        # Measured on a loaded 2-core machine: workers only compete with the other work there
-        # (serial on one thread ran 10 s a round, two workers 11-21 s).
-        return "serial", f"auto: {cores} spare core of {default_workers()}", 1
+        return "serial", "auto: one core", 1
     work = run_flops(fed)
     if work < MIN_PROCESS_FLOPS:
         return "serial", f"auto: ~{work / 1e9:.1f} GFLOP, too little to repay starting workers", 1
-    return "processes", f"auto: {cores} spare cores, ~{work / 1e9:.0f} GFLOP", cores
+    # One worker per spare core, at least two: under load the layout is measured between rounds
+    # (sim/layout.py), since whether fewer workers finish first depends on the other work (one
+    # competing process on 2 cores: 2 workers 12.6 s a round, one thread serially 18.0 s).
+    n = min(cores, max(2, spare))
+    return "processes", f"auto: {spare} spare of {cores} cores, ~{work / 1e9:.0f} GFLOP", n
 
 
 def make_transport(fed: Federation, runtime: Runtime | None = None) -> Transport:
@@ -143,6 +149,7 @@ def make_transport(fed: Federation, runtime: Runtime | None = None) -> Transport
             eval_costs=[f * max(c.num("test") + c.num("val"), 1) for f, c in zip(flops, clients)],
             eval_splits=fed.eval_splits,
             offload=offload,
+            adaptive=runtime.adaptive,
         )
     # Offloaded (sim.offload_clients): no client is built up front; ``build`` makes one on demand.
     off = fed.offload

@@ -15,6 +15,9 @@
   holds them unless moving them shortens the round by more than 5%, so with full participation
   they settle after round 1. Evaluation runs each client where it is held, the rest (in the
   store) balanced the same way.
+- **Layout under load** (``adaptive``, what ``sim.backend = "auto"`` starts): how many of the
+  workers train a round is measured between rounds (``layout.py``): when other work holds a core,
+  one round on fewer workers is timed against the current layout and the faster kept.
 - **Memory scales with participation**: with partial participation a worker keeps only the
   clients of its last ``fit`` live; everyone else lives in the store (disk files, page cache),
   and evaluation borrows a spare module per architecture.
@@ -39,12 +42,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import pickle
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -70,7 +75,10 @@ from fedmosaic.data.federated import FederatedData
 from fedmosaic.federation import build_federation, make_client
 from fedmosaic.sim.common import EvalCache, MessageTable
 from fedmosaic.sim.host import ClientHost
+from fedmosaic.sim.layout import LayoutChooser, idle_cores
 from fedmosaic.sim.store import StateStore, remove_stale
+
+log = logging.getLogger("fedmosaic")
 
 # glibc malloc: no mmap/munmap per large allocation (32 MiB is the largest threshold glibc accepts
 # on 64-bit; larger values are silently ignored) and never give the heap top back to the OS.
@@ -247,6 +255,7 @@ class ProcessTransport(secure.EmulatedSecureFit):
         offload: bool = False,
         state_dir: str | None = None,
         reuse: bool = True,
+        adaptive: bool = False,
     ) -> None:
         self.algo = algo
         self.num_clients = len(fit_costs)
@@ -256,6 +265,9 @@ class ProcessTransport(secure.EmulatedSecureFit):
         self.fit_costs = list(fit_costs)
         self.eval_costs = list(eval_costs) if eval_costs is not None else list(fit_costs)
         self.workers = max(1, min(int(workers), self.num_clients))
+        # adaptive (sim.backend = "auto"): how many workers train each round is measured
+        self.chooser = LayoutChooser(self.workers) if adaptive and self.workers > 1 else None
+        self.active = self.workers  # the workers the last fit used (clients are placed on them)
         self.offload = offload
         self.holder: dict[int, int] = {}  # client -> worker holding it live (else: in the store)
         self.measured: dict[int, float] = {}  # client -> seconds of its last fit (cost model)
@@ -364,19 +376,23 @@ class ProcessTransport(secure.EmulatedSecureFit):
                 for cid in cids:
                     del self.holder[cid]
 
-    def _place(self, cids: Sequence[int], cost: Sequence[float]) -> list[list[int]]:
-        """Held clients stay where they are; the others balance around them by cost."""
+    def _place(
+        self, cids: Sequence[int], cost: Sequence[float], active: int | None = None
+    ) -> list[list[int]]:
+        """Held clients stay where they are (if their worker is among the first ``active``); the
+        others balance around them by cost on those workers."""
+        active = self.active if active is None else active
         groups: list[list[int]] = [[] for _ in range(self.workers)]
-        loads = [0.0] * self.workers
+        loads = [0.0] * active
         free = []
         for cid in cids:
             h = self.holder.get(cid)
-            if h is None:
+            if h is None or h >= active:
                 free.append(cid)
             else:
                 groups[h].append(cid)
                 loads[h] += cost[cid]
-        for w, extra in enumerate(assign(free, cost, self.workers, loads)):
+        for w, extra in enumerate(assign(free, cost, active, loads)):
             groups[w] += extra
         return groups
 
@@ -409,17 +425,20 @@ class ProcessTransport(secure.EmulatedSecureFit):
 
     # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
+        start, idle = time.perf_counter(), idle_cores()
         table = MessageTable(messages)
         costs = self.balance_costs()
         cids = list(messages)
-        stay = self._place(cids, costs)  # held clients where they are: nothing moves
-        fresh = assign(cids, costs, self.workers)
+        active = self.chooser.choose() if self.chooser is not None else self.workers
+        stay = self._place(cids, costs, active)  # held clients where they are: nothing moves
+        fresh = assign(cids, costs, active) + [[] for _ in range(self.workers - active)]
 
         def span(groups: list[list[int]]) -> float:
             return max(sum(costs[c] for c in g) for g in groups)
 
         # Moving a client costs a store round trip: rebalance only for a clear gain.
         groups = fresh if span(fresh) < 0.95 * span(stay) else stay
+        self.active = active
         self._release({cid: w for w, g in enumerate(groups) for cid in g})
         calls = self._per_worker(groups, table, "fit", round=round_num, offload=self.offload)
         results: dict[int, FitResult] = {}
@@ -448,9 +467,20 @@ class ProcessTransport(secure.EmulatedSecureFit):
 
         if self._on_client is not None:
             self._on_client(0, len(messages))
-        for flushed in self._call(calls, arrived).values():
+        shares = []
+        for flushed, share in self._call(calls, arrived).values():
+            shares.append(share)
             for cid in flushed:
                 self.holder.pop(cid, None)
+        if self.chooser is not None:
+            seconds, after = time.perf_counter() - start, idle_cores()
+            spare = (after[0] - idle[0]) / seconds if idle and after else 0.0
+            changes = len(self.chooser.log)
+            self.chooser.record(sum(self.fit_costs[c] for c in cids), seconds, shares, spare)
+            if len(self.chooser.log) > changes:
+                log.info(
+                    "layout: %(workers)s worker(s) from fit %(fit)s (%(why)s)", self.chooser.log[-1]
+                )
         return [results[c] for c in messages]
 
     def evaluate(

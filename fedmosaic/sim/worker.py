@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -79,6 +80,7 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
         host.flush(args["cids"])
         return None
     if cmd == "fit":
+        wall, cpu = time.perf_counter(), time.process_time()
         msgs = host.decode_all(args["blobs"])
         flushed = host.keep_only([]) if args["offload"] else []  # last round's clients
         todo = [(cid, msgs[key]) for cid, key in args["clients"]]
@@ -87,7 +89,10 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
             emit((cid, *out))
             if args["offload"]:  # memory per worker: one client's model, whatever the round size
                 host.flush([cid])
-        return flushed + ([c for c, _ in args["clients"]] if args["offload"] else [])
+        flushed += [c for c, _ in args["clients"]] if args["offload"] else []
+        # this worker's share of its core over the fit (the layout chooser's contention signal)
+        share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+        return flushed, share
     if cmd == "eval":
         msgs = host.decode_all(args["blobs"])
         return [

@@ -1,8 +1,9 @@
 """A config that says nothing about the runtime runs on the fastest setup, with the same numbers.
 
 ``sim.backend = "auto"`` and ``sim.threads = "auto"`` (the defaults) resolve per run
-(``sim/backend.py``): worker processes of one thread each when the machine has cores to spare
-and the run is large enough to repay starting them, else serial on one thread. Before, the
+(``sim/backend.py``): worker processes of one thread each when the machine has two cores or more
+and the run is large enough to repay starting them (how many of them train a round is then
+measured between rounds), else serial on one thread. Before, the
 default was serial on torch's own thread count: on a busy 2-core machine 12x slower.
 """
 
@@ -37,13 +38,20 @@ def test_the_default_is_auto_and_resolves_to_one_thread_workers_on_spare_cores(m
     assert (SimConfig().backend, SimConfig().threads) == ("auto", "auto")
     rt = _runtime(monkeypatch, cores=2, min_flops=0.0)
     assert (rt.backend, rt.workers, rt.threads) == ("processes", 2, 1)
+    assert rt.adaptive  # how many workers train a round is measured as the run goes
     rt = _runtime(monkeypatch, cores=1, min_flops=0.0)
-    assert (rt.backend, rt.workers, rt.threads) == ("serial", 1, 1)
-    # a busy machine (other work on all but one core): workers would only compete with it
+    assert (rt.backend, rt.workers, rt.threads, rt.adaptive) == ("serial", 1, 1, False)
+    # a busy machine (other work on all but one core): two workers, and the layout measured
+    # between rounds decides whether both train (sim/layout.py)
     rt = _runtime(monkeypatch, cores=2, spare=1, min_flops=0.0)
-    assert (rt.backend, rt.threads) == ("serial", 1)
+    assert (rt.backend, rt.workers, rt.threads, rt.adaptive) == ("processes", 2, 1, True)
     rt = _runtime(monkeypatch, cores=16, spare=3, min_flops=0.0)
     assert (rt.backend, rt.workers, rt.threads) == ("processes", 3, 1)
+    rt = _runtime(monkeypatch, cores=16, spare=0, min_flops=0.0)
+    assert (rt.backend, rt.workers, rt.adaptive) == ("processes", 2, True)
+    # an explicit worker count or explicit processes: the layout is the one asked for
+    assert not _runtime(monkeypatch, cores=2, min_flops=0.0, workers=2).adaptive
+    assert not _runtime(monkeypatch, cores=2, min_flops=0.0, backend="processes").adaptive
     # too little work to repay starting interpreters (a unit-test federation): serial
     rt = _runtime(monkeypatch, cores=8, min_flops=1e15)
     assert (rt.backend, rt.threads) == ("serial", 1)
@@ -126,7 +134,7 @@ def test_a_run_assembles_its_federation_once(monkeypatch, asked):
     import fedmosaic.experiment as experiment
     import fedmosaic.federation as federation
 
-    _machine(monkeypatch, cores=1)  # no spare core: auto chooses serial
+    _machine(monkeypatch, cores=1)  # one core: auto chooses serial
     calls: list[str] = []
     assemble = federation._assemble
 

@@ -1,0 +1,127 @@
+"""How many of the worker processes train a round, chosen by measurement between rounds.
+
+With ``sim.backend = "auto"`` the process backend starts one worker per core. When other work
+holds cores, the workers share them with it, and a round waits for its slowest worker. Whether
+all workers, fewer, or one (the serial layout, in a worker) then finish a round first depends on
+the other work, so :class:`LayoutChooser` measures it:
+
+- After every ``fit`` it records the round's rate (the clients' estimated training FLOPs over the
+  fit's wall time, client moves included), each worker's CPU share during the fit (its CPU time
+  over its wall time: under 1 when another task ran on its core) and the idle cores of the
+  machine over the fit.
+- It **probes** (one round on each other candidate, then keeps the fastest) when a worker's share
+  fell below ``contended`` (another task holds a core) or, while fewer than all workers run, when
+  at least half a core sat idle (the other work has gone); while either condition lasts it
+  probes again every ``recheck`` rounds. A quiet machine never probes, so it pays nothing.
+- The first fit (workers warming up, clients being built) is not measured.
+
+Which worker trains a client changes only where it runs: every client's work is a pure function
+of its state, its message and its own streams on one thread, so the numbers are the same on any
+layout (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+
+def candidates(workers: int) -> list[int]:
+    """Active-worker counts worth measuring, largest first: all, half (from 4 workers), one."""
+    return sorted({workers, max(1, (workers + 1) // 2) if workers >= 4 else workers, 1})[::-1]
+
+
+@dataclass
+class LayoutChooser:
+    """The active-worker count for each ``fit`` (:meth:`choose`), from what the previous fits
+    measured (:meth:`record`)."""
+
+    workers: int
+    recheck: int = 20  # rounds under contention before the other layouts are measured again
+    contended: float = 0.85  # a worker's CPU share below this: another task shares its core
+    min_gap: int = 3  # fits between two probes at least
+    active: int = field(init=False)
+    log: list[dict[str, object]] = field(init=False, default_factory=list)
+    _rates: dict[int, float] = field(init=False, default_factory=dict)
+    _queue: list[int] = field(init=False, default_factory=list)  # layouts left to probe
+    _fits: int = field(init=False, default=0)
+    _probed_at: int = field(init=False, default=-(10**9))
+    _why: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        self.active = self.workers
+
+    def choose(self) -> int:
+        """How many workers train the next fit."""
+        return self._queue[0] if self._queue else self.active
+
+    def record(self, flops: float, seconds: float, shares: list[float], idle: float) -> None:
+        """What the fit just done measured: its clients' FLOPs, its wall seconds, each active
+        worker's CPU share, the machine's idle cores over it."""
+        self._fits += 1
+        if self._fits == 1 or seconds <= 0 or flops <= 0:
+            return  # the warm-up fit says nothing about the layout
+        ran = self.choose()
+        rate = flops / seconds
+        self._rates[ran] = rate
+        if self._queue:
+            self._queue.pop(0)
+            if not self._queue:  # every candidate measured under the same conditions: pick
+                best = max(self._rates, key=lambda k: self._rates[k])
+                self._set(best, f"fastest measured ({self._rate_words()})")
+            return
+        if self.workers == 1:
+            return
+        why = self._trigger(shares, idle)
+        if why:
+            self._queue = [k for k in candidates(self.workers) if k != self.active]
+            self._rates = {self.active: rate}
+            self._probed_at = self._fits
+            self._why = why
+
+    def _trigger(self, shares: list[float], idle: float) -> str:
+        """Why the other layouts should be measured now ("" if they should not)."""
+        since = self._fits - self._probed_at
+        if since < self.min_gap:
+            return ""
+        due = since >= self.recheck
+        share = min(shares) if shares else 1.0
+        if self.active == self.workers:
+            if share < self.contended and due:
+                return f"a worker had {share:.0%} of its core"
+            return ""
+        if idle >= 0.5:
+            return f"{idle:.1f} idle core(s) on {self.active} worker(s)"
+        if due:
+            return f"{self.recheck} rounds on {self.active} worker(s)"
+        return ""
+
+    def _set(self, active: int, why: str) -> None:
+        self.active = active
+        self.log.append({"fit": self._fits + 1, "workers": active, "why": f"{self._why}: {why}"})
+
+    def _rate_words(self) -> str:
+        return ", ".join(
+            f"{k} worker(s) {self._rates[k] / 1e9:.1f} GFLOP/s" for k in sorted(self._rates)
+        )
+
+
+def idle_cores() -> tuple[float, float] | None:
+    """Idle time of this process's cores so far (seconds summed over them) and now; ``None``
+    where ``/proc/stat`` cannot be read. The difference of two readings over the wall time
+    between them is the number of cores that sat idle."""
+    try:
+        mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        ticks = os.sysconf("SC_CLK_TCK")
+        idle = 0
+        with open("/proc/stat") as fh:
+            for line in fh:
+                parts = line.split()
+                if parts and parts[0] in mine:
+                    idle += int(parts[4]) + int(parts[5])  # idle + iowait
+        return idle / ticks, time.perf_counter()
+    except (OSError, ValueError, AttributeError, IndexError):
+        return None

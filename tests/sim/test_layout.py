@@ -1,0 +1,139 @@
+"""The layout chooser: how many workers train a round, measured between rounds under load.
+
+The chooser is fed synthetic measurements (the rate of a fit, each worker's CPU share, the idle
+cores); the transport test switches layouts every round and checks the numbers stay serial's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers.experiments import numbers, tiny_raw
+
+from fedmosaic.config import from_dict
+from fedmosaic.experiment import run_experiment
+from fedmosaic.sim import backend, layout, processes
+from fedmosaic.sim.layout import LayoutChooser, candidates
+
+QUIET = [0.98, 0.97]
+
+
+def feed(ch: LayoutChooser, rate_of: dict[int, float], shares=QUIET, idle=0.0, n=1) -> list[int]:
+    """``n`` fits at the chooser's layouts; each takes 1 s per rate unit. Returns the layouts."""
+    ran = []
+    for _ in range(n):
+        k = ch.choose()
+        ran.append(k)
+        ch.record(rate_of[k], 1.0, list(shares)[:k], idle)
+    return ran
+
+
+def test_candidates_are_all_half_and_one_worker():
+    assert candidates(1) == [1]
+    assert candidates(2) == [2, 1]
+    assert candidates(3) == [3, 1]
+    assert candidates(8) == [8, 4, 1]
+    assert candidates(5) == [5, 3, 1]
+
+
+def test_a_quiet_machine_never_probes():
+    ch = LayoutChooser(2)
+    assert feed(ch, {2: 10.0, 1: 5.0}, n=60) == [2] * 60
+    assert ch.log == []
+
+
+def test_under_contention_one_round_on_one_worker_decides():
+    ch = LayoutChooser(2, recheck=20)
+    # fit 1 warms up, fit 2 sees a worker at 60% of its core, fit 3 is the probe on one worker
+    ran = feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.95], n=5)
+    assert ran == [2, 2, 1, 1, 1]
+    assert ch.active == 1
+    assert ch.log == [
+        {
+            "fit": 4,
+            "workers": 1,
+            "why": "a worker had 60% of its core: fastest measured "
+            "(1 worker(s) 0.0 GFLOP/s, 2 worker(s) 0.0 GFLOP/s)",
+        }
+    ]
+
+
+def test_when_all_workers_stay_faster_under_contention_they_are_kept_and_rechecked():
+    ch = LayoutChooser(2, recheck=10)
+    ran = feed(ch, {2: 12.0, 1: 8.0}, shares=[0.7, 0.7], n=30)
+    assert ran[:4] == [2, 2, 1, 2]
+    # probes again every 10 fits while the contention lasts, one round each
+    assert [i for i, k in enumerate(ran) if k == 1] == [2, 12, 22]
+    assert ch.active == 2
+
+
+def test_an_idle_core_sends_one_worker_back_to_all():
+    ch = LayoutChooser(2, recheck=50)
+    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=4)
+    assert ch.active == 1
+    # the other work is gone: a core sits idle while one worker trains
+    ran = feed(ch, {2: 18.0, 1: 9.0}, shares=[1.0], idle=0.9, n=6)
+    assert 2 in ran[:3] and ch.active == 2
+    assert ch.log[-1]["workers"] == 2 and "idle core" in str(ch.log[-1]["why"])
+
+
+def test_many_workers_probe_half_and_one():
+    ch = LayoutChooser(8)
+    ran = feed(ch, {8: 10.0, 4: 14.0, 1: 3.0}, shares=[0.5] * 8, n=6)
+    assert ran == [8, 8, 4, 1, 4, 4]
+    assert ch.active == 4
+
+
+def test_a_single_worker_has_nothing_to_choose():
+    ch = LayoutChooser(1)
+    assert feed(ch, {1: 1.0}, shares=[0.3], n=30) == [1] * 30
+    with pytest.raises(ValueError, match="workers"):
+        LayoutChooser(0)
+
+
+def test_idle_cores_reads_this_machine():
+    got = layout.idle_cores()
+    if got is None:
+        pytest.skip("no /proc/stat here")
+    idle, now = got
+    assert idle >= 0 and now > 0
+
+
+class _Alternating(LayoutChooser):
+    """Two, one, two, one workers: a client moves through the store at every fit."""
+
+    def choose(self) -> int:
+        return 2 - self._fits % 2
+
+    def record(self, flops, seconds, shares, idle) -> None:
+        # what the transport measured: one CPU share per worker that trained
+        assert flops > 0 and seconds > 0 and len(shares) == self.choose()
+        assert all(0.0 <= s <= 1.5 for s in shares) and idle >= 0.0
+        self._fits += 1
+        self.log.append({"fit": self._fits + 1, "workers": self.choose(), "why": "test"})
+
+
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_switching_layouts_every_round_keeps_serial_numbers(monkeypatch, participation):
+    args = {
+        "data": {"synthetic_shape": [1, 16, 16]},
+        "algorithm": {"name": "fedproto"},
+        "train": {"rounds": 4, "participation": participation},
+    }
+    serial = run_experiment(from_dict(tiny_raw(**args, sim={"backend": "serial", "threads": 1})))
+    monkeypatch.setattr(backend, "default_workers", lambda: 2)
+    monkeypatch.setattr(backend, "spare_cores", lambda: 1)  # another process holds a core
+    monkeypatch.setattr(backend, "MIN_PROCESS_FLOPS", 0.0)
+    monkeypatch.setattr(processes, "LayoutChooser", _Alternating)
+    doc = run_experiment(from_dict(tiny_raw(**args)), progress=False)
+    runtime = doc["provenance"]["runtime"]
+    assert (runtime["backend"], runtime["workers"], runtime["adaptive"]) == ("processes", 2, True)
+    assert [e["workers"] for e in runtime["layouts"]] == [1, 2, 1, 2]
+    assert numbers(doc) == numbers(serial)
+
+
+def test_explicit_processes_keep_their_layout(monkeypatch):
+    monkeypatch.setattr(backend, "default_workers", lambda: 2)
+    raw = tiny_raw(sim={"backend": "processes", "workers": 2}, train={"rounds": 2})
+    doc = run_experiment(from_dict(raw), progress=False)
+    assert doc["provenance"]["runtime"]["adaptive"] is False
+    assert "layouts" not in doc["provenance"]["runtime"]
