@@ -50,8 +50,9 @@ the first line after the header names the instruction sets that ran (the CPU's, 
 kernel's).
 
 ``--competing N`` then runs every workload again beside N single-threaded processes that keep a
-core busy each (one-thread matmuls): ours on worker processes and serially, and the reference,
-so the ratio with and without competition comes from one invocation.
+core busy each (one-thread matmuls): ours with the default runtime (``auto``, which measures how
+many workers train a round, and names the layouts it chose), on worker processes and serially,
+and the reference, so the ratio with and without competition comes from one invocation.
 
 Timings on a shared machine are noisy: compare the ratios of one invocation.
 """
