@@ -115,7 +115,7 @@ def run_experiment(
         # so it is not part of the run's identity; it is recorded beside the worker count.
         doc["provenance"]["runtime"] = runtime.to_dict()
         if isinstance(transport, ProcessTransport) and transport.chooser is not None:
-            # every change of layout the measurements made (fit number, workers, why)
+            # every layout decision the measurements made (fit number, workers, why)
             doc["provenance"]["runtime"]["layouts"] = list(transport.chooser.log)
         return doc
     finally:

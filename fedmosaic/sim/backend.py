@@ -121,7 +121,7 @@ def _auto_backend(fed: Federation) -> tuple[str, str, int]:
         return "serial", f"auto: ~{work / 1e9:.1f} GFLOP, too little to repay starting workers", 1
     # One worker per spare core, at least two: under load the layout is measured between rounds
     # (sim/layout.py), since whether fewer workers finish first depends on the other work (one
-    # competing process on 2 cores: 2 workers 12.6 s a round, one thread serially 18.0 s).
+    # competing process on 2 cores: 2 workers 11.2 s a round, one thread serially 15.0 s).
     n = min(cores, max(2, spare))
     return "processes", f"auto: {spare} spare of {cores} cores, ~{work / 1e9:.0f} GFLOP", n
 

@@ -10,9 +10,15 @@ the other work, so :class:`LayoutChooser` measures it:
   over its wall time: under 1 when another task ran on its core) and the idle cores of the
   machine over the fit.
 - It **probes** (one round on each other candidate, then keeps the fastest) when a worker's share
-  fell below ``contended`` (another task holds a core) or, while fewer than all workers run, when
-  at least half a core sat idle (the other work has gone); while either condition lasts it
-  probes again every ``recheck`` rounds. A quiet machine never probes, so it pays nothing.
+  fell below ``contended`` (another task holds a core; again every ``recheck`` rounds while that
+  lasts) or, while fewer than all workers run, when the idle cores rose by half a core or more
+  over the least idle seen since that layout was chosen (the other work has gone), and every
+  ``recheck`` rounds on fewer workers. On a quiet machine the workers have their cores and it
+  does not probe.
+- The rate counts estimated FLOPs, not measured seconds, because those depend on the layout:
+  with partial participation and mixed architectures the estimate misjudges a round's mix (memory-
+  bound layers), which adds noise to the comparison. A probe's round also pays for moving
+  clients through the state store, as a change of layout would.
 - The first fit (workers warming up, clients being built) is not measured.
 
 Which worker trains a client changes only where it runs: every client's work is a pure function
@@ -23,7 +29,6 @@ layout (tested).
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 
@@ -47,6 +52,7 @@ class LayoutChooser:
     _queue: list[int] = field(init=False, default_factory=list)  # layouts left to probe
     _fits: int = field(init=False, default=0)
     _probed_at: int = field(init=False, default=-(10**9))
+    _idle_base: float | None = field(init=False, default=None)  # least idle since chosen
     _why: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -93,14 +99,17 @@ class LayoutChooser:
             if share < self.contended and due:
                 return f"a worker had {share:.0%} of its core"
             return ""
-        if idle >= 0.5:
-            return f"{idle:.1f} idle core(s) on {self.active} worker(s)"
+        if self._idle_base is None or idle < self._idle_base:
+            self._idle_base = idle
+        if idle - self._idle_base >= 0.5:
+            return f"{idle - self._idle_base:.1f} more idle core(s) on {self.active} worker(s)"
         if due:
             return f"{self.recheck} rounds on {self.active} worker(s)"
         return ""
 
     def _set(self, active: int, why: str) -> None:
         self.active = active
+        self._idle_base = None
         self.log.append({"fit": self._fits + 1, "workers": active, "why": f"{self._why}: {why}"})
 
     def _rate_words(self) -> str:
@@ -109,10 +118,10 @@ class LayoutChooser:
         )
 
 
-def idle_cores() -> tuple[float, float] | None:
-    """Idle time of this process's cores so far (seconds summed over them) and now; ``None``
-    where ``/proc/stat`` cannot be read. The difference of two readings over the wall time
-    between them is the number of cores that sat idle."""
+def idle_cores() -> float | None:
+    """Idle time of this process's cores so far, in seconds summed over them; ``None`` where
+    ``/proc/stat`` cannot be read. The difference of two readings over the wall time between them
+    is the number of cores that sat idle."""
     try:
         mine = {f"cpu{c}" for c in os.sched_getaffinity(0)}
         ticks = os.sysconf("SC_CLK_TCK")
@@ -122,6 +131,6 @@ def idle_cores() -> tuple[float, float] | None:
                 parts = line.split()
                 if parts and parts[0] in mine:
                     idle += int(parts[4]) + int(parts[5])  # idle + iowait
-        return idle / ticks, time.perf_counter()
+        return idle / ticks
     except (OSError, ValueError, AttributeError, IndexError):
         return None

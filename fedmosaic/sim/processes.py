@@ -379,20 +379,22 @@ class ProcessTransport(secure.EmulatedSecureFit):
     def _place(
         self, cids: Sequence[int], cost: Sequence[float], active: int | None = None
     ) -> list[list[int]]:
-        """Held clients stay where they are (if their worker is among the first ``active``); the
-        others balance around them by cost on those workers."""
+        """Held clients stay where they are, the others balance around them by cost on the
+        active workers. With ``active`` given (``fit``, which then moves them through the store),
+        clients held by a worker beyond the first ``active`` count as not held."""
+        keep = self.workers if active is None else active
         active = self.active if active is None else active
         groups: list[list[int]] = [[] for _ in range(self.workers)]
-        loads = [0.0] * active
+        loads = [0.0] * self.workers
         free = []
         for cid in cids:
             h = self.holder.get(cid)
-            if h is None or h >= active:
+            if h is None or h >= keep:
                 free.append(cid)
             else:
                 groups[h].append(cid)
                 loads[h] += cost[cid]
-        for w, extra in enumerate(assign(free, cost, active, loads)):
+        for w, extra in enumerate(assign(free, cost, active, loads[:active])):
             groups[w] += extra
         return groups
 
@@ -474,7 +476,7 @@ class ProcessTransport(secure.EmulatedSecureFit):
                 self.holder.pop(cid, None)
         if self.chooser is not None:
             seconds, after = time.perf_counter() - start, idle_cores()
-            spare = (after[0] - idle[0]) / seconds if idle and after else 0.0
+            spare = (after - idle) / seconds if idle is not None and after is not None else 0.0
             changes = len(self.chooser.log)
             self.chooser.record(sum(self.fit_costs[c] for c in cids), seconds, shares, spare)
             if len(self.chooser.log) > changes:
