@@ -648,7 +648,7 @@ def under_load(
 ) -> None:
     """Each workload again while ``competing`` single-threaded processes hold cores: ours with
     the default runtime (``sim.backend = "auto"``, which measures its layout between rounds: at
-    least 5 rounds, the last timed, so the measured layout is the one timed), on worker processes
+    least 6 rounds, the last timed, so the measured layout is the one timed), on worker processes
     (one per core) and serially (one process, one thread), and the reference loop; seconds per
     round and the ratios, beside the unloaded run printed above (the same invocation)."""
     procs = [
@@ -665,7 +665,7 @@ def under_load(
             auto = run_ours(
                 {
                     **raw,
-                    "train": {**raw["train"], "rounds": max(rounds, 5)},
+                    "train": {**raw["train"], "rounds": max(rounds, 6)},
                     "sim": {"progress": False},
                 }
             )

@@ -5,20 +5,21 @@ holds cores, the workers share them with it, and a round waits for its slowest w
 all workers, fewer, or one (the serial layout, in a worker) then finish a round first depends on
 the other work, so :class:`LayoutChooser` measures it:
 
-- After every ``fit`` it records the round's rate (the clients' estimated training FLOPs over the
-  fit's wall time, client moves included), each worker's CPU share during the fit (its CPU time
+- After every ``fit`` it records the round's rate (the clients' estimated cost, forward FLOPs x
+  examples, over the fit's wall time, client moves included), each worker's CPU share during the fit (its CPU time
   over its wall time: under 1 when another task ran on its core) and the idle cores of the
   machine over the fit.
-- It **probes** (one round on each other candidate, then keeps the fastest) when a worker's share
-  fell below ``contended`` (another task holds a core; again every ``recheck`` rounds while that
-  lasts) or, while fewer than all workers run, when the idle cores rose by half a core or more
-  over the least idle seen since that layout was chosen (the other work has gone), and every
-  ``recheck`` rounds on fewer workers. On a quiet machine the workers have their cores and it
-  does not probe.
+- It **probes** (each other candidate for one untimed round, which moves the clients, then
+  ``probe_rounds`` timed rounds; then it keeps the layout with the highest mean rate, the current
+  one's over its last ``keep`` rounds) when a worker's share fell below ``contended`` (another
+  task holds a core) or, while fewer than all workers run, when the idle cores rose by half a
+  core or more over the least idle seen since that layout was chosen (the other work has gone).
+  While contention lasts it probes again after ``recheck`` rounds, twice as long after each
+  probe that keeps the layout (at most 8x), back to ``recheck`` after a change. On a quiet
+  machine the workers have their cores and it does not probe.
 - The rate counts estimated FLOPs, not measured seconds, because those depend on the layout:
-  with partial participation and mixed architectures the estimate misjudges a round's mix (memory-
-  bound layers), which adds noise to the comparison. A probe's round also pays for moving
-  clients through the state store, as a change of layout would.
+  with partial participation and mixed architectures the estimate misjudges a round's mix
+  (memory-bound layers), which adds noise to the comparison.
 - The first fit (workers warming up, clients being built) is not measured.
 
 Which worker trains a client changes only where it runs: every client's work is a pure function
@@ -46,23 +47,32 @@ class LayoutChooser:
     recheck: int = 20  # rounds under contention before the other layouts are measured again
     contended: float = 0.85  # a worker's CPU share below this: another task shares its core
     min_gap: int = 3  # fits between two probes at least
+    probe_rounds: int = 2  # rounds each other layout is timed for (one round is noisy under load)
+    keep: int = 3  # the current layout's rate: the mean of its last this many rounds
     active: int = field(init=False)
     log: list[dict[str, object]] = field(init=False, default_factory=list)
-    _rates: dict[int, float] = field(init=False, default_factory=dict)
-    _queue: list[int] = field(init=False, default_factory=list)  # layouts left to probe
+    _rates: dict[int, list[float]] = field(init=False, default_factory=dict)  # recent, per layout
+    # layouts left to probe, and whether the round is timed: a layout's first round moves clients
+    # to the workers it adds or drops, a one-off cost a change pays once, not every round
+    _queue: list[tuple[int, bool]] = field(init=False, default_factory=list)
+    _interval: int = field(init=False, default=0)  # rounds until the next recheck (backs off)
     _fits: int = field(init=False, default=0)
     _probed_at: int = field(init=False, default=-(10**9))
     _idle_base: float | None = field(init=False, default=None)  # least idle since chosen
     _why: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.workers < 1 or self.probe_rounds < 1 or self.keep < 1:
+            raise ValueError(
+                f"workers, probe_rounds and keep must be at least 1, got {self.workers}, "
+                f"{self.probe_rounds}, {self.keep}"
+            )
         self.active = self.workers
+        self._interval = self.recheck
 
     def choose(self) -> int:
         """How many workers train the next fit."""
-        return self._queue[0] if self._queue else self.active
+        return self._queue[0][0] if self._queue else self.active
 
     def record(self, flops: float, seconds: float, shares: list[float], idle: float) -> None:
         """What the fit just done measured: its clients' FLOPs, its wall seconds, each active
@@ -70,21 +80,29 @@ class LayoutChooser:
         self._fits += 1
         if self._fits == 1 or seconds <= 0 or flops <= 0:
             return  # the warm-up fit says nothing about the layout
-        ran = self.choose()
-        rate = flops / seconds
-        self._rates[ran] = rate
+        ran, timed = self._queue[0] if self._queue else (self.active, True)
+        if timed:
+            self._rates[ran] = (self._rates.get(ran, []) + [flops / seconds])[-self.keep :]
         if self._queue:
             self._queue.pop(0)
             if not self._queue:  # every candidate measured under the same conditions: pick
-                best = max(self._rates, key=lambda k: self._rates[k])
-                self._set(best, f"fastest measured ({self._rate_words()})")
+                mean = {k: sum(r) / len(r) for k, r in self._rates.items()}
+                best = max(mean, key=lambda k: mean[k])
+                words = ", ".join(
+                    f"{k} worker(s) {mean[k] / mean[self.active]:.2f}" for k in sorted(mean)
+                )
+                # the same layout again: the conditions hold, so recheck less often
+                again = min(2 * self._interval, 8 * self.recheck)
+                self._interval = self.recheck if best != self.active else again
+                self._set(best, f"fastest measured (rate against {self.active}: {words})")
             return
         if self.workers == 1:
             return
         why = self._trigger(shares, idle)
         if why:
-            self._queue = [k for k in candidates(self.workers) if k != self.active]
-            self._rates = {self.active: rate}
+            others = [k for k in candidates(self.workers) if k != self.active]
+            self._queue = [(k, i > 0) for k in others for i in range(self.probe_rounds + 1)]
+            self._rates = {self.active: self._rates[self.active]}  # the others measured afresh
             self._probed_at = self._fits
             self._why = why
 
@@ -93,7 +111,7 @@ class LayoutChooser:
         since = self._fits - self._probed_at
         if since < self.min_gap:
             return ""
-        due = since >= self.recheck
+        due = since >= self._interval
         share = min(shares) if shares else 1.0
         if self.active == self.workers:
             if share < self.contended and due:
@@ -104,18 +122,14 @@ class LayoutChooser:
         if idle - self._idle_base >= 0.5:
             return f"{idle - self._idle_base:.1f} more idle core(s) on {self.active} worker(s)"
         if due:
-            return f"{self.recheck} rounds on {self.active} worker(s)"
+            return f"{since} rounds on {self.active} worker(s)"
         return ""
 
     def _set(self, active: int, why: str) -> None:
         self.active = active
         self._idle_base = None
+        self._rates = {active: self._rates[active]}
         self.log.append({"fit": self._fits + 1, "workers": active, "why": f"{self._why}: {why}"})
-
-    def _rate_words(self) -> str:
-        return ", ".join(
-            f"{k} worker(s) {self._rates[k] / 1e9:.1f} GFLOP/s" for k in sorted(self._rates)
-        )
 
 
 def idle_cores() -> float | None:

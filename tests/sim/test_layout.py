@@ -41,48 +41,62 @@ def test_a_quiet_machine_never_probes():
     assert ch.log == []
 
 
-def test_under_contention_one_round_on_one_worker_decides():
+def test_under_contention_two_rounds_on_one_worker_decide():
     ch = LayoutChooser(2, recheck=20)
-    # fit 1 warms up, fit 2 sees a worker at 60% of its core, fit 3 is the probe on one worker
-    ran = feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.95], n=5)
-    assert ran == [2, 2, 1, 1, 1]
+    # fit 1 warms up, fit 2 sees a worker at 60% of its core, fit 3 moves the clients to one
+    # worker (untimed), fits 4-5 time it
+    ran = feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.95], n=7)
+    assert ran == [2, 2, 1, 1, 1, 1, 1]
     assert ch.active == 1
     assert ch.log == [
         {
-            "fit": 4,
+            "fit": 6,
             "workers": 1,
             "why": "a worker had 60% of its core: fastest measured "
-            "(1 worker(s) 0.0 GFLOP/s, 2 worker(s) 0.0 GFLOP/s)",
+            "(rate against 2: 1 worker(s) 1.50, 2 worker(s) 1.00)",
         }
     ]
 
 
+def test_the_decision_takes_means_not_one_noisy_round():
+    def run(probe_rounds: int) -> int:
+        ch = LayoutChooser(2, recheck=50, probe_rounds=probe_rounds)
+        # fit 1 warms up; fit 2 on two workers (rate 10, a worker at 60%: probe); then one
+        # worker: its untimed first round (1), a lucky round at 13, then 5
+        for rate in (10.0, 10.0, 1.0, 13.0, 5.0)[: 3 + probe_rounds]:
+            ch.record(rate, 1.0, [0.6] * ch.choose(), 0.0)
+        return ch.active
+
+    assert run(probe_rounds=1) == 1  # one round: fooled by the lucky one
+    assert run(probe_rounds=2) == 2  # the mean of two (9) stays below two workers' 10
+
+
 def test_when_all_workers_stay_faster_under_contention_they_are_kept_and_rechecked():
-    ch = LayoutChooser(2, recheck=10)
-    ran = feed(ch, {2: 12.0, 1: 8.0}, shares=[0.7, 0.7], n=30)
-    assert ran[:4] == [2, 2, 1, 2]
-    # probes again every 10 fits while the contention lasts, one round each
-    assert [i for i, k in enumerate(ran) if k == 1] == [2, 12, 22]
+    ch = LayoutChooser(2, recheck=10, probe_rounds=1)
+    ran = feed(ch, {2: 12.0, 1: 8.0}, shares=[0.7, 0.7], n=70)
+    assert ran[:5] == [2, 2, 1, 1, 2]
+    # probed again while the contention lasts, after 10 fits, then 20, then 40 (backing off)
+    assert [i for i, k in enumerate(ran) if k == 1] == [2, 3, 22, 23, 62, 63]
     assert ch.active == 2
 
 
 def test_a_core_going_idle_sends_one_worker_back_to_all():
     ch = LayoutChooser(2, recheck=50)
-    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=4)
+    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=5)
     assert ch.active == 1
     assert feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.05, n=5) == [1] * 5
     # the other work is gone: a core sits idle while one worker trains
-    ran = feed(ch, {2: 18.0, 1: 9.0}, shares=[1.0], idle=0.95, n=3)
-    assert ran == [1, 2, 2] and ch.active == 2
+    ran = feed(ch, {2: 18.0, 1: 9.0}, shares=[1.0], idle=0.95, n=5)
+    assert ran == [1, 2, 2, 2, 2] and ch.active == 2
     assert ch.log[-1]["workers"] == 2 and "more idle core" in str(ch.log[-1]["why"])
 
 
 def test_cores_idle_all_along_do_not_keep_probing():
     # 8 workers on a bigger machine (cores idle whatever the layout) where 4 are fastest: the
     # idle level when 4 were chosen is the baseline, so the probes stop until it rises
-    ch = LayoutChooser(8, recheck=20)
+    ch = LayoutChooser(8, recheck=20, probe_rounds=1)
     ran = feed(ch, {8: 10.0, 4: 14.0, 1: 3.0}, shares=[0.5] * 8, idle=0.8, n=24)
-    assert ran[:6] == [8, 8, 4, 1, 4, 4]
+    assert ran[:8] == [8, 8, 4, 4, 1, 1, 4, 4]
     assert ran[6:22] == [4] * 16  # until the recheck is due
     ran = feed(ch, {8: 10.0, 4: 14.0, 1: 3.0}, shares=[0.5] * 8, idle=0.8, n=4)
     assert ch.active == 4
@@ -90,17 +104,17 @@ def test_cores_idle_all_along_do_not_keep_probing():
 
 def test_a_probe_that_keeps_fewer_workers_resets_the_idle_baseline():
     ch = LayoutChooser(2, recheck=100)
-    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=4)
+    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=5)
     feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.0, n=2)
     # a core goes idle, but one worker stays faster: probed once, then no more at that level
     ran = feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.7, n=12)
-    assert ran.count(2) == 1 and ch.active == 1
+    assert ran.count(2) == 3 and ch.active == 1
 
 
 def test_many_workers_probe_half_and_one():
-    ch = LayoutChooser(8)
-    ran = feed(ch, {8: 10.0, 4: 14.0, 1: 3.0}, shares=[0.5] * 8, n=6)
-    assert ran == [8, 8, 4, 1, 4, 4]
+    ch = LayoutChooser(8, probe_rounds=1)
+    ran = feed(ch, {8: 10.0, 4: 14.0, 1: 3.0}, shares=[0.5] * 8, n=8)
+    assert ran == [8, 8, 4, 4, 1, 1, 4, 4]
     assert ch.active == 4
 
 
@@ -109,6 +123,8 @@ def test_a_single_worker_has_nothing_to_choose():
     assert feed(ch, {1: 1.0}, shares=[0.3], n=30) == [1] * 30
     with pytest.raises(ValueError, match="workers"):
         LayoutChooser(0)
+    with pytest.raises(ValueError, match="probe_rounds"):
+        LayoutChooser(2, probe_rounds=0)
 
 
 def test_idle_cores_reads_this_machine():
