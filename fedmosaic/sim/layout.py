@@ -14,9 +14,11 @@ the other work, so :class:`LayoutChooser` measures it:
   one's over its last ``keep`` rounds) when a worker's share fell below ``contended`` (another
   task holds a core) or, while fewer than all workers run, when the idle cores rose by half a
   core or more over the least idle seen since that layout was chosen (the other work has gone).
-  While contention lasts it probes again after ``recheck`` rounds, twice as long after each
-  probe that keeps the layout (at most 8x), back to ``recheck`` after a change. On a quiet
-  machine the workers have their cores and it does not probe.
+  Under contention on all workers, and on fewer workers in any case, it probes again ``recheck``
+  rounds after the last probe began, twice as long after each probe that keeps the layout (at
+  most 8x), back to ``recheck`` after a change; an idle rise triggers one probe, and if the
+  layout holds the next idle probe waits for the scheduled one. On a quiet machine the workers have their cores and it does not probe; rounds
+  measured then are not part of the current layout's mean.
 - The rate counts estimated FLOPs, not measured seconds, because those depend on the layout:
   with partial participation and mixed architectures the estimate misjudges a round's mix
   (memory-bound layers), which adds noise to the comparison.
@@ -59,6 +61,7 @@ class LayoutChooser:
     _fits: int = field(init=False, default=0)
     _probed_at: int = field(init=False, default=-(10**9))
     _idle_base: float | None = field(init=False, default=None)  # least idle since chosen
+    _idle_spent: bool = field(init=False, default=False)  # an idle rise probed, layout kept
     _why: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -83,10 +86,12 @@ class LayoutChooser:
         ran, timed = self._queue[0] if self._queue else (self.active, True)
         if timed:
             self._rates[ran] = (self._rates.get(ran, []) + [flops / seconds])[-self.keep :]
+        if not self._queue and ran == self.workers and min(shares, default=1.0) >= self.contended:
+            self._rates[ran] = []  # a quiet round: not the conditions a probe compares under
         if self._queue:
             self._queue.pop(0)
             if not self._queue:  # every candidate measured under the same conditions: pick
-                mean = {k: sum(r) / len(r) for k, r in self._rates.items()}
+                mean = {k: sum(r) / len(r) for k, r in self._rates.items() if r}
                 best = max(mean, key=lambda k: mean[k])
                 words = ", ".join(
                     f"{k} worker(s) {mean[k] / mean[self.active]:.2f}" for k in sorted(mean)
@@ -109,25 +114,30 @@ class LayoutChooser:
     def _trigger(self, shares: list[float], idle: float) -> str:
         """Why the other layouts should be measured now ("" if they should not)."""
         since = self._fits - self._probed_at
-        if since < self.min_gap:
-            return ""
+        ready = since >= self.min_gap
         due = since >= self._interval
-        share = min(shares) if shares else 1.0
+        share = min(shares, default=1.0)
         if self.active == self.workers:
-            if share < self.contended and due:
+            if ready and due and share < self.contended:
                 return f"a worker had {share:.0%} of its core"
             return ""
         if self._idle_base is None or idle < self._idle_base:
             self._idle_base = idle
-        if idle - self._idle_base >= 0.5:
-            return f"{idle - self._idle_base:.1f} more idle core(s) on {self.active} worker(s)"
-        if due:
+        rise = idle - self._idle_base
+        # An idle rise is probed once; if the layout holds, the next one waits for the scheduled
+        # recheck (idle that comes and goes would otherwise probe every few rounds).
+        if ready and rise >= 0.5 and not self._idle_spent:
+            self._idle_spent = True
+            return f"{rise:.1f} more idle core(s) on {self.active} worker(s)"
+        if ready and due:
+            self._idle_spent = False
             return f"{since} rounds on {self.active} worker(s)"
         return ""
 
     def _set(self, active: int, why: str) -> None:
+        if active != self.active:  # a new layout: its own idle baseline
+            self._idle_base, self._idle_spent = None, False
         self.active = active
-        self._idle_base = None
         self._rates = {active: self._rates[active]}
         self.log.append({"fit": self._fits + 1, "workers": active, "why": f"{self._why}: {why}"})
 

@@ -17,7 +17,8 @@
   store) balanced the same way.
 - **Layout under load** (``adaptive``, what ``sim.backend = "auto"`` starts): how many of the
   workers train a round is measured between rounds (``layout.py``): when other work holds a core,
-  one round on fewer workers is timed against the current layout and the faster kept.
+  the other layouts (fewer workers, or all again) are timed for a few rounds each against the
+  current one and the fastest kept.
 - **Memory scales with participation**: with partial participation a worker keeps only the
   clients of its last ``fit`` live; everyone else lives in the store (disk files, page cache),
   and evaluation borrows a spare module per architecture.

@@ -102,13 +102,63 @@ def test_cores_idle_all_along_do_not_keep_probing():
     assert ch.active == 4
 
 
-def test_a_probe_that_keeps_fewer_workers_resets_the_idle_baseline():
+def test_an_idle_rise_is_probed_once_not_every_round_it_lasts():
     ch = LayoutChooser(2, recheck=100)
     feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=5)
     feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.0, n=2)
     # a core goes idle, but one worker stays faster: probed once, then no more at that level
     ran = feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.7, n=12)
     assert ran.count(2) == 3 and ch.active == 1
+
+
+def test_rechecks_back_off_to_eight_times_and_reset_after_a_change():
+    ch = LayoutChooser(2, recheck=2, probe_rounds=1, min_gap=1)
+    ran = feed(ch, {2: 12.0, 1: 8.0}, shares=[0.7, 0.7], n=80)
+    starts = [i for i in range(1, 80) if ran[i] == 1 and ran[i - 1] == 2]
+    # the first probe is at once; each that keeps the layout doubles the wait: 4, 8, then 16
+    assert [b - a for a, b in zip(starts, starts[1:])][:5] == [4, 8, 16, 16, 16]
+    # one worker becomes the faster: after the change the recheck is 2 rounds again, and on
+    # fewer workers it stays on schedule with no contention in sight (shares 1.0)
+    ch2 = LayoutChooser(2, recheck=2, probe_rounds=1, min_gap=1)
+    ran = feed(ch2, {2: 6.0, 1: 9.0}, shares=[0.7, 0.7], n=4)  # probe at fit 2, change at 4
+    assert ran == [2, 2, 1, 1] and ch2.active == 1
+    ran = feed(ch2, {2: 6.0, 1: 9.0}, shares=[1.0], n=6)
+    assert ran[:3] == [1, 2, 2]  # 2 rounds after the last probe began: probed again
+
+
+def test_the_current_layout_is_judged_on_its_last_rounds_under_contention():
+    def run(keep: int, quiet_first: bool) -> int:
+        ch = LayoutChooser(2, recheck=4, probe_rounds=1, keep=keep, min_gap=1)
+        if quiet_first:  # 10 quiet rounds at a high rate: not the conditions of the probe
+            feed(ch, {2: 10.0, 1: 5.0}, shares=[1.0, 1.0], n=10)
+        else:
+            feed(ch, {2: 10.0, 1: 7.0}, shares=[0.6, 0.6], n=4)  # probed once: two kept
+            assert ch.active == 2
+            feed(ch, {2: 10.0, 1: 7.0}, shares=[0.6, 0.6], n=5)
+        # now a round at 4 (noise, or the other work growing), then the probe
+        feed(ch, {2: 4.0, 1: 7.0}, shares=[0.6, 0.6], n=1)
+        feed(ch, {2: 4.0, 1: 7.0}, shares=[0.6, 0.6], n=3)
+        return ch.active
+
+    assert run(keep=3, quiet_first=False) == 2  # mean of 10, 10, 4 = 8 beats 7
+    assert run(keep=1, quiet_first=False) == 1  # the last round alone: 4 loses to 7
+    assert run(keep=3, quiet_first=True) == 1  # the quiet 10s are not in the mean
+
+
+def test_idle_bouncing_around_its_baseline_does_not_probe_endlessly():
+    ch = LayoutChooser(2, recheck=1000, probe_rounds=1, min_gap=1)
+    feed(ch, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=4)
+    assert ch.active == 1
+    ran = []
+    for i in range(100):  # idle 0.2, 0.8, 0.2, ...: the other work comes and goes
+        ran += feed(ch, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.2 + 0.6 * (i % 2), n=1)
+    assert ran.count(2) == 2 and ch.active == 1  # one probe (one untimed, one timed round)
+    # a steady rise is probed once
+    ch2 = LayoutChooser(2, recheck=1000, probe_rounds=1, min_gap=1)
+    feed(ch2, {2: 6.0, 1: 9.0}, shares=[0.6, 0.6], n=4)
+    steady = feed(ch2, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.0, n=2)
+    steady += feed(ch2, {2: 6.0, 1: 9.0}, shares=[1.0], idle=0.8, n=60)
+    assert steady.count(2) == 2 and ch2.active == 1
 
 
 def test_many_workers_probe_half_and_one():
