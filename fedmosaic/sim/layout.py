@@ -6,9 +6,11 @@ all workers, fewer, or one (the serial layout, in a worker) then finish a round 
 the other work, so :class:`LayoutChooser` measures it:
 
 - After every ``fit`` it records the round's rate (the clients' estimated cost, forward FLOPs x
-  examples, over the fit's wall time, client moves included), each worker's CPU share during the fit (its CPU time
-  over its wall time: under 1 when another task ran on its core) and the idle cores of the
-  machine over the fit.
+  examples, over the fit's wall time, client moves included), each worker's share of its core
+  during the fit (1 - the time it was runnable but waiting for a CPU, from the kernel's
+  scheduler statistics: under 1 when another task ran on its core, while waiting on messages
+  does not count; its CPU time over its wall time where those are missing) and the idle cores
+  of the machine over the fit.
 - It **probes** (each other candidate for one untimed round, which moves the clients, then
   ``probe_rounds`` timed rounds; then it keeps the layout with the highest mean rate, the current
   one's over its last ``keep`` rounds) when a worker's share fell below ``contended`` (another

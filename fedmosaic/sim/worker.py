@@ -80,7 +80,7 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
         host.flush(args["cids"])
         return None
     if cmd == "fit":
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, waited = time.perf_counter(), time.process_time(), _run_delay()
         msgs = host.decode_all(args["blobs"])
         flushed = host.keep_only([]) if args["offload"] else []  # last round's clients
         todo = [(cid, msgs[key]) for cid, key in args["clients"]]
@@ -90,8 +90,15 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
             if args["offload"]:  # memory per worker: one client's model, whatever the round size
                 host.flush([cid])
         flushed += [c for c, _ in args["clients"]] if args["offload"] else []
-        # this worker's share of its core over the fit (the layout chooser's contention signal)
-        share = (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+        # this worker's share of its core over the fit (the layout chooser's contention signal):
+        # 1 - the time it was runnable but kept off a CPU by other tasks (the kernel's run delay;
+        # waiting on messages or the disk is not contention), else CPU time over wall time
+        wall = max(time.perf_counter() - wall, 1e-9)
+        after = _run_delay()
+        if waited is not None and after is not None:
+            share = 1.0 - (after - waited) / wall
+        else:
+            share = (time.process_time() - cpu) / wall
         return flushed, share
     if cmd == "eval":
         msgs = host.decode_all(args["blobs"])
@@ -119,6 +126,16 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
     if cmd == "rss":
         return _peak_rss_bytes()
     raise ValueError(f"unknown worker command {cmd!r}")
+
+
+def _run_delay() -> float | None:
+    """Seconds this process's main thread has spent runnable but waiting for a CPU
+    (``/proc/self/schedstat``, Linux with scheduler statistics); ``None`` elsewhere."""
+    try:
+        with open("/proc/self/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _peak_rss_bytes() -> int:
