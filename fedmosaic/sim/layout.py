@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 def candidates(workers: int) -> list[int]:
     """Active-worker counts worth measuring, largest first: all, half (from 4 workers), one."""
-    return sorted({workers, max(1, (workers + 1) // 2) if workers >= 4 else workers, 1})[::-1]
+    half = {(workers + 1) // 2} if workers >= 4 else set()
+    return sorted({workers, 1} | half, reverse=True)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LayoutChooser:
 
     def record(self, flops: float, seconds: float, shares: list[float], idle: float) -> None:
         """What the fit just done measured: its clients' FLOPs, its wall seconds, each active
-        worker's CPU share, the machine's idle cores over it."""
+        worker's share of its core (:func:`run_delay`), the machine's idle cores over it."""
         self._fits += 1
         if self._fits == 1 or seconds <= 0 or flops <= 0:
             return  # the warm-up fit says nothing about the layout
@@ -159,4 +160,15 @@ def idle_cores() -> float | None:
                     idle += int(parts[4]) + int(parts[5])  # idle + iowait
         return idle / ticks
     except (OSError, ValueError, AttributeError, IndexError):
+        return None
+
+
+def run_delay() -> float | None:
+    """Seconds this process's main thread has spent runnable but waiting for a CPU
+    (``/proc/self/schedstat``, Linux with scheduler statistics); ``None`` elsewhere. Over a fit,
+    one minus its growth over the wall time is a worker's share of its core."""
+    try:
+        with open("/proc/self/schedstat") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
         return None

@@ -428,7 +428,10 @@ class ProcessTransport(secure.EmulatedSecureFit):
 
     # ---- Transport -------------------------------------------------------------------------
     def fit(self, round_num: int, messages: dict[int, Payload]) -> list[FitResult]:
-        start, idle = time.perf_counter(), idle_cores()
+        # the layout chooser's measurements (adaptive only): wall time and idle cores over the fit
+        start, idle = (
+            (time.perf_counter(), idle_cores()) if self.chooser is not None else (0.0, None)
+        )
         table = MessageTable(messages)
         costs = self.balance_costs()
         cids = list(messages)

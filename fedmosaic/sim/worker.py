@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fedmosaic import numerics
+from fedmosaic.sim.layout import run_delay
 from fedmosaic.sim.processes import recv, send, worker_setup
 
 
@@ -80,7 +81,7 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
         host.flush(args["cids"])
         return None
     if cmd == "fit":
-        wall, cpu, waited = time.perf_counter(), time.process_time(), _run_delay()
+        wall, cpu, waited = time.perf_counter(), time.process_time(), run_delay()
         msgs = host.decode_all(args["blobs"])
         flushed = host.keep_only([]) if args["offload"] else []  # last round's clients
         todo = [(cid, msgs[key]) for cid, key in args["clients"]]
@@ -94,7 +95,7 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
         # 1 - the time it was runnable but kept off a CPU by other tasks (the kernel's run delay;
         # waiting on messages or the disk is not contention), else CPU time over wall time
         wall = max(time.perf_counter() - wall, 1e-9)
-        after = _run_delay()
+        after = run_delay()
         if waited is not None and after is not None:
             share = 1.0 - (after - waited) / wall
         else:
@@ -126,16 +127,6 @@ def _run(host: Any, cmd: str, args: dict[str, Any], emit: Callable[[Any], None])
     if cmd == "rss":
         return _peak_rss_bytes()
     raise ValueError(f"unknown worker command {cmd!r}")
-
-
-def _run_delay() -> float | None:
-    """Seconds this process's main thread has spent runnable but waiting for a CPU
-    (``/proc/self/schedstat``, Linux with scheduler statistics); ``None`` elsewhere."""
-    try:
-        with open("/proc/self/schedstat") as fh:
-            return int(fh.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _peak_rss_bytes() -> int:
