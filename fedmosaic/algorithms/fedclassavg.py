@@ -17,8 +17,9 @@ Where we differ from the reference code (github.com/hukla/FedClassAvg), with its
   it on the first batch (where it is 0 anyway); the paper's Eq. 5 is the default.
 - SupCon: the code uses temperature 100 on unnormalized features and Khosla's code's loss scale
   ``temperature / base_temperature`` (base 0.07); reproduce with ``normalize=False,
-  temperature=100, base_temperature=0.07``. Default: the paper's SupCon (Khosla et al.), features
-  L2-normalized, temperature 0.07, scale 1.
+  temperature=100, base_temperature=0.07``. Default: the SupCon loss the paper cites (Khosla et
+  al.), features L2-normalized, scale 1, temperature 0.07 (the paper states none; 0.07 is the
+  default of Khosla et al.'s code).
 - augmentations are tensor ops (``_augment.py``): resized crop (scale 0.2-1), flip,
   brightness/contrast jitter on every image; the code's torchvision pipeline applies its
   ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` (brightness, contrast, saturation, hue) with p = 0.8 and
@@ -121,7 +122,7 @@ class FedClassAvg(SharedWeights):
     rho: float = 0.1  # proximal strength on the head's distance to the global head (paper: 0.1)
     prox: ProxForm = "l2"  # l2 (Eq. 5, unsquared) | squared (rho/2 ||.||^2) | mse (reference code)
     contrastive: bool = True  # add the SupCon loss on two augmented views (Table 4 ablation)
-    temperature: float = 0.07  # SupCon temperature (Khosla et al.; reference code: 100)
+    temperature: float = 0.07  # SupCon temperature (Khosla et al.'s code; reference code: 100)
     base_temperature: float = 0.0  # SupCon scale t/base_t; 0 -> scale 1 (reference code: 0.07)
     normalize: bool = True  # L2-normalize features inside SupCon (reference code: False)
     augment: bool = True  # augment the views; False feeds x itself (then == LG-FedAvg at rho=0)
