@@ -28,8 +28,10 @@ Which mode: ``Phi_i(X; W_i)`` is a function of the weights, the same map the pap
 to every client's weights to build ``K_bar``. Both the client's ``K_i`` (with gradient, every step)
 and the uploaded ``K_j`` are computed with the network in eval mode (:func:`rad_kernel`): BatchNorm
 normalizes the RAD with its running statistics and leaves them as training on local data alone
-leaves them (the RAD is another distribution); dropout is off. The paper's and the reference's CNNs
-have no BatchNorm and no dropout before the representation, so there this equals train mode.
+leaves them (the RAD is another distribution); dropout is off. The zoo's ``fedhenn5`` CNNs have no
+BatchNorm and no dropout, so for them this equals train mode. (The reference's CIFAR-10 CNNs apply
+Dropout(0.6) to the logits, and the CIFAR-100 ones before the penultimate output: what it aligns,
+the log-softmax after that dropout, is a train-mode quantity there.)
 
 Where we differ from the paper:
 - round 1 has no alignment term; Algorithm 2 aligns round 1 to the kernels of the initial models
@@ -60,6 +62,12 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
 - RBF kernel: ``exp(-||a_p - a_q||^2 / (2 sigma^2 m))``, ``m`` the median of the L x L squared
   distances, zero diagonal included (Kornblith et al. 2019's ``gram_rbf``; torch's lower median),
   treated as a constant in the backward pass.
+- no extra last round: the reference runs ``epochs + 1`` rounds, the last one with every client
+  and 10 local epochs each; here each client keeps the model of its last sampled round (the
+  paper describes no such round).
+- accuracy: the reference's ``test_img_local_all`` weights each client's accuracy by its test
+  examples; the suites read the paper's "average test accuracy of all clients", the unweighted
+  mean over clients (the weighted one is recorded beside it).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN,
 ``scripts/homogeneous_clients.py``): CKA on the encoder's features, CE on the head's logits (the
 reference swaps them); RAD from the public split (the reference samples the training set);
 ``eta(t) = eta0 * f(t)`` with t = 1, 2, ... (the reference's loop starts at 0, so round 1 has no
-alignment there).
+alignment there); the server weights models by training examples as Algorithm 1 (the reference's
+``lens`` are ones: a plain mean); no extra last round with every client at 10 local epochs (the
+reference's ``epochs + 1``-th).
 """
 
 from __future__ import annotations
