@@ -64,7 +64,9 @@ Where we differ from the reference code (github.com/dishamakhija/FedHeNN):
   treated as a constant in the backward pass.
 - no extra last round: the reference runs ``epochs + 1`` rounds, the last one with every client
   and 10 local epochs each; here each client keeps the model of its last sampled round (the
-  paper describes no such round).
+  paper describes no such round). ``train.finetune_epochs = 10`` comes closest: every client
+  then trains 10 epochs of its own loss against the last global kernel, reported as the
+  accuracy after fine-tuning.
 - accuracy: the reference's ``test_img_local_all`` weights each client's accuracy by its test
   examples; the suites read the paper's "average test accuracy of all clients", the unweighted
   mean over clients (the weighted one is recorded beside it).
