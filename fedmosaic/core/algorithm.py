@@ -219,8 +219,8 @@ class Algorithm(ABC, Generic[S, B, U]):
     # framing of its empty payloads (a real deployment would send no message at all)
     communicates: ClassVar[bool] = True
     # How every client model of this method reaches its width (``models.build``): None follows
-    # ``model.projection``; "none" keeps each encoder's natural width (FedHeNN: CKA compares
-    # L x L kernels, so each client aligns its own penultimate representation, no added layer)
+    # ``model.projection``; "none" keeps each encoder's natural width (FedHeNN: CKA compares L x L
+    # kernel matrices, so each client aligns its own penultimate representation, no added layer)
     model_projection: ClassVar[str | None] = None
     # Which fast paths (``fedmosaic.accel``) may compute this method's client training with the
     # same maths; none by default. Read through ``declared_acceleration`` (a subclass that

@@ -7,8 +7,8 @@ declaring its upload; nothing here is method code:
 - ``Update`` (weight-like state): the *update* ``value - ref`` is private; the client's ``ref``
   is what it received this round (its upload before training), the server's is the state it
   broadcast. Integer entries (BatchNorm's batch counters) are set to the reference's.
-- ``Rows``, ``Whole``, ``Unguarded`` floats (prototypes, class-mean logits, soft labels, kernels):
-  the value itself is private.
+- ``Rows``, ``Whole``, ``Unguarded`` floats (prototypes, class-mean logits, soft labels, kernel
+  matrices): the value itself is private.
 - The class set is data too. The protocol fixes it: per-class rows are released for *every*
   class (a class the client does not hold sends a zero row before the noise), class-id fields
   become ``arange(C)``, presence masks all true and per-class counts all one (the server's

@@ -58,7 +58,7 @@ def conv_bn_act(
     act: type[nn.Module] | None = nn.ReLU,
     eps: float = 1e-5,
 ) -> nn.Sequential:
-    """``Conv2d (no bias, 'same' padding for odd kernels) -> BatchNorm2d [-> activation]``."""
+    """``Conv2d (no bias, 'same' padding for odd kernel sizes) -> BatchNorm2d [-> activation]``."""
     layers: list[nn.Module] = [
         nn.Conv2d(in_ch, out_ch, kernel, stride, kernel // 2, groups=groups, bias=False),
         nn.BatchNorm2d(out_ch, eps=eps),
@@ -76,8 +76,8 @@ class ConvPoolReLU(nn.Sequential):
     """``Conv2d -> ToChannelsLast -> MaxPool2d(2) -> ReLU`` (the plain-CNN conv block).
 
     Without autograd (evaluation, prototype passes), a single-input-channel block runs as one
-    native op where the installed accelerator has one (``Accelerator.block_inference``:
-    ``fedmosaic.accel`` runs ``kernels.conv``'s ``SGDConvPoolReLU`` forward; HtCNN8's first
+    native op where the installed accelerator has one (``Accelerator.block_inference``, given
+    by ``fedmosaic.accel``: a fused conv, pool and ReLU forward; HtCNN8's first
     block at batch 100, one thread: 0.44 ms with AVX-512 instead of 6-10 ms through torch's
     layers); same function, sums in another order. Training takes it through
     ``accel.fused.FusedSGDLinears``. With a hook on a child (FLOP counting, user probes) the

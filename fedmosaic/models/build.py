@@ -15,7 +15,7 @@ named ``proj`` maps it there:
 - ``"pool"``: HtFLlib's parameter-free ``AdaptiveAvgPool1d(feature_dim)``.
 - ``"none"``: no projection: the model keeps its encoder's own width (``ClientModel.feature_dim`` =
   the natural dimension, so it differs across a family's members). Only for methods that never
-  compare features across clients coordinate by coordinate (FedHeNN's L x L kernels): an
+  compare features across clients coordinate by coordinate (FedHeNN's L x L kernel matrices): an
   algorithm picks it through ``Algorithm.model_projection``; ``model.projection = "none"`` is
   accepted for ``local`` only (Local on FedHeNN's own networks, the fair control of its claim).
 
