@@ -851,30 +851,39 @@ class Checkpointer:
         write_checkpoint(self.path, meta, spool)
 
 
-def for_federation(
-    fed: Federation,
-    transport: Transport,
-    checkpoint_dir: str | Path | None,
-    every: int,
-    resume: bool,
-    keep_final: bool = False,
-    extend: bool = False,
-) -> Checkpointer:
-    """The round loop's checkpoint hook: the transport reads and loads the clients wherever it
-    keeps them (a transport whose clients are out of reach raises ``ClientStatesUnavailable``
-    at the first save or restore)."""
-    if checkpoint_dir is None:
-        raise ConfigError("checkpointing needs an output folder (checkpoint_dir)")
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """A run's checkpointing, decided once by its caller (the run folder, a test): the folder
+    that holds ``checkpoint.safetensors``; a save every ``every`` rounds and after the last (0:
+    only when the run is interrupted); continuing from that file when it exists (``resume``)
+    or past a finished run's last round, its config differing only in ``train.rounds``
+    (``extend``, which resumes); keeping the state after the last round (``keep_final``)."""
+
+    folder: Path
+    every: int = 0
+    resume: bool = False
+    keep_final: bool = False
+    extend: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint every = {self.every} rounds must be >= 0")
+
+
+def for_federation(fed: Federation, transport: Transport, policy: CheckpointPolicy) -> Checkpointer:
+    """The round loop's checkpoint hook under ``policy``: the transport reads and loads the
+    clients wherever it keeps them (a transport whose clients are out of reach raises
+    ``ClientStatesUnavailable`` at the first save or restore)."""
     return Checkpointer(
-        Path(checkpoint_dir) / FILENAME,
-        every,
+        Path(policy.folder) / FILENAME,
+        policy.every,
         fed.cfg.to_dict(),
         transport.client_states,
         transport.load_client_states,
-        resume=resume,
+        resume=policy.resume or policy.extend,
         last_round=fed.plan.rounds,
-        keep_final=keep_final,
-        extend=extend,
+        keep_final=policy.keep_final,
+        extend=policy.extend,
     )
 
 

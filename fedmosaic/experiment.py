@@ -13,14 +13,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information
 
 from fedmosaic import kernels, numerics, provenance
-from fedmosaic.checkpoint import Checkpointer, for_federation, peek
+from fedmosaic.checkpoint import Checkpointer, CheckpointPolicy, for_federation, peek
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.core.rounds import Transport, run_rounds
 from fedmosaic.federation import Federation, add_clients, build_federation
@@ -53,11 +52,7 @@ def run_experiment(
     cfg: ExperimentConfig,
     progress: bool | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int = 0,
-    resume: bool = False,
-    keep_final: bool = False,
-    extend: bool = False,
+    checkpoint: CheckpointPolicy | None = None,
     trained: Trained | None = None,
 ) -> dict[str, Any]:
     """Run one experiment on the simulator and return the ``results.json`` document.
@@ -67,11 +62,9 @@ def run_experiment(
     memory) or every client's final (model, extras) state dicts (clients that lived in worker
     processes or a state store).
 
-    ``checkpoint_every=K`` writes ``checkpoint_dir/checkpoint.safetensors`` every K rounds and
-    after the last one; ``resume`` continues from that file when it exists (see
-    ``fedmosaic.checkpoint``). ``keep_final`` also writes it after the last round (the trained
-    server state and client models); ``extend`` lets ``resume`` continue a finished run whose
-    config differs only in ``train.rounds`` (more rounds now).
+    ``checkpoint`` (:class:`~fedmosaic.checkpoint.CheckpointPolicy`): where and how often the
+    run saves ``checkpoint.safetensors``, whether it continues from it (``resume``, ``extend``)
+    and keeps the state after the last round (``keep_final``); None: no checkpoint.
     """
     start = time.perf_counter()
     started = provenance.now()
@@ -94,12 +87,8 @@ def run_experiment(
         if cfg.sim.backend == "auto":
             log.info("sim.backend = auto: %s (%s)", _runtime_words(runtime), runtime.why)
         transport = make_transport(fed, runtime)
-        ckpt = None
-        if checkpoint_every > 0 or resume or checkpoint_dir is not None:
-            # With a folder but no interval the hook only writes when the run is interrupted.
-            ckpt = for_federation(
-                fed, transport, checkpoint_dir, checkpoint_every, resume, keep_final, extend
-            )
+        # With a folder but no interval the hook only writes when the run is interrupted.
+        ckpt = None if checkpoint is None else for_federation(fed, transport, checkpoint)
         history = _rounds(fed, transport, ckpt, progress, on_round, trained)
         doc = results_document(
             cfg,

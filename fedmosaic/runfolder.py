@@ -73,6 +73,7 @@ from fedmosaic.checkpoint import (
     FINAL_FILE,
     Checkpointer,
     CheckpointError,
+    CheckpointPolicy,
     config_fingerprint,
     config_hash,
 )
@@ -495,11 +496,9 @@ class RunFolder:
                 cfg,
                 progress=opts.progress,
                 on_round=each_round,
-                checkpoint_dir=self.path,
-                checkpoint_every=opts.checkpoint_every,
-                resume=opts.resume or opts.extend,
-                keep_final=opts.keep_final,
-                extend=opts.extend,
+                checkpoint=CheckpointPolicy(
+                    self.path, opts.checkpoint_every, opts.resume, opts.keep_final, opts.extend
+                ),
                 trained=trained,
             )
         except BaseException:

@@ -21,7 +21,7 @@ from torch import nn
 
 from fedmosaic import checkpoint as ck
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.checkpoint import CheckpointError, flatten_tree, restore_tree
+from fedmosaic.checkpoint import CheckpointError, CheckpointPolicy, flatten_tree, restore_tree
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.core.rounds import History
@@ -234,12 +234,12 @@ def test_sigkill_then_resume_gives_the_same_results(tmp_path: Path):
 
 def test_resume_with_another_config_fails_naming_the_key(tmp_path: Path):
     cfg = from_dict(tiny_raw(data=SMALL, train={"rounds": 2}, algorithm={"name": "local"}))
-    run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1)
+    run_experiment(cfg, progress=False, checkpoint=CheckpointPolicy(tmp_path, every=1))
     other = from_dict(
         tiny_raw(data=SMALL, train={"rounds": 2, "lr": 0.1}, algorithm={"name": "local"})
     )
     with pytest.raises(CheckpointError, match=r"train\.lr: checkpoint 0\.05, now 0\.1"):
-        run_experiment(other, progress=False, checkpoint_dir=tmp_path, resume=True)
+        run_experiment(other, progress=False, checkpoint=CheckpointPolicy(tmp_path, resume=True))
 
 
 # Every method in the registry (server states of every kind: dicts of tensors, dataclasses with
@@ -258,7 +258,7 @@ def test_interrupted_and_resumed_run_is_identical(tmp_path: Path, monkeypatch, n
     cfg = from_dict(raw)
     ref = run_experiment(cfg, progress=False)
     run_until_round(cfg, 2, tmp_path, monkeypatch)
-    got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+    got = run_experiment(cfg, progress=False, checkpoint=CheckpointPolicy(tmp_path, resume=True))
     assert _without_timing(got) == _without_timing(ref)
 
 
@@ -329,7 +329,7 @@ def test_a_forged_checkpoint_with_huge_weights_is_refused(tmp_path: Path, monkey
     save_file(tensors, str(path), metadata=header)  # digest recomputed: only the values lie
     before = path.read_bytes()
     with pytest.raises(CheckpointError, match=f"{path}: tensor '{key}' holds 1e\\+30"):
-        run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+        run_experiment(cfg, progress=False, checkpoint=CheckpointPolicy(tmp_path, resume=True))
     assert path.read_bytes() == before
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fedmosaic import api
 from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.checkpoint import CheckpointPolicy
 from fedmosaic.config import ConfigError, from_dict
 from fedmosaic.core import privacy, schema, seeding
 from fedmosaic.core.payload import Payload
@@ -262,7 +263,7 @@ def test_a_resumed_private_run_has_the_numbers_and_epsilon_of_an_uninterrupted_o
     cfg = from_dict(raw)
     ref = run_experiment(cfg, progress=False)
     run_until_round(cfg, 2, tmp_path, monkeypatch)
-    got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+    got = run_experiment(cfg, progress=False, checkpoint=CheckpointPolicy(tmp_path, resume=True))
     assert round_numbers(got) == round_numbers(ref)
     eps = [r["epsilon"] for r in ref["rounds"]]
     assert eps == sorted(eps) and got["summary"]["epsilon"] == eps[-1]

@@ -77,7 +77,7 @@ class _Stopped(Exception):
 def run_until_round(cfg: Any, last: int, checkpoint_dir: Path, monkeypatch: Any) -> None:
     """Run ``cfg`` with a checkpoint after every round and stop it dead after round ``last``
     (as a kill would): ``checkpoint_dir`` then holds that round's checkpoint."""
-    from fedmosaic.checkpoint import Checkpointer
+    from fedmosaic.checkpoint import Checkpointer, CheckpointPolicy
     from fedmosaic.experiment import run_experiment
 
     original = Checkpointer.after_round
@@ -90,7 +90,9 @@ def run_until_round(cfg: Any, last: int, checkpoint_dir: Path, monkeypatch: Any)
     with monkeypatch.context() as m:
         m.setattr(Checkpointer, "after_round", stop_after)
         with pytest.raises(_Stopped):
-            run_experiment(cfg, progress=False, checkpoint_dir=checkpoint_dir, checkpoint_every=1)
+            run_experiment(
+                cfg, progress=False, checkpoint=CheckpointPolicy(checkpoint_dir, every=1)
+            )
 
 
 def run_capped(code: str, headroom: int, timeout: float = 120) -> Any:

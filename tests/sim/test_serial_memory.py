@@ -17,7 +17,7 @@ from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.api import load_run
 from fedmosaic.api import run as api_run
-from fedmosaic.checkpoint import FILENAME
+from fedmosaic.checkpoint import FILENAME, CheckpointPolicy
 from fedmosaic.cli import main
 from fedmosaic.config import from_dict
 from fedmosaic.core.errors import ConfigError
@@ -130,10 +130,14 @@ def test_interrupted_and_resumed_offloaded_run_is_identical(
     copy.mkdir()
     shutil.copy(tmp_path / FILENAME, copy / FILENAME)
     with caplog.at_level(logging.INFO, logger="fedmosaic"):
-        got = run_experiment(cfg, progress=False, checkpoint_dir=tmp_path, resume=True)
+        got = run_experiment(
+            cfg, progress=False, checkpoint=CheckpointPolicy(tmp_path, resume=True)
+        )
         # The offloaded run's checkpoint, resumed with every client in memory: the same again.
         raw["sim"]["offload_clients"] = "off"
-        back = run_experiment(from_dict(raw), progress=False, checkpoint_dir=copy, resume=True)
+        back = run_experiment(
+            from_dict(raw), progress=False, checkpoint=CheckpointPolicy(copy, resume=True)
+        )
     assert caplog.text.count("after round 2") == 2  # both resumed
     assert numbers(got) == ref
     assert numbers(back) == ref
