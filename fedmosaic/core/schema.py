@@ -143,7 +143,8 @@ class Whole:
     """One vector compared as a whole with the other clients' values of this field (a kernel
     matrix, soft labels on public data): the peer guard's row test with the round's uploads as
     one class. Only for values whose honest scale is the same for every client (probabilities):
-    FedHeNN's kernel matrices, whose scale follows each model's width, are bounded by their schema."""
+    FedHeNN's kernel matrices, whose scale follows each model's width, are bounded by their
+    schema."""
 
 
 @dataclass(frozen=True)
