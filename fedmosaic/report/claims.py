@@ -309,6 +309,7 @@ def judge(
         seeds = []
     va, vb, vd, rounds, problems = [], [], [], [], []
     val_d, test_d, slopes_a, slopes_b = [], [], [], []
+    lost: list[tuple[str, int, int, int]] = []  # (method, seed, clients refused, clients)
     key_a, key_b = side_keys(c)
     for s in all_seeds:
         a, b = cells[(c.setting, c.method, s)], cells[(c.setting, c.baseline, s)]
@@ -324,6 +325,10 @@ def judge(
         va.append(x)
         vb.append(y)
         vd.append(x - y)
+        for name, doc in ((c.method, a), (c.baseline, b)):
+            if n := len(refused_clients(doc)):
+                total = doc.get("config", {}).get("data", {}).get("num_clients", 0)
+                lost.append((name, s, n, int(total)))
         if r is not None:
             rounds.append(r)
         if c.metric == "final" and r is not None:
@@ -377,7 +382,42 @@ def judge(
         "best_on_val": aggregate(val_d),
         "best_on_test": aggregate(test_d),
         "slopes": (_mean_or_none(slopes_a), _mean_or_none(slopes_b)),
+        "refused": lost,
     }
+
+
+def refused_clients(doc: dict[str, Any]) -> list[int]:
+    """The clients whose uploads the server refused in some round of ``doc`` (a diverged
+    client's non-finite prototypes or weights, an upload the guard or the robust rule
+    dropped): the federation went on without them, so the cell's accuracy carries them."""
+    out: set[int] = set()
+    for r in doc.get("rounds", []):
+        out.update(int(c) for c in r.get("rejected") or [])
+    return sorted(out)
+
+
+def refused(judged: Sequence[dict[str, Any]]) -> tuple[list[str], int, int]:
+    """The cells read whose federation lost clients' uploads, per method and setting ("fedtgp_mse
+    (pathological): 5 of 20 clients at seed 1"), with how many of the cells read they are."""
+    lost: dict[tuple[str, str], dict[int, tuple[int, int]]] = {}
+    cells: set[tuple[str, str, int]] = set()
+    for j in judged:
+        c = j["comparison"]
+        for s in j["seeds"]:
+            cells.update({(c.method, c.setting, s), (c.baseline, c.setting, s)})
+        for name, seed, n, total in j.get("refused", []):
+            lost.setdefault((name, c.setting), {})[seed] = (n, total)
+    out = []
+    for (name, setting), by_seed in lost.items():
+        seeds = sorted(by_seed)
+        counts = ", ".join(str(by_seed[s][0]) for s in seeds)
+        totals = {by_seed[s][1] for s in seeds}
+        of = f" of {totals.pop()}" if len(totals) == 1 and 0 not in totals else ""
+        word = "seed" if len(seeds) == 1 else "seeds"
+        out.append(
+            f"{name} ({setting}): {counts}{of} clients at {word} {', '.join(map(str, seeds))}"
+        )
+    return out, sum(len(v) for v in lost.values()), len(cells)
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
@@ -765,6 +805,9 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
             up = climbing(plan, judged)
             if up and not verdict.startswith("not run"):
                 verdict += f"; still climbing at round {plan.rounds}: {', '.join(up)}"
+            lost, n_lost, n_read = refused(judged)
+            if n_lost and not verdict.startswith("not run"):
+                verdict += f"; clients' uploads refused in {n_lost} of the {n_read} cells read"
             claims_out.append(
                 {
                     "claim": claim,
@@ -773,6 +816,7 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
                     "verdict": verdict,
                     "dates": _dates(cells, judged),
                     "hosts": _hosts(cells, judged),
+                    "refused": lost,
                 }
             )
         for group in plan.exploratory:

@@ -265,6 +265,14 @@ def claim_markdown(res: dict[str, Any]) -> list[str]:
             f"{_slopes_text(j)} | {_interval(j['best_on_val'])} / {_interval(j['best_on_test'])} |"
         )
     lines.append("")
+    lost = res.get("refused", [])
+    if lost:
+        lines += [
+            "Uploads refused (a client's non-finite prototypes or weights, or an upload the "
+            "guard or the robust rule dropped; the federation went on without it, and the "
+            "cell's accuracy counts that client): " + "; ".join(lost) + ".",
+            "",
+        ]
     return lines + hosts_markdown(res.get("hosts", []))
 
 

@@ -876,3 +876,74 @@ def test_every_plan_of_a_suite_shows_its_own_rules(tmp_path: Path) -> None:
     assert "(`fedgh_table3.toml`" in page[first:second]
     assert "(`fedgh_table3_pfedhn.toml`" in page[second:] and "portable numerics" in page[second:]
     assert page.index("#### FedGH above LG-FedAvg and FedProto on the paper's split") > second
+
+
+def test_refused_clients_are_read_from_the_rounds() -> None:
+    doc = _doc(0.5)
+    doc["rounds"] = [{"round": 1, "rejected": []}, {"round": 2, "rejected": [4]}, {"round": 3}]
+    doc["rounds"].append({"round": 4, "rejected": [4, 1]})
+    assert claims.refused_clients(doc) == [1, 4]
+    assert claims.refused_clients(_doc(0.5, [(1, 0.4)])) == []
+
+
+@pytest.mark.golden
+def test_a_diverged_committed_cell_is_named_where_its_pair_is_read() -> None:
+    """The code form's pathological seed 1 FedTGP cell (committed): five clients' uploads are
+    refused as their training diverges; judged as a comparison of its own, the pair is read and
+    the verdict line names the cell, its seed and how many clients the federation lost."""
+    cells = claims.load_cells(RESULTS / "full", "fedtgp_table10")
+    a = cells[("pathological", "fedtgp_mse", 1)]
+    assert claims.refused_clients(a) == [3, 6, 7, 11, 15]
+    assert claims.refused_clients(cells[("pathological", "fedproto_mse", 1)]) == []
+    c = Comparison("fedtgp_table10", "pathological", "fedtgp_mse", "fedproto_mse")
+    j = _one(c, {k: v for k, v in cells.items() if k[2] == 1})
+    assert j["refused"] == [("fedtgp_mse", 1, 5, 20)]
+    assert claims.refused([j]) == (["fedtgp_mse (pathological): 5 of 20 clients at seed 1"], 1, 2)
+
+
+@pytest.mark.golden
+def test_a_verdict_names_the_cells_that_lost_clients(tmp_path: Path) -> None:
+    """A plan reading the code form's pathological pair on the committed seed 1 (guard off, so
+    the refusals are invalid replies and the pair stays comparable): its verdict says which
+    cell lost how many clients; without the refusals it says nothing of the kind."""
+    path = tmp_path / "p.toml"
+    path.write_text(
+        """
+[plan]
+suite = "fedtgp_table10"
+written = "2026-01-01"
+budget = "full"
+rounds = 100
+numerics = "portable"
+primary = "final"
+
+[[claims]]
+key = "k"
+title = "FedTGP's code form above FedProto's"
+[[claims.comparisons]]
+setting = "pathological"
+method = "fedtgp_mse"
+baseline = "fedproto_mse"
+same = ["distance", "lam"]
+"""
+    )
+    plan = load_plan(path)
+    (res,) = claims.evaluate(RESULTS, [plan])["claims"]
+    (j,) = res["comparisons"]
+    assert j["seeds"] == [1] and j["problems"] == []
+    lost = "clients' uploads refused in "
+    assert res["verdict"].endswith(f"; {lost}1 of the 2 cells read")
+    page = "\n".join(claims_page.claim_markdown(res))
+    assert "the federation went on without it" in page
+    assert "fedtgp_mse (pathological): 5 of 20 clients at seed 1." in page
+    src = RESULTS / "full" / "fedtgp_table10" / "cells" / "pathological"
+    for m in ("fedtgp_mse", "fedproto_mse"):
+        doc = json.loads((src / m / "seed1" / "results.json").read_text())
+        for r in doc["rounds"]:
+            r["rejected"] = []
+        out = tmp_path / "full" / "fedtgp_table10" / "cells" / "pathological" / m / "seed1"
+        out.mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps(doc))
+    (clean,) = claims.evaluate(tmp_path, [plan])["claims"]
+    assert lost not in clean["verdict"] and clean["comparisons"][0]["seeds"] == [1]
+    assert "went on without it" not in "\n".join(claims_page.claim_markdown(clean))
