@@ -231,16 +231,24 @@ def test_a_look_not_in_the_record_is_refused() -> None:
     assert j["verdict"].startswith(claims.WAITING + ": 6 paired seeds, but the plan's record")
 
 
-def _tiny_plan(tmp_path: Path, looks: str = "", extra: str = ""):
+def _tiny_plan(
+    tmp_path: Path,
+    looks: str = "",
+    extra: str = "",
+    suite: str = "x",
+    rounds: int = 3,
+    numerics: str = "native",
+    comparison: str = 'setting = "s"\nmethod = "m"\nbaseline = "b"',
+):
     path = tmp_path / "x.toml"
     path.write_text(
         f"""
 [plan]
-suite = "x"
+suite = "{suite}"
 written = "2026-01-01"
 budget = "full"
-rounds = 3
-numerics = "native"
+rounds = {rounds}
+numerics = "{numerics}"
 primary = "final"
 {looks}
 {extra}
@@ -249,9 +257,7 @@ primary = "final"
 key = "k"
 title = "A claim"
 [[claims.comparisons]]
-setting = "s"
-method = "m"
-baseline = "b"
+{comparison}
 """
     )
     return load_plan(path)
@@ -906,28 +912,14 @@ def test_a_verdict_names_the_cells_that_lost_clients(tmp_path: Path) -> None:
     """A plan reading the code form's pathological pair on the committed seed 1 (guard off, so
     the refusals are invalid replies and the pair stays comparable): its verdict says which
     cell lost how many clients; without the refusals it says nothing of the kind."""
-    path = tmp_path / "p.toml"
-    path.write_text(
-        """
-[plan]
-suite = "fedtgp_table10"
-written = "2026-01-01"
-budget = "full"
-rounds = 100
-numerics = "portable"
-primary = "final"
-
-[[claims]]
-key = "k"
-title = "FedTGP's code form above FedProto's"
-[[claims.comparisons]]
-setting = "pathological"
-method = "fedtgp_mse"
-baseline = "fedproto_mse"
-same = ["distance", "lam"]
-"""
+    plan = _tiny_plan(
+        tmp_path,
+        suite="fedtgp_table10",
+        rounds=100,
+        numerics="portable",
+        comparison='setting = "pathological"\nmethod = "fedtgp_mse"\nbaseline = "fedproto_mse"\n'
+        'same = ["distance", "lam"]',
     )
-    plan = load_plan(path)
     (res,) = claims.evaluate(RESULTS, [plan])["claims"]
     (j,) = res["comparisons"]
     assert j["seeds"] == [1] and j["problems"] == []
