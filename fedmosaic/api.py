@@ -240,9 +240,10 @@ def run(
         with RunFolder(out, flag="out") as folder:
             start = folder.check(cfg, overwrite=overwrite, resume=resume, extend=extend)
             if start.done is not None:
-                log.info(
-                    "%s holds this configuration's finished run: kept (overwrite=True "
-                    "runs it again)",
+                # a warning, not info: a caller who expected training must not be left silent
+                log.warning(
+                    "%s holds this configuration's finished run: returned as it is, nothing "
+                    "trained (overwrite=True runs it again)",
                     folder.path,
                 )
                 return _finished(start.done, cfg, folder.path)

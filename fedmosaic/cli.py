@@ -556,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a finished run of another configuration in --out",
+        help="run again over a finished run in --out (this configuration's or another's)",
     )
     r.add_argument(
         "--checkpoint-every",
@@ -798,10 +798,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except _loop_error("Interrupted") as caught:
         stop: Any = caught  # the round loop's Interrupted (loaded lazily): saved, round_num
-        hint = "rerun the same command with --resume to continue" if stop.saved else "no checkpoint"
-        print(
-            f"interrupted after round {stop.round_num}: checkpoint written; {hint}", file=sys.stderr
+        said = (
+            "checkpoint written; rerun the same command with --resume to continue"
+            if stop.saved
+            else "no checkpoint written, nothing to resume"
         )
+        print(f"interrupted after round {stop.round_num}: {said}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         print("interrupted (nothing saved for the round in progress)", file=sys.stderr)

@@ -50,9 +50,16 @@ STAMP=.venv/.fedmosaic-installed
 WANT=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,flower-simulation,docs,privacy] into .venv"
-  # torch first and pinned exactly (constraints.txt): any looser spec would pull GBs of CUDA
-  # wheels; the package metadata only asks for a range.
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
+  # torch first, pinned exactly (constraints.txt), and its CPU build: PyPI's default Linux wheel
+  # is a CUDA build of several GB. A CPU wheel that pip's configuration already offers (a local
+  # wheel folder or mirror) is taken as it is; otherwise PyTorch's CPU index gives it.
+  if ! .venv/bin/pip install -q --disable-pip-version-check --no-index --no-deps \
+      -c constraints.txt torch 2>/dev/null; then
+    echo "setup: no local torch wheel; taking the CPU build from download.pytorch.org"
+    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt \
+      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple torch
+  fi
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch  # its dependencies
   # flower-simulation: ray, for the test of Flower's simulation runtime on a two-node Ray cluster
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,flower-simulation,docs,privacy]"
   echo "$WANT" > "$STAMP"

@@ -42,7 +42,7 @@ def _contents(folder: Path) -> dict[str, bytes]:
     }
 
 
-def test_out_writes_the_folder_the_cli_writes(tmp_path: Path):
+def test_out_writes_the_folder_the_cli_writes(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """Same config and seed: the same files, the same results.json and rounds.csv (timings and
     the provenance's clock aside), kept models that load_run reads back."""
     cfg = write_toml(tmp_path / "c.toml", _raw(train={"rounds": 2}))
@@ -66,8 +66,10 @@ def test_out_writes_the_folder_the_cli_writes(tmp_path: Path):
 
     # Its lifecycle is the CLI's: this config's finished run is kept (nothing runs again) ...
     before = (api / "results.json").read_bytes()
-    again = fm.run(cfg, out=api, on_round=lambda r: pytest.fail("ran again"))
+    with caplog.at_level("WARNING", logger="fedmosaic"):
+        again = fm.run(cfg, out=api, on_round=lambda r: pytest.fail("ran again"))
     assert again.document == a and len(again.models) == 4 and again.out == api
+    assert "finished run: returned as it is, nothing trained" in caplog.text  # not silent
     assert (api / "results.json").read_bytes() == before
     # ... another config's is refused with nothing written, unless overwrite.
     with pytest.raises(fm.ConfigError, match="another configuration"):

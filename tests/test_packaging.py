@@ -141,8 +141,11 @@ def test_metadata_installs_beside_any_torch():
     assert "==" not in torch and ">=" in torch and "<3" in torch, torch
     assert {"flower", "tracking", "hf", "dev", "docs"} <= set(project["optional-dependencies"])
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
-    setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert setup.count("-c constraints.txt") == 2  # torch first, then fedmosaic, both pinned
+    setup = (ROOT / "scripts" / "setup.sh").read_text().replace("\\\n", " ")
+    installs = [line for line in setup.splitlines() if "pip install" in line]
+    assert len(installs) == 4, installs  # torch local, torch from the CPU index, its deps, fedmosaic
+    assert all("-c constraints.txt" in line for line in installs), installs  # every one pinned
+    assert "--index-url https://download.pytorch.org/whl/cpu" in installs[1]  # never PyPI's CUDA
     assert "pyproject.toml constraints.txt" in setup  # the stamp covers the pin
 
 
