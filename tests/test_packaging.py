@@ -143,7 +143,9 @@ def test_metadata_installs_beside_any_torch():
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
     setup = (ROOT / "scripts" / "setup.sh").read_text().replace("\\\n", " ")
     installs = [line for line in setup.splitlines() if "pip install" in line]
-    assert len(installs) == 4, installs  # torch local, torch from the CPU index, its deps, fedmosaic
+    assert len(installs) == 4, (
+        installs
+    )  # torch local, torch from the CPU index, its deps, fedmosaic
     assert all("-c constraints.txt" in line for line in installs), installs  # every one pinned
     assert "--index-url https://download.pytorch.org/whl/cpu" in installs[1]  # never PyPI's CUDA
     assert "pyproject.toml constraints.txt" in setup  # the stamp covers the pin
