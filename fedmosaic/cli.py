@@ -13,7 +13,7 @@ import sys
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import fedmosaic
 from fedmosaic import numerics
@@ -276,16 +276,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # the cells' configs are checked against the registries (torch) once the suite file parsed
     from fedmosaic.suite_runner import build_cells, cell_status, run_suite
 
-    split = lambda v: [x for x in v.split(",") if x] if v else None  # noqa: E731
     cells = build_cells(
         suite,
         args.set,
         quick=args.quick,
         converged=args.converged,
         full=args.full,
-        methods=split(args.methods),
-        settings=split(args.settings),
-        seeds=[int(x) for x in split(args.seeds) or []] if args.seeds else None,
+        methods=args.methods,
+        settings=args.settings,
+        seeds=args.seeds,
         check=not args.list,  # listing needs no data
     )
     out = Path(args.out or f"runs/compare-{suite.name}")
@@ -304,7 +303,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         + (["--force"] if args.force else [])
         + (["--reuse-other-code"] if args.reuse_other_code else [])
         + [
-            f"--{k} {v}"
+            f"--{k} {','.join(map(str, v))}"
             for k, v in (
                 ("methods", args.methods),
                 ("settings", args.settings),
@@ -407,15 +406,21 @@ def format_datasets() -> str:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     cfg = _load(args.config, args.set)
+    png = None if args.png is None else Path(args.png)
+    if png is not None:  # checked before the data are read: a plot written elsewhere is no plot
+        if png.suffix.lower() != ".png" or png.is_dir():
+            raise ConfigError(f"--png {args.png!r} must name a .png file")
+        if not png.parent.is_dir():
+            raise ConfigError(f"--png {args.png!r}: the folder {str(png.parent)!r} does not exist")
     # Loading and splitting the data needs torch (the datasets are decoded into tensors and the
     # feature-shift transforms are torch ops): imported once the config passed.
     from fedmosaic.data import build_federated_data, format_histograms, plot_histograms
 
     data = build_federated_data(cfg.data, cfg.seed)
     print(format_histograms(data, args.split))
-    if args.png:
-        plot_histograms(data, args.png, args.split)
-        print(f"histogram plot written to {args.png}")
+    if png is not None:
+        plot_histograms(data, png, args.split)
+        print(f"histogram plot written to {png}")
     return 0
 
 
@@ -509,8 +514,49 @@ def _plugin_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its refusals in one line (``error: fedmosaic run: argument ...``), exit 2,
+    not the usage block first; every subcommand's parser is one too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _folder(value: str) -> str:
+    """A folder argument: an empty name would write into the current directory."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("'' names no folder")
+    return value
+
+
+def _names(value: str) -> list[str]:
+    """A comma-separated list that names something (``--methods ,`` is a mistake, not "all")."""
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{value!r} names nothing")
+    return names
+
+
+def _seeds(value: str) -> list[int]:
+    try:
+        return [int(x) for x in _names(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: seeds are integers, e.g. 0,1,2") from None
+
+
+def _count(value: str) -> int:
+    """A count >= 0 (``--checkpoint-every``)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 0")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="fedmosaic",
         description="Heterogeneous, personalized federated learning: run an experiment, compare "
         "methods on a suite, list what is registered, inspect a split, deploy on Flower.",
@@ -529,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     _set_option(r)
     r.add_argument(
         "--out",
+        type=_folder,
         help="output folder (default runs/<config>-<hash>: the same command finds it again and "
         "resumes an interrupted run there)",
     )
@@ -580,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "suite", help="suite TOML, or the name of a bundled suite (fedmosaic list suites)"
     )
-    c.add_argument("--out", help="output folder (default runs/compare-<suite>)")
+    c.add_argument("--out", type=_folder, help="output folder (default runs/compare-<suite>)")
     _set_option(c, SET_HELP + "; applied to every cell")
     c.add_argument("--quick", action="store_true", help="apply the suite's [quick] reduced budget")
     c.add_argument(
@@ -594,14 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the suite's [full] budget: the claims' cells (full data where it fits, one "
         "round count for every method)",
     )
-    c.add_argument("--methods", help="comma-separated subset of the suite's methods")
-    c.add_argument("--settings", help="comma-separated subset of the suite's settings")
-    c.add_argument("--seeds", help="comma-separated seeds (default: the suite's)")
+    c.add_argument("--methods", type=_names, help="comma-separated subset of the suite's methods")
+    c.add_argument("--settings", type=_names, help="comma-separated subset of the suite's settings")
+    c.add_argument("--seeds", type=_seeds, help="comma-separated seeds (default: the suite's)")
     c.add_argument(
         "--resume", action="store_true", help="continue interrupted cells from their checkpoints"
     )
     c.add_argument(
-        "--checkpoint-every", type=int, default=None, metavar="K", help="default: the suite's"
+        "--checkpoint-every", type=_count, default=None, metavar="K", help="default: the suite's"
     )
     c.add_argument("--force", action="store_true", help="run every cell again, cached or not")
     c.add_argument(
@@ -687,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     app_help = "write a Flower app folder that flwr run accepts"
     fa = fl_sub.add_parser("app", help=app_help, description=app_help)
     fa.add_argument("config", help="experiment TOML")
-    fa.add_argument("--out", required=True, help="app folder to write")
+    fa.add_argument("--out", required=True, type=_folder, help="app folder to write")
     _set_option(fa)
     fa.add_argument("--superlink", default="127.0.0.1:9093", help="SuperLink address host:port")
     tls = fa.add_mutually_exclusive_group()
@@ -699,7 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim_help = "run on Flower's simulation runtime (Ray): a local instance or a cluster"
     fs = fl_sub.add_parser("simulate", help=sim_help, description=sim_help)
     fs.add_argument("config", help="experiment TOML")
-    fs.add_argument("--out", required=True, help="results folder (results.json, server.log)")
+    fs.add_argument(
+        "--out", required=True, type=_folder, help="results folder (results.json, server.log)"
+    )
     _set_option(fs)
     _run_config_option(
         fs, "run config, e.g. client-num-cpus=2 client-num-gpus=0.25 ray-address=auto"

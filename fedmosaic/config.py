@@ -433,6 +433,8 @@ def from_dict(raw: dict[str, Any]) -> ExperimentConfig:
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """A TOML file as a dict; a missing or malformed file is a ConfigError naming it."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is a folder, not a file")
     if not p.is_file():
         raise ConfigError(f"{what} {str(p)!r} does not exist")
     try:
@@ -670,12 +672,10 @@ def validate_values(cfg: ExperimentConfig) -> None:
     for k, v in positive.items():
         if v < 1:
             raise ConfigError(f"{k} = {v} must be >= 1")
-    if d.partition == "dirichlet" and d.alpha <= 0:
+    if d.alpha <= 0:  # whatever the partition: a value no split can use is a mistake, not unused
         raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
     if d.quantity_alpha <= 0:
         raise ConfigError(f"data.quantity_alpha = {d.quantity_alpha} must be > 0")
-    if d.partition.startswith("quantity_") and d.quantity_labels == "dirichlet" and d.alpha <= 0:
-        raise ConfigError(f"data.alpha = {d.alpha} must be > 0")
     if d.power_law_exponent < 0:
         raise ConfigError(f"data.power_law_exponent = {d.power_law_exponent} must be >= 0")
     if not 0.0 <= d.shift_rotation <= 180.0:

@@ -119,6 +119,61 @@ def test_every_refusal_says_error_not_config_error(tmp_path: Path, capsys):
         assert "config error" not in err[0]
 
 
+def _refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``fedmosaic ARGS`` refused: exit 2 and one stderr line starting ``error:``, returned."""
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), (args, code, err)
+    return err[0]
+
+
+def test_bad_arguments_are_one_line_naming_them_and_write_nothing(tmp_path: Path, capsys):
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(algorithm={"name": "local"}))
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    app = ["flower", "app", str(cfg), "--insecure", "--out"]
+    cases = {
+        # argparse's refusals: one line, not the usage block first
+        ("verify", str(cfg), "--rounds", "abc"): "--rounds: invalid int value",
+        ("run", str(cfg), "--out", ""): "--out: '' names no folder",
+        ("compare", "fedtgp_table10", "--list", "--seeds", "a,b"): "--seeds: 'a,b'",
+        ("compare", "fedtgp_table10", "--list", "--methods", ""): "--methods: '' names nothing",
+        ("compare", "fedtgp_table10", "--list", "--settings", ","): "--settings: ',' names",
+        ("compare", "fedtgp_table10", "--list", "--checkpoint-every", "-3"): "-3 must be >= 0",
+        # a value no split can use, whatever the partition
+        ("run", str(cfg), "--set", "data.partition=iid", "--set", "data.alpha=-1"): "data.alpha",
+        ("run", str(tmp_path / "adir")): "'" + str(tmp_path / "adir") + "' is a folder, not a file",
+        ("partition", str(cfg), "--png", str(tmp_path / "adir")): "must name a .png file",
+        ("partition", str(cfg), "--png", str(tmp_path / "no" / "x.png")): "does not exist",
+        (*app, ""): "--out: '' names no folder",
+        (*app, str(tmp_path / "afile")): "is a file, not a folder",
+        (*app, str(tmp_path / "p"), "--superlink", "host:99999"): "--superlink 'host:99999'",
+    }
+    for args, said in cases.items():
+        assert said in _refused(list(args), capsys), args
+    certs = ["flower", "app", str(cfg), "--out", str(tmp_path / "p"), "--root-certificates"]
+    assert "is not a file" in _refused([*certs, str(tmp_path / "no.pem")], capsys)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["adir", "afile", "c.toml"]
+
+
+def test_flower_app_writes_only_into_a_new_empty_or_own_folder(tmp_path: Path, capsys):
+    cfg = write_toml(tmp_path / "c.toml", tiny_raw(algorithm={"name": "local"}))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "pyproject.toml").write_text("[project]\nname = 'theirs'\n")
+    app = ["flower", "app", str(cfg), "--insecure", "--out"]
+    assert "not a fedmosaic Flower app" in _refused([*app, str(theirs)], capsys)
+    assert [q.name for q in theirs.iterdir()] == ["pyproject.toml"]  # untouched
+    assert (theirs / "pyproject.toml").read_text() == "[project]\nname = 'theirs'\n"
+    ours = tmp_path / "ours"
+    assert main([*app, str(ours)]) == 0
+    assert main([*app, str(ours), "--run-config", "round-timeout=60"]) == 0  # rewritten
+    assert "round-timeout = 60" in (ours / "pyproject.toml").read_text()
+
+
 # ---- did you mean ----------------------------------------------------------------------------
 
 

@@ -38,6 +38,9 @@ def _toml_multiline(text: str) -> str:
     return "'''\n" + text + "\n'''"
 
 
+APP_MARK = 'serverapp = "fedmosaic.flower.app:server_app"'  # how an app of ours is known
+
+
 def pyproject_text(cfg: ExperimentConfig, run_config: Mapping[str, Any]) -> str:
     name = re.sub(r"[^a-z0-9]+", "-", f"fedmosaic-{cfg.algorithm['name']}".lower()).strip("-")
     lines = [
@@ -61,7 +64,7 @@ def pyproject_text(cfg: ExperimentConfig, run_config: Mapping[str, Any]) -> str:
         'publisher = "fedmosaic"',
         "",
         "[tool.flwr.app.components]",
-        'serverapp = "fedmosaic.flower.app:server_app"',
+        APP_MARK,
         'clientapp = "fedmosaic.flower.app:client_app"',
         "",
         "[tool.flwr.app.config]",
@@ -144,6 +147,24 @@ def write_app(
     unknown = sorted(set(values) - set(RUN_CONFIG))
     if unknown:
         raise ValueError(f"unknown run config keys {unknown}; known: {sorted(RUN_CONFIG)}")
+    if not str(out).strip():
+        raise ConfigError("--out '': name the app folder")
+    host, sep, port = superlink.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--superlink {superlink!r} must look like host:port (port 1-65535)")
+    if root_certificates is not None and not Path(root_certificates).is_file():
+        raise ConfigError(f"--root-certificates {root_certificates!r} is not a file")
+    # Never over files of someone else's: a folder is written into only when it is new, empty or
+    # holds an app this command wrote (its pyproject.toml names fedmosaic's components).
+    ours = out / "pyproject.toml"
+    if out.is_dir() and any(out.iterdir()):
+        if not (ours.is_file() and APP_MARK in ours.read_text(errors="replace")):
+            raise ConfigError(
+                f"--out {str(out)!r} holds files that are not a fedmosaic Flower app: "
+                "name a new or empty folder"
+            )
+    elif out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file, not a folder")
     values.setdefault("results-dir", str(out.resolve() / "results"))
     # What the ServerApp would refuse on the SuperLink is refused here, before a file is written.
     options = FlowerOptions.from_run_config(values)

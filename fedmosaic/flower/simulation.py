@@ -30,7 +30,7 @@ from flwr.simulation import run_simulation as flwr_run_simulation
 
 from fedmosaic.config import ConfigError, ExperimentConfig
 from fedmosaic.flower.app import client_app, run_server
-from fedmosaic.flower.settings import RUN_CONFIG, experiment_from_run_config
+from fedmosaic.flower.settings import RUN_CONFIG, FlowerOptions, experiment_from_run_config
 from fedmosaic.report.results import write_results
 
 RAY_NODE = "fedmosaic.ray-node"  # reply record: the Ray node whose actor ran the ClientApp
@@ -193,6 +193,11 @@ def run_simulation(run_config: Mapping[str, Any]) -> dict[str, Any]:
     if not app_config.get("results-dir"):  # as run_server would name it, known here
         stamp = time.strftime("%Y%m%d-%H%M%S")
         app_config["results-dir"] = f"runs/flower-sim-{stamp}-{cfg.algorithm['name']}"
+    # What the ServerApp would refuse is refused before Ray starts (seconds, and its warnings).
+    FlowerOptions.from_run_config(app_config)
+    results = Path(app_config["results-dir"])
+    if results.exists() and not results.is_dir():
+        raise ConfigError(f"results-dir {results} is a file, not a folder")
     done: dict[str, Any] = {}
     tally: list[_RayTally] = []
     server = ServerApp()

@@ -229,6 +229,24 @@ def test_simulation_options_refuse_what_ray_would_not_run(run_config, device, er
         SimulationOptions.from_run_config(rc).check(from_dict(raw))
 
 
+@pytest.mark.parametrize(
+    "extra, error",
+    [({"round-timeout": float("nan")}, "round-timeout"), ({}, "is a file, not a folder")],
+)
+def test_what_the_server_app_would_refuse_is_refused_before_ray_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: dict, error: str
+):
+    import fedmosaic.flower.simulation as simulation
+
+    monkeypatch.setattr(simulation, "flwr_run_simulation", lambda **kw: pytest.fail("Ray ran"))
+    results = tmp_path / "results"
+    results.write_text("a file where the results folder goes")
+    rc = simulation_run_config(from_dict(tiny_raw()), results, extra)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        simulation.run_simulation(rc)
+    assert results.read_text() == "a file where the results folder goes"
+
+
 def test_backend_config_joins_a_cluster_or_sizes_a_local_instance():
     joined = SimulationOptions(client_num_cpus=2, client_num_gpus=0.25, ray_address="10.0.0.1:6379")
     assert joined.backend_config() == {
