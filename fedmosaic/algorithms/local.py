@@ -1,7 +1,7 @@
 """Local: every client trains only on its own data; nothing is exchanged.
 
-The lower bound every personalized-FL paper reports. Messages are empty payloads (0 tensors), so
-the bytes counted are only the wire format's framing.
+The lower bound every personalized-FL paper reports. It does not communicate
+(``communicates = False``): its rounds report 0 bytes up and down, not a wire format's framing.
 """
 
 from __future__ import annotations
