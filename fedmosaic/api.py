@@ -73,7 +73,7 @@ from fedmosaic.core.registry import ALGORITHMS, DATASETS, ENCODERS, FAMILIES, PA
 from fedmosaic.data import DatasetError, ImageDataset, PartitionError
 from fedmosaic.experiment import Trained, run_experiment
 from fedmosaic.federation import Federation, build_federation, make_client
-from fedmosaic.runfolder import RunFolder, RunFolderError, RunOptions
+from fedmosaic.runfolder import RunFolder, RunFolderError, RunOptions, read_results
 
 log = logging.getLogger("fedmosaic")
 
@@ -221,6 +221,8 @@ def run(
     an interrupted run that ``resume=True`` continues. No ``results.json`` is written either way.
     """
     cfg = experiment_config(config, overrides)
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise ConfigError(f"checkpoint_every = {checkpoint_every!r}: an int, rounds between saves")
     if checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every = {checkpoint_every} must be >= 0")
     if out is None and (save_models or resume or extend or overwrite or checkpoint_every):
@@ -323,7 +325,14 @@ def load_run(
     assert restored is not None  # the file exists: restore either loads it or raises
     done, state, _, _ = restored
     doc_file = file.parent / "results.json"
-    doc = json.loads(doc_file.read_text()) if doc_file.is_file() else {}
+    doc: dict[str, Any] = {}
+    if doc_file.is_file():
+        read = read_results(doc_file)
+        if read is None:
+            raise CheckpointError(
+                f"{doc_file}: not a results document (unreadable, or not a JSON object)"
+            )
+        doc = read
     # fed's clients were built for this call alone and now hold the file's states: no copies
     models, extras = _as_evaluated(fed, fed.models, fed.extras, state, done, receive=True)
     return Result(doc, cfg, state, models, extras, done)

@@ -478,8 +478,17 @@ def experiment_config(config: Config, overrides: Sequence[str] = ()) -> Experime
     """A validated config from a TOML path, a dict of its tables, or an ``ExperimentConfig``;
     ``overrides`` are ``--set``-style ``"section.key=value"`` strings. Plugins named in it are
     imported here."""
+    if not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(
+            f"overrides = {overrides!r}: a list of 'section.key=value' strings, "
+            "e.g. ['train.rounds=3']"
+        )
     if isinstance(config, ExperimentConfig):
         config = config.to_dict()
+    if not isinstance(config, dict | str | Path):
+        raise ConfigError(
+            f"config = {config!r}: a TOML path, a dict of its tables or an ExperimentConfig"
+        )
     if isinstance(config, dict):
         return from_dict(apply_overrides(copy.deepcopy(config), list(overrides)))
     return load(config, list(overrides))

@@ -391,6 +391,12 @@ class RunFolder:
         results = self.path / RESULTS_FILE
         if results.is_file():
             doc = read_results(results)
+            if doc is None and not overwrite and not extend:
+                # not "another configuration": --overwrite would also replace the kept models
+                raise ConfigError(
+                    f"{results} is not a results document (unreadable, or not a JSON object): "
+                    f"move it away, or pass --overwrite to run again over {self.path}"
+                )
             same = doc is not None and config_hash(_config_of(doc)) == config_hash(cfg.to_dict())
             if same and not overwrite:
                 return Start(done=doc)

@@ -62,7 +62,13 @@ from torch import Tensor
 from fedmosaic import provenance
 from fedmosaic.algorithms._shared import class_means
 from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
-from fedmosaic.checkpoint import CheckpointError, config_hash, peek, read_checkpoint, restore_tree
+from fedmosaic.checkpoint import (
+    CheckpointError,
+    config_hash,
+    read_checkpoint,
+    restore_tree,
+    verify_file,
+)
 from fedmosaic.config import ConfigError, apply_overrides, from_dict
 from fedmosaic.core.registry import ALGORITHMS
 from fedmosaic.federation import Federation, build_federation, check_runs
@@ -161,9 +167,12 @@ def cell_status(out: Path, cell: Cell) -> tuple[str, dict[str, Any] | None]:
         return "to run", None
     try:
         doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        log.warning("%s is not a results document: the cell runs again", path)
         return "to run", None
-    if not isinstance(doc, dict) or config_hash(doc.get("config", {})) != cell.hash:
+    if config_hash(doc.get("config", {})) != cell.hash:
         return "to run", None
     if doc_code(doc) != provenance.code()["source_hash"]:
         return "other code", doc
@@ -206,8 +215,8 @@ def run_cell(
             log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
             ckpt.unlink()
         elif ckpt.exists():
-            try:
-                meta = peek(ckpt)
+            try:  # verified whole (digest) before its round or config decides anything
+                meta = verify_file(ckpt)
             except CheckpointError as exc:
                 raise CheckpointError(
                     f"{cell.key}: {exc} (delete it to restart this cell)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,59 @@ def test_a_non_utf8_config_names_the_file(tmp_path: Path, capsys):
     assert main(["run", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(cfg) in err[0], err
+
+
+def test_a_corrupt_results_file_is_named_not_called_another_configuration(tmp_path: Path, capsys):
+    import fedmosaic.api as fm
+    from fedmosaic.checkpoint import CheckpointError
+
+    cfg = _toml(tmp_path / "c.toml", algorithm={"name": "local"}, train={"rounds": 1})
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 0
+    models = (out / "final.safetensors").read_bytes()
+    for broken in (b"", b"not json", b"[1, 2]", b'{"config": {'):
+        (out / "results.json").write_bytes(broken)
+        capsys.readouterr()
+        assert main(["run", str(cfg), "--out", str(out), "--quiet", "--save-models"]) == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert f"{out / 'results.json'} is not a results document" in err, err
+        assert "another configuration" not in err  # --overwrite would lose the kept models
+        with pytest.raises(CheckpointError, match="results.json: not a results document"):
+            fm.load_run(out)
+        assert (out / "results.json").read_bytes() == broken
+        assert (out / "final.safetensors").read_bytes() == models
+
+
+def test_an_unreadable_rounds_table_is_written_anew_on_resume(tmp_path: Path, caplog):
+    from fedmosaic.report.sinks import CSVSink
+
+    (tmp_path / "rounds.csv").write_bytes(b"round,acc\n1,\x00\xff\xfe\n")
+    with caplog.at_level("WARNING", logger="fedmosaic"):
+        CSVSink(tmp_path, keep_rounds=1)
+    assert "is not a rounds table" in caplog.text
+    header = (tmp_path / "rounds.csv").read_text().splitlines()
+    assert len(header) == 1 and header[0].startswith("round,")
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, named",
+    [
+        ((123,), {}, "config = 123"),
+        ((None, [5]), {}, "overrides = [5]"),
+        ((None, "train.rounds=3"), {}, "overrides = 'train.rounds=3'"),
+        ((None, None), {}, "overrides = None"),
+        ((None,), {"checkpoint_every": "1"}, "checkpoint_every = '1'"),
+        ((None,), {"checkpoint_every": 1.5}, "checkpoint_every = 1.5"),
+        ((None,), {"checkpoint_every": True}, "checkpoint_every = True"),
+    ],
+)
+def test_the_api_refuses_arguments_of_the_wrong_type_by_name(
+    tmp_path: Path, args: tuple, kwargs: dict, named: str
+):
+    import fedmosaic.api as fm
+
+    raw = tiny_raw(data=SMALL, algorithm={"name": "local"}, train={"rounds": 1})
+    args = tuple(raw if a is None and i == 0 else a for i, a in enumerate(args))
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        fm.run(*args, out=tmp_path / "o", **kwargs)
+    assert not (tmp_path / "o").exists()

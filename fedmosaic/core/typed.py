@@ -117,4 +117,5 @@ def _check_finite(name: str, value: Any) -> None:
 
 
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
+    # list[int] names itself "list": its arguments say what was wrong with ["a"]
+    return str(tp) if typing.get_args(tp) else getattr(tp, "__name__", str(tp))

@@ -57,11 +57,16 @@ class CSVSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows: list[list[str]] = []
         if keep_rounds > 0 and self.path.exists():
-            with open(self.path, newline="") as fh:
-                reader = csv.reader(fh)
-                header = next(reader, None)
-                if header == list(self.columns):
-                    rows = [r for r in reader if r and r[0].isdigit() and int(r[0]) <= keep_rounds]
+            try:
+                with open(self.path, newline="", encoding="utf-8") as fh:
+                    reader = csv.reader(fh)
+                    header = next(reader, None)
+                    if header == list(self.columns):
+                        rows = [
+                            r for r in reader if r and r[0].isdigit() and int(r[0]) <= keep_rounds
+                        ]
+            except (UnicodeDecodeError, csv.Error) as exc:  # results.json keeps every round
+                log.warning("%s is not a rounds table (%s): written anew", self.path, exc)
         buf = io.StringIO(newline="")
         w = csv.writer(buf)
         w.writerow(self.columns)

@@ -259,7 +259,17 @@ def test_resume_continues_an_interrupted_grid(tmp_path: Path, monkeypatch):
     assert main([*args, "--out", str(tmp_path / "got")]) == 1  # a crash: one line, exit 1
     monkeypatch.setattr(Checkpointer, "after_round", original)
     cell = Path("cells/dir/proto/seed0")
-    assert peek(tmp_path / "got" / cell / "checkpoint.safetensors")["round"] == 1
+    ckpt = tmp_path / "got" / cell / "checkpoint.safetensors"
+    assert peek(ckpt)["round"] == 1
+    # A corrupt checkpoint is refused before its round decides anything: the rounds table stays.
+    good, rows = ckpt.read_bytes(), (tmp_path / "got" / cell / "rounds.csv").read_bytes()
+    flipped = bytearray(good)
+    flipped[-5] ^= 0xFF  # a tensor byte: the metadata still reads, the digest does not match
+    ckpt.write_bytes(bytes(flipped))
+    assert main([*args, "--out", str(tmp_path / "got"), "--resume"]) == 2
+    assert ckpt.read_bytes() == bytes(flipped)
+    assert (tmp_path / "got" / cell / "rounds.csv").read_bytes() == rows
+    ckpt.write_bytes(good)
     assert main([*args, "--out", str(tmp_path / "got"), "--resume"]) == 0
     ref = _untimed(tmp_path / "ref" / cell / "results.json")
     assert _untimed(tmp_path / "got" / cell / "results.json") == ref
