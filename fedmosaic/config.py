@@ -478,7 +478,11 @@ def experiment_config(config: Config, overrides: Sequence[str] = ()) -> Experime
     """A validated config from a TOML path, a dict of its tables, or an ``ExperimentConfig``;
     ``overrides`` are ``--set``-style ``"section.key=value"`` strings. Plugins named in it are
     imported here."""
-    if not isinstance(overrides, list | tuple) or not all(isinstance(o, str) for o in overrides):
+    if (
+        isinstance(overrides, str)
+        or not isinstance(overrides, Sequence)
+        or not all(isinstance(o, str) for o in overrides)
+    ):
         raise ConfigError(
             f"overrides = {overrides!r}: a list of 'section.key=value' strings, "
             "e.g. ['train.rounds=3']"

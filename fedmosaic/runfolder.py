@@ -389,13 +389,15 @@ class RunFolder:
         one line (ConfigError, CheckpointError, RunFolderError); see the module's step 2."""
         self.check_files()
         results = self.path / RESULTS_FILE
+        # the CLI's flag, or the API's parameter (its folders are named by a parameter: out=...)
+        again = "--overwrite" if self.flag.startswith("--") else "overwrite=True"
         if results.is_file():
             doc = read_results(results)
             if doc is None and not overwrite and not extend:
                 # not "another configuration": --overwrite would also replace the kept models
                 raise ConfigError(
                     f"{results} is not a results document (unreadable, or not a JSON object): "
-                    f"move it away, or pass --overwrite to run again over {self.path}"
+                    f"move it away, or pass {again} to run again over {self.path}"
                 )
             same = doc is not None and config_hash(_config_of(doc)) == config_hash(cfg.to_dict())
             if same and not overwrite:
@@ -406,7 +408,7 @@ class RunFolder:
                 raise ConfigError(
                     f"{self.path} holds a finished run of another configuration"
                     f"{f' ({differ})' if differ else ''}: choose another {self.flag}, or pass "
-                    "--overwrite to replace it"
+                    f"{again} to replace it"
                 )
         ckpt = self.path / CHECKPOINT_FILE
         source = None

@@ -65,6 +65,7 @@ from fedmosaic.checkpoint import FILENAME as CHECKPOINT_FILE
 from fedmosaic.checkpoint import (
     CheckpointError,
     config_hash,
+    peek,
     read_checkpoint,
     restore_tree,
     verify_file,
@@ -215,8 +216,10 @@ def run_cell(
             log.warning("%s: discarding the checkpoint of an earlier interrupted run", cell.key)
             ckpt.unlink()
         elif ckpt.exists():
-            try:  # verified whole (digest) before its round or config decides anything
-                meta = verify_file(ckpt)
+            try:  # another config's is discarded; this cell's is verified whole (digest)
+                meta = peek(ckpt)  # before its round trims the rounds table
+                if meta.get("config_hash") == cell.hash:
+                    meta = verify_file(ckpt)
             except CheckpointError as exc:
                 raise CheckpointError(
                     f"{cell.key}: {exc} (delete it to restart this cell)"

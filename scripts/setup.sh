@@ -51,15 +51,19 @@ WANT=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "setup: installing torch (constraints.txt: torch==2.13.0) and fedmosaic[dev,flower,flower-simulation,docs,privacy] into .venv"
   # torch first, pinned exactly (constraints.txt), and its CPU build: PyPI's default Linux wheel
-  # is a CUDA build of several GB. A CPU wheel that pip's configuration already offers (a local
-  # wheel folder or mirror) is taken as it is; otherwise PyTorch's CPU index gives it.
+  # is a CUDA build of several GB. A wheel in pip's find-links folders is taken as it is;
+  # otherwise PyTorch's CPU index gives it; where that is unreachable, the configured index does
+  # (with a warning: on Linux that is PyPI's CUDA build).
   if ! .venv/bin/pip install -q --disable-pip-version-check --no-index --no-deps \
       -c constraints.txt torch 2>/dev/null; then
-    echo "setup: no local torch wheel; taking the CPU build from download.pytorch.org"
-    .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt \
-      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple torch
+    echo "setup: no torch wheel in pip's find-links; taking the CPU build from download.pytorch.org"
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --retries 1 --timeout 30 \
+      -c constraints.txt --index-url https://download.pytorch.org/whl/cpu torch ||
+      echo "setup: warning: download.pytorch.org unreachable: torch from pip's configured index" \
+        "(on Linux PyPI's default wheel is a CUDA build of several GB)"
   fi
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch  # its dependencies
+  # torch's dependencies (and torch itself, where neither source above gave it)
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt torch
   # flower-simulation: ray, for the test of Flower's simulation runtime on a two-node Ray cluster
   .venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,flower,flower-simulation,docs,privacy]"
   echo "$WANT" > "$STAMP"

@@ -220,6 +220,8 @@ def test_a_corrupt_results_file_is_named_not_called_another_configuration(tmp_pa
         assert "another configuration" not in err  # --overwrite would lose the kept models
         with pytest.raises(CheckpointError, match="results.json: not a results document"):
             fm.load_run(out)
+        with pytest.raises(ConfigError, match=r"pass overwrite=True to run again"):  # the API's
+            fm.run(cfg, out=out, save_models=True)
         assert (out / "results.json").read_bytes() == broken
         assert (out / "final.safetensors").read_bytes() == models
 

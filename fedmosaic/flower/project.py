@@ -150,8 +150,11 @@ def write_app(
     if not str(out).strip():
         raise ConfigError("--out '': name the app folder")
     host, sep, port = superlink.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--superlink {superlink!r} must look like host:port (port 1-65535)")
+    bad_host = not host or (":" in host and not (host.startswith("[") and host.endswith("]")))
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"--superlink {superlink!r} must look like host:port (port 1-65535, an IPv6 host in [])"
+        )
     if root_certificates is not None and not Path(root_certificates).is_file():
         raise ConfigError(f"--root-certificates {root_certificates!r} is not a file")
     # Never over files of someone else's: a folder is written into only when it is new, empty or
@@ -174,8 +177,9 @@ def write_app(
             f"run config node-partitions: partitions {beyond} do not exist "
             f"(the federation has {cfg.data.num_clients} clients)"
         )
-    (out / ".flwr").mkdir(parents=True, exist_ok=True)
-    (out / "pyproject.toml").write_text(pyproject_text(cfg, values))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pyproject.toml").write_text(pyproject_text(cfg, values))  # first: it marks the app
+    (out / ".flwr").mkdir(exist_ok=True)
     (out / ".flwr" / "config.toml").write_text(
         flower_config_text(superlink, insecure, root_certificates)
     )
