@@ -298,8 +298,11 @@ def _run_suite(
     docs: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()
     spent: list[float] = []  # seconds of each cell run so far: the ETA's mean
+    # Each cell's status read once: running one cell changes no other's (and a cell whose results
+    # file is unreadable is reported once, not again at every ETA).
+    before = {c.key: ("to run", None) if force else cell_status(out, c) for c in cells}
     for i, cell in enumerate(cells, 1):
-        status, doc = ("to run", None) if force else cell_status(out, cell)
+        status, doc = before[cell.key]
         if status == "done" or (status == "other code" and reuse_other_code):
             note = "" if status == "done" else " (from other code: --reuse-other-code)"
             print(f"[{i}/{len(cells)}] {cell.key}: cached{note}")
@@ -316,7 +319,7 @@ def _run_suite(
             doc = run_cell(out, cell, resume, every, progress, suite.prototype_plot)
             acc = doc.get("summary", {}).get("final", {}).get("acc_weighted")
             spent.append(time.perf_counter() - t0)
-            left = sum(1 for c in cells[i:] if force or cell_status(out, c)[0] != "done")
+            left = sum(1 for c in cells[i:] if before[c.key][0] != "done")
             eta = sum(spent) / len(spent) * left
             acc_s = "-" if acc is None else f"{100 * acc:.2f}%"
             print(

@@ -142,13 +142,13 @@ def write_app(
     run_config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the app folder; ``run_config`` overrides entries of ``[tool.flwr.app.config]``."""
+    if not str(out).strip():  # before Path(): Path("") is the current directory, "."
+        raise ConfigError("--out '': name the app folder")
     out = Path(out)
     values = dict(run_config or {})
     unknown = sorted(set(values) - set(RUN_CONFIG))
     if unknown:
         raise ValueError(f"unknown run config keys {unknown}; known: {sorted(RUN_CONFIG)}")
-    if not str(out).strip():
-        raise ConfigError("--out '': name the app folder")
     host, sep, port = superlink.rpartition(":")
     bad_host = not host or (":" in host and not (host.startswith("[") and host.endswith("]")))
     if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
