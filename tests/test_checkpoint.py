@@ -417,23 +417,24 @@ class _CountedClients(Sequence[ck.ClientState]):
 def test_a_checkpoint_is_written_and_read_one_client_at_a_time(tmp_path: Path):
     """The writer keeps no client's tensors after spooling them (at most the client being copied
     and the next one, as the loop moves on), and a resume hands the clients over as read."""
-    clients = _CountedClients(40, 12345)
+    # 10 clients: each read scans the process's objects (about a second in a full test worker)
+    clients = _CountedClients(10, 12345)
     path = tmp_path / ck.FILENAME
-    cfg = {"train": {"rounds": 1}, "data": {"num_clients": 40}}
+    cfg = {"train": {"rounds": 1}, "data": {"num_clients": 10}}
     saver = ck.Checkpointer(path, 1, cfg, lambda: clients, lambda s: None)
     saver.save(1, {"w": torch.ones(3)}, History(rounds=[{"round": 1}]), [])
-    assert clients.most <= 2, clients.most  # gathering every client first would reach 40
+    assert clients.most <= 2, clients.most  # gathering every client first would reach 10
     got: list[Any] = []
 
     def set_clients(states: Sequence[ck.ClientState]) -> None:
         assert not isinstance(states, list)  # a reader, not the population in memory
-        assert len(states) == 40
+        assert len(states) == 10
         for model, extras in states:
             got.append((float(model["w"][0]), int(extras["b"][0]), model["w"].numel()))
 
     loader = ck.Checkpointer(path, 1, cfg, lambda: [], set_clients, resume=True)
     loader.restore({"w": torch.zeros(3)})
-    assert got == [(float(c), c, 12345) for c in range(40)]
+    assert got == [(float(c), c, 12345) for c in range(10)]
 
 
 def test_a_checkpoint_written_whole_by_safetensors_still_loads(tmp_path: Path):

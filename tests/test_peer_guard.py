@@ -370,7 +370,14 @@ def test_an_honest_federation_drops_nobody_and_keeps_its_numbers(name, monkeypat
         return original(v, uploads, suspects)
 
     monkeypatch.setattr(robust, "peer_screen", spy)
-    base = {"algorithm": {"name": name}, "sim": {"check_wire": False}, "train": TRAIN.get(name, {})}
+    base = {
+        "algorithm": {"name": name},
+        "sim": {"check_wire": False},
+        "train": TRAIN.get(name, {}),
+        "data": {
+            "synthetic_shape": [1, 14, 14]
+        },  # cnn1's first linear layer a quarter of 28 x 28's
+    }
     on = run_experiment(from_dict(tiny_raw(**base)), progress=False)
     off = run_experiment(from_dict(tiny_raw(**base, server={"peer_factor": 0.0})), progress=False)
     assert [r["rejected"] for r in on["rounds"]] == [[]] * len(on["rounds"])

@@ -173,7 +173,16 @@ def test_mkl_branch_is_read_back_from_mkl(env: str | None, branch: str, strict: 
     )
     got = json.loads(proc.stdout)
     assert got["branch"] == branch and got["strict"] is strict
-    assert got["auto"] not in ("off", "AUTO")  # AUTO resolves to this host's own branch
+    assert got["auto"] != "off"
+    if _intel():  # on Intel AUTO resolves to a named branch; elsewhere MKL reads back AUTO itself
+        assert got["auto"] != "AUTO"
+
+
+def _intel() -> bool:
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

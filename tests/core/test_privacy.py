@@ -173,6 +173,7 @@ def private_run(
 ) -> api.Result:
     raw = tiny_raw(
         algorithm={"name": name},
+        data={"synthetic_shape": [1, 14, 14]},  # a quarter of cnn1's first linear layer at 28 x 28
         train={"rounds": 2, **TRAIN.get(name, {}), **(train or {})},
         privacy={"mechanism": mechanism, "clip": 1.0, "noise_multiplier": 0.5, **(privacy or {})},
         sim={
