@@ -187,7 +187,8 @@ def mkl_branch() -> dict[str, Any] | None:
     Why read it back: MKL keeps a requested branch other than ``AUTO`` and ``COMPATIBLE`` only on
     Intel processors and silently runs ``AUTO`` elsewhere (its developer guide, "Specifying Code
     Branches"), so ``MKL_CBWR=AVX2`` is the AVX2 branch on an Intel host and the processor's own
-    branch on an AMD one. ``auto`` is the branch ``AUTO`` picks on this host.
+    branch on an AMD one. ``auto`` is the branch ``AUTO`` picks on this host (on an AMD EPYC MKL
+    reads back ``AUTO`` for both).
     """
     import ctypes
 

@@ -106,26 +106,35 @@ def _numerics(doc: dict[str, Any]) -> str:
     return str(doc.get("config", {}).get("sim", {}).get("numerics", "native"))
 
 
-def _arithmetic(doc: dict[str, Any]) -> tuple[str | None, str | None]:
+def _arithmetic(doc: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
     """What a portable cell's arithmetic still depends on: the CPU's vendor (MKL keeps its AVX2
-    branch on Intel processors only) and the branch MKL ran, as read back (None: not recorded)."""
+    branch on Intel processors only), the branch MKL ran, as read back, and the CPU's
+    instruction-set level (None: not recorded)."""
     prov = doc.get("provenance", {})
     host = prov.get("host", {}) if isinstance(prov, dict) else {}
     cpu_id = host.get("cpu_id", {}) if isinstance(host, dict) else {}
     num = prov.get("numerics", {}) if isinstance(prov, dict) else {}
     vendor = cpu_id.get("vendor_id") if isinstance(cpu_id, dict) else None
     mkl = num.get("mkl_branch") if isinstance(num, dict) else None
-    return vendor, (mkl.get("branch") if isinstance(mkl, dict) else None)
+    level = num.get("host_level") if isinstance(num, dict) else None
+    return vendor, (mkl.get("branch") if isinstance(mkl, dict) else None), level
 
 
 def arithmetic_problems(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Two portable cells whose hosts do other arithmetic (``docs/design.md``, "Portable
-    numerics"): made on different vendors' processors, or MKL read back on other branches."""
-    (va, ma), (vb, mb) = _arithmetic(a), _arithmetic(b)
+    numerics"): made on different vendors' processors, or MKL read back on other branches, or,
+    off Intel (where MKL reads back ``AUTO`` and runs the processor's own code), on processors of
+    two instruction-set levels."""
+    (va, ma, la), (vb, mb, lb) = _arithmetic(a), _arithmetic(b)
     if va and vb and va != vb:
         return [f"made on a {va} and a {vb} host (MKL keeps its AVX2 branch on Intel only)"]
     if ma and mb and ma != mb:
         return [f"MKL ran its {ma} branch for one cell and its {mb} branch for the other"]
+    if va and va != "GenuineIntel" and la and lb and la != lb:
+        return [
+            f"made on {va} hosts of two instruction-set levels ({la}, {lb}): off Intel MKL runs "
+            "the processor's own branch"
+        ]
     return []
 
 

@@ -782,13 +782,15 @@ def test_hosts_say_where_cells_re_run_bit_for_bit():
     [
         ("provenance.host.cpu_id.vendor_id", "GenuineIntel", "made on a GenuineIntel and a"),
         ("provenance.numerics.mkl_branch", {"branch": "AVX2"}, None),  # one side read back: ok
+        ("provenance.numerics.host_level", "avx2", "AuthenticAMD hosts of two instruction-set"),
     ],
 )
 @pytest.mark.golden
 def test_portable_cells_of_other_arithmetic_are_not_a_pair(path: str, value, expect) -> None:
     """A committed portable pair (FedTGP Table 10, practical, seed 0, both made on one AMD host):
     moving one cell to another vendor's processor makes it not comparable (MKL keeps its AVX2
-    branch on Intel only); two read-back MKL branches that differ do too."""
+    branch on Intel only); two read-back MKL branches that differ do too, and so does an AMD
+    host of another instruction-set level (off Intel MKL runs the processor's own branch)."""
     cells = claims.load_cells(RESULTS / "full", "fedtgp_table10")
     c = Comparison("fedtgp_table10", "practical", "fedtgp", "fedproto_l2", same=("distance", "lam"))
     a, b = cells[("practical", "fedtgp", 0)], cells[("practical", "fedproto_l2", 0)]
