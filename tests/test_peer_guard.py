@@ -374,9 +374,8 @@ def test_an_honest_federation_drops_nobody_and_keeps_its_numbers(name, monkeypat
         "algorithm": {"name": name},
         "sim": {"check_wire": False},
         "train": TRAIN.get(name, {}),
-        "data": {
-            "synthetic_shape": [1, 14, 14]
-        },  # cnn1's first linear layer a quarter of 28 x 28's
+        # 14 x 14 images: cnn1's first linear layer a quarter of its 28 x 28 size
+        "data": {"synthetic_shape": [1, 14, 14]},
     }
     on = run_experiment(from_dict(tiny_raw(**base)), progress=False)
     off = run_experiment(from_dict(tiny_raw(**base, server={"peer_factor": 0.0})), progress=False)
