@@ -9,15 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.experiments import TIMING, numbers, tiny_raw, write_toml
+from helpers.experiments import SMALL, TIMING, numbers, tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.cli import main
 from fedmosaic.report import sinks
 from fedmosaic.report.results import TEMP_MARK
 from fedmosaic.runfolder import LOCK_FILE
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def _raw(**sections: Any) -> dict[str, Any]:

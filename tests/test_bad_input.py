@@ -8,12 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.experiments import tiny_raw, write_toml
+from helpers.experiments import SMALL, tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.config import ConfigError, from_dict
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def _with(section: str, key: str, value) -> dict:

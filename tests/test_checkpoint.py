@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.experiments import run_until_round, tiny_raw, write_toml
+from helpers.experiments import SMALL, run_until_round, tiny_raw, write_toml
 from safetensors.torch import save_file
 from torch import nn
 
@@ -28,7 +28,6 @@ from fedmosaic.core.rounds import History
 from fedmosaic.experiment import run_experiment
 
 # Small images keep the models (and so the checkpoints) small: cnn1 on 16x16 is ~0.6M params.
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 @dataclass

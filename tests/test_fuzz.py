@@ -15,13 +15,11 @@ import re
 import typing
 
 import pytest
-from helpers.experiments import tiny_raw, write_toml
+from helpers.experiments import SMALL, tiny_raw, write_toml
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.cli import main
 from fedmosaic.config import SECTIONS, ConfigError, from_dict
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 # Bad values for a number: name -> (value, how it reads on the command line).
 BAD = {

@@ -11,12 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.experiments import tiny_raw, write_toml
+from helpers.experiments import SMALL, tiny_raw, write_toml
 
 from fedmosaic.cli import main
 from fedmosaic.core import rounds
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def _toml(path: Path, **sections) -> Path:

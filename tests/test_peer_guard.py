@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from _attack import ATTACKER, Poison, attacked_run
-from helpers.experiments import numbers, tiny_raw
+from helpers.experiments import SMALL, numbers, tiny_raw
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms._shared import SharedState
@@ -374,8 +374,7 @@ def test_an_honest_federation_drops_nobody_and_keeps_its_numbers(name, monkeypat
         "algorithm": {"name": name},
         "sim": {"check_wire": False},
         "train": TRAIN.get(name, {}),
-        # 14 x 14 images: cnn1's first linear layer a quarter of its 28 x 28 size
-        "data": {"synthetic_shape": [1, 14, 14]},
+        "data": SMALL,
     }
     on = run_experiment(from_dict(tiny_raw(**base)), progress=False)
     off = run_experiment(from_dict(tiny_raw(**base, server={"peer_factor": 0.0})), progress=False)

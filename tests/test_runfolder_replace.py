@@ -10,14 +10,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers.experiments import tiny_raw, write_toml
+from helpers.experiments import SMALL, tiny_raw, write_toml
 
 import fedmosaic.api as fm
 from fedmosaic.checkpoint import FILENAME, FINAL_FILE
 from fedmosaic.cli import main
 from fedmosaic.runfolder import FolderLock, RunFolderError
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def _raw(**train) -> dict:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.experiments import tiny_raw
+from helpers.experiments import SMALL, tiny_raw
 from torch import nn
 
 from fedmosaic import api
@@ -146,9 +146,7 @@ def test_every_method_trains_with_dpsgd_or_is_refused_with_its_reason(name):
     raw = tiny_raw(
         algorithm={"name": name},
         model={"family": "cnn1"},  # the zoo's architectures: the test above
-        # 14 x 14 images: cnn1's first linear layer a quarter of its 28 x 28 size (the per-example
-        # gradients, [batch, parameters], are the whole cost of the step)
-        data={"synthetic_shape": [1, 14, 14]},
+        data=SMALL,  # the per-example gradients, [batch, parameters], are the step's cost
         train={"rounds": 1},
         privacy={"sample_clip": 1.0, "sample_noise_multiplier": 0.5},
         sim={"check_wire": False, "progress": False, "threads": 1, "backend": "serial"},

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import pytest
 import torch
-from helpers.experiments import tiny_raw
+from helpers.experiments import SMALL, tiny_raw
 from torch import Tensor
 
 from fedmosaic import api
@@ -173,7 +173,7 @@ def private_run(
 ) -> api.Result:
     raw = tiny_raw(
         algorithm={"name": name},
-        data={"synthetic_shape": [1, 14, 14]},  # a quarter of cnn1's first linear layer at 28 x 28
+        data=SMALL,
         train={"rounds": 2, **TRAIN.get(name, {}), **(train or {})},
         privacy={"mechanism": mechanism, "clip": 1.0, "noise_multiplier": 0.5, **(privacy or {})},
         sim={

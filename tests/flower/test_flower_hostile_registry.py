@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from _attack import ATTACKER, attacked_run
-from helpers.experiments import tiny_raw
+from helpers.experiments import SMALL, tiny_raw
 
 pytest.importorskip("flwr")
 
@@ -39,8 +39,8 @@ TRAIN = {"fedclassavg": {"lr": 0.01}}
 
 def experiment(name: str) -> dict[str, Any]:
     return tiny_raw(
-        # 14 x 14 images: a quarter of cnn1's first linear layer (FedKD factorizes it every round)
-        data={"num_clients": N, "partition": "iid", "min_size": 1, "synthetic_shape": [1, 14, 14]},
+        # small images: FedKD factorizes cnn1's first linear layer every round
+        data={"num_clients": N, "partition": "iid", "min_size": 1, **SMALL},
         algorithm={"name": name},
         train={"rounds": ROUNDS, **TRAIN.get(name, {})},
         sim={"threads": 1, "check_wire": False, "progress": False},

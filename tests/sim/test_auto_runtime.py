@@ -10,7 +10,7 @@ default was serial on torch's own thread count: on a busy 2-core machine 12x slo
 from __future__ import annotations
 
 import pytest
-from helpers.experiments import numbers, tiny_raw
+from helpers.experiments import SMALL, numbers, tiny_raw
 
 from fedmosaic.checkpoint import config_hash
 from fedmosaic.cli import main
@@ -18,8 +18,6 @@ from fedmosaic.config import ConfigError, SimConfig, from_dict
 from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import build_federation
 from fedmosaic.sim import backend
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def _machine(monkeypatch, cores: int, spare: int | None = None) -> None:

@@ -9,13 +9,11 @@ import re
 import sys
 
 import pytest
-from helpers.experiments import tiny_raw
+from helpers.experiments import SMALL, tiny_raw
 
 from fedmosaic.config import from_dict
 from fedmosaic.experiment import run_experiment
 from fedmosaic.report.summary import round_line
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 class FakeTTY(io.StringIO):

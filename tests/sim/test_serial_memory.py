@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.experiments import numbers, run_until_round, tiny_raw, write_toml
+from helpers.experiments import SMALL, numbers, run_until_round, tiny_raw, write_toml
 
 from fedmosaic import federation
 from fedmosaic.algorithms import ALGORITHMS
@@ -25,8 +25,6 @@ from fedmosaic.core.model import ClientModel
 from fedmosaic.experiment import run_experiment
 from fedmosaic.federation import build_federation
 from fedmosaic.sim.host import MAX_SPARES
-
-SMALL = {"synthetic_shape": [1, 16, 16]}
 
 
 def big_raw(offload: str, backend: str = "serial", clients: int = 300) -> dict:
