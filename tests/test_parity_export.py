@@ -264,7 +264,7 @@ def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs(
     table = report.seeds_table([a, b, off])
     # gaps +2 and +4 points: mean +3, half-width t(1) x sd / sqrt(2) = 12.706 x 1.414 / 1.414
     both = "+2.00, +4.00 | +3.00 [-9.71, +15.71]"
-    assert f"| local | dir01 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
+    assert f"| local | dir01 | 6 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
     assert "+50.00" not in table and "after fine-tuning" not in table
     # a method that fine-tunes gets a second row from its fine-tuned records (the client mean apart)
     for run, gap in ((a, 0.01), (b, -0.03)):
@@ -275,12 +275,33 @@ def test_report_seeds_table_pairs_gaps_over_seeds_and_leaves_out_offset_runs(
             {"round": 6, "finetuned": True, "acc_weighted": 0.8 + gap, "acc_mean": 0.7 + 2 * gap}
         )
     table = report.seeds_table([a, b])
-    assert f"| local | dir01 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
+    assert f"| local | dir01 | 6 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
     # +1 and -3 points: mean -1, half-width 12.706 x 2.828 / 1.414 = 25.41
     assert (
-        "| local | dir01 | HtFLlib | fedmosaic, after fine-tuning | 0, 1 | +1.00, -3.00 | "
+        "| local | dir01 | 6 | HtFLlib | fedmosaic, after fine-tuning | 0, 1 | +1.00, -3.00 | "
         "-1.00 [-26.41, +24.41] | +2.00, -6.00 | -2.00 [-52.82, +48.82] |" in table
     )
+
+
+def test_report_never_pools_runs_of_another_size_or_read_round(report: ModuleType) -> None:
+    a, b, small, short = _fake_run(0.02), _fake_run(0.04), _fake_run(0.5), _fake_run(0.3)
+    b["setup"] = {"seed": 1}
+    # seed 2 on 10 clients holding 10% of FMNIST: another experiment, not a third seed
+    small["setup"] = {"seed": 2, "data": {"num_clients": 10, "subsample": 0.1}}
+    short["setup"] = {"seed": 3}  # seed 3 read after 4 rounds, the others after 6
+    short["fedmosaic"]["rounds"] = short["fedmosaic"]["rounds"][:4]
+    assert report.split_label(a) == "dir01"
+    assert report.split_label(small) == "dir01, 10 clients, 10%"
+    table = report.seeds_table([a, b, small, short])
+    both = "+2.00, +4.00 | +3.00 [-9.71, +15.71]"
+    assert f"| local | dir01 | 6 | HtFLlib | fedmosaic | 0, 1 | {both} | {both} |" in table
+    assert "+50.00" not in table and "+30.00" not in table  # single runs of their own groups
+    pts = report.gap_points([a, b, small])
+    assert pts["gaps"] == {
+        ("HtFLlib local", "dir01"): [pytest.approx(2.0), pytest.approx(4.0)],
+        ("HtFLlib local", "dir01, 10 clients, 10%"): [pytest.approx(50.0)],
+    }
+    assert "| local | dir01, 10 clients, 10% | 2 | HtFLlib | 6 |" in report.summary([small])
 
 
 def test_report_gap_points_pair_each_split_and_measure_the_references_own_range(

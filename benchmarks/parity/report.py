@@ -52,6 +52,24 @@ def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
     return out
 
 
+# The page's split: 20 clients holding 5% of FMNIST; a run of another size is named by it.
+CLIENTS, SUBSAMPLE = 20, 0.05
+
+
+def split_label(doc: dict[str, Any]) -> str:
+    """The run's split as the tables name it: the setting (``dir05``), with the client count and
+    the fraction of FMNIST where they differ from the page's 20 clients and 5%. Runs of two
+    sizes are other experiments: their gaps are never pooled over seeds or drawn as one setting."""
+    data = doc.get("setup", {}).get("data", {})
+    n, frac = data.get("num_clients", CLIENTS), data.get("subsample", SUBSAMPLE)
+    out = str(doc["setting"])
+    if n != CLIENTS:
+        out += f", {n} clients"
+    if frac != SUBSAMPLE:
+        out += f", {100 * frac:g}%"
+    return out
+
+
 def own_run(doc: dict[str, Any]) -> bool:
     """A run of the reference against itself (other torch seeds, seeded generators, or again on
     identical inputs): its spread, not a parity gap."""
@@ -128,7 +146,7 @@ def summary(docs: list[dict[str, Any]]) -> str:
             gm = last_mean(fmn, last) - last_mean(rm, last)
             worst = max(common, key=lambda r: abs(fw[r] - rw[r]))
             lines.append(
-                f"| {doc['method']} | {doc['setting']} | {doc['setup']['seed']} | {_ref_name(doc)} | "
+                f"| {doc['method']} | {split_label(doc)} | {doc['setup']['seed']} | {_ref_name(doc)} | "
                 f"{last} | {label} | "
                 f"{100 * last_mean(rw, last):.2f} | {100 * last_mean(fw, last):.2f} | "
                 f"{100 * gw:+.2f} / {100 * gm:+.2f} | "
@@ -144,7 +162,8 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
     fine-tuning. Runs of the reference under other seeds (its own spread on one split) are left out."""
     from fedmosaic.report.suite_report import aggregate
 
-    groups: dict[tuple[str, str, str, str], dict[int, tuple[float, float]]] = {}
+    # one group per method, split (its size included), read round, reference and series
+    groups: dict[tuple[str, str, int, str, str], dict[int, tuple[float, float]]] = {}
     for doc in docs:
         if own_run(doc):
             continue
@@ -155,9 +174,9 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
             common = sorted(set(rw) & set(fw) - {0})
             if not common:
                 continue
-            key = (doc["method"], doc["setting"], _ref_name(doc), label)
-            seed = int(doc["setup"]["seed"])
             last = common[-1]
+            key = (doc["method"], split_label(doc), last, _ref_name(doc), label)
+            seed = int(doc["setup"]["seed"])
             groups.setdefault(key, {})[seed] = (
                 last_mean(fw, last) - last_mean(rw, last),
                 last_mean(fmn, last) - last_mean(rm, last),
@@ -165,14 +184,14 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
             ft = [finetuned(rounds, mode + "_weighted"), finetuned(ref, "acc_weighted")]
             ftm = [finetuned(rounds, mode + "_mean"), finetuned(ref, "acc_mean")]
             if None not in ft and None not in ftm:
-                fkey = (*key[:3], f"{label}, after fine-tuning")
+                fkey = (*key[:4], f"{label}, after fine-tuning")
                 groups.setdefault(fkey, {})[seed] = (ft[0] - ft[1], ftm[0] - ftm[1])
     lines = [
-        f"| method | setting | reference | series | seeds | gap per seed, last {LAST} (weighted) "
-        "| mean gap [95% interval] | gap per seed (client mean) | mean gap [95% interval] |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| method | setting | rounds | reference | series | seeds | gap per seed, last {LAST} "
+        "(weighted) | mean gap [95% interval] | gap per seed (client mean) | mean gap [95% interval] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (method, setting, ref, label), gaps in sorted(groups.items()):
+    for (method, setting, rounds, ref, label), gaps in sorted(groups.items()):
         if len(gaps) < 2:
             continue
         cells = []
@@ -185,7 +204,8 @@ def seeds_table(docs: list[dict[str, Any]]) -> str:
                 f"[{100 * (mean - half):+.2f}, {100 * (mean + half):+.2f}]"
             )
         lines.append(
-            f"| {method} | {setting} | {ref} | {label} | {', '.join(map(str, sorted(gaps)))} | "
+            f"| {method} | {setting} | {rounds} | {ref} | {label} | "
+            f"{', '.join(map(str, sorted(gaps)))} | "
             f"{cells[0]} | {cells[1]} |"
         )
     return "\n".join(lines)
@@ -210,7 +230,7 @@ def gap_points(docs: list[dict[str, Any]]) -> dict[str, Any]:
     refs: dict[tuple[str, str, int], list[float]] = {}
     for doc in docs:
         name = f"{doc['reference'].get('library', '?')} {doc['method']}"
-        setting, seed = str(doc["setting"]), int(doc["setup"]["seed"])
+        setting, seed = split_label(doc), int(doc["setup"]["seed"])
         rw = by_round(doc["reference"]["rounds"], "acc_weighted")
         # the metric of the model the reference evaluates (FedGH's acc_global): like with like
         fw = by_round(doc["fedmosaic"]["rounds"], doc.get("ref_mode", "acc") + "_weighted")
@@ -253,12 +273,10 @@ def gap_figure(docs: list[dict[str, Any]], path: Path) -> None:
             if half is not None:
                 ax.fill_between([x - width / 2, x + width / 2], -half / 2, half / 2, color="0.85")
             ys = pts["gaps"].get((method, setting), [])
+            # labelled at the first setting even without points there: one legend entry each
             ax.plot(
                 [x] * len(ys), ys, "o", ms=4, color=cmap(i % 20), label=method if j == 0 else None
             )
-    for i, method in enumerate(methods):  # a legend entry even where the first setting has none
-        if not any((method, s) in pts["gaps"] for s in settings[:1]):
-            ax.plot([], [], "o", color=cmap(i % 20), label=method)
     ax.axhline(0.0, color="black", lw=0.8)
     for y in (-1.0, 1.0):
         ax.axhline(y, color="grey", lw=0.6, ls="--")
@@ -295,7 +313,7 @@ def figure(doc: dict[str, Any], path: Path) -> None:
             )
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{doc['method']} ({doc['setting']}, seed {doc['setup']['seed']})")
+    ax.set_title(f"{doc['method']} ({split_label(doc)}, seed {doc['setup']['seed']})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6)
     fig.tight_layout()
@@ -335,7 +353,7 @@ def spread_table(runs: dict[str, dict[str, Any]]) -> str:
             last = common[-1]
             rows.append(
                 f"| {base['reference'].get('library', '?')} {base['method']} | "
-                f"{base['setting']} | {base['setup'].get('seed', '?')} | {a} / {b} | "
+                f"{split_label(base)} | {base['setup'].get('seed', '?')} | {a} / {b} | "
                 f"{through} | {largest:.2f} | "
                 f"{100 * last_mean(ra, last):.2f} / {100 * last_mean(rb, last):.2f} |"
             )
