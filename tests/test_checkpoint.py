@@ -27,8 +27,6 @@ from fedmosaic.config import from_dict
 from fedmosaic.core.rounds import History
 from fedmosaic.experiment import run_experiment
 
-# Small images keep the models (and so the checkpoints) small: cnn1 on 16x16 is ~0.6M params.
-
 
 @dataclass
 class Inner:

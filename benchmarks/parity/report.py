@@ -52,7 +52,8 @@ def series(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]], str]]:
     return out
 
 
-# The page's split: 20 clients holding 5% of FMNIST; a run of another size is named by it.
+# The page's split, harness.py's Setup defaults (20 clients holding 5% of FMNIST): a run of
+# another size is labelled by it. report.py stays importable without the harness's imports.
 CLIENTS, SUBSAMPLE = 20, 0.05
 
 
