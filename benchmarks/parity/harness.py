@@ -65,6 +65,11 @@ PIPELINE: dict[str, Any] = {"train.shuffle": False, "model.init": "architecture"
 # FedKD: HtFLlib uploads the compressed mentee itself, and its mentee is the first member
 HTFLLIB_KD: dict[str, Any] = {"upload_mode": "state", "mentee_arch": "cnn1"}
 HTFLLIB_KD_PIPELINE: dict[str, Any] = {**HTFLLIB_KD, **PIPELINE}
+HTFLLIB_FML: dict[str, Any] = {
+    "meme_arch": "cnn1",
+    "loss_form": "htfllib",
+    "server_average": "uniform",
+}
 
 HTFLLIB: dict[str, Method] = {
     "local": Method({"name": "local"}, ["-algo", "Local"], variants={"pipeline": PIPELINE}),
@@ -152,6 +157,10 @@ HTFLLIB: dict[str, Method] = {
             "meme_cnn1": {"meme_arch": "cnn1"},
             # HtFLlib's meme with its data pipeline (unshuffled loader, per-architecture weights)
             "pipeline_cnn1": {"meme_arch": "cnn1", **PIPELINE},
+            # HtFLlib's meme, loss (undetached KL over B * C) and uniform server mean: all of
+            # clientfml/serverfml but its gradient clipping; then with its data pipeline too
+            "htfllib_form": HTFLLIB_FML,
+            "htfllib_all": {**HTFLLIB_FML, **PIPELINE},
         },
     ),
     "fedkd": Method(

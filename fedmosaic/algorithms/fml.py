@@ -26,13 +26,23 @@ Choices and differences from the reference code (PFLlib/HtFLlib ``clientfml``/``
 - ``alpha = beta = 0.5``: an even split of each model's loss between its labels and its peer. The
   argparse defaults of the references switch mutual learning (partly) off: PFLlib ``alpha=1.0,
   beta=0.0`` (the personal model ignores the meme), HtFLlib ``alpha=beta=1.0`` (no KL at all).
+
+Parity options (HtFLlib ``clientfml.py``/``serverfml.py``, commit 728e52a; defaults keep the form
+above):
+
+- ``loss_form = "htfllib"``: the reference's per-batch loss. Its two backward passes (``loss``
+  with ``retain_graph``, then ``loss_g``) accumulate into one gradient, that of ``L_personal +
+  L_meme`` with neither KL target detached and each KL the mean over ``B * C``
+  (``nn.KLDivLoss()``). Its gradient clipping (norm 10 per model) is not reproduced.
+- ``server_average = "uniform"``: the reference's ``1 / len(uploaded_ids)`` mean of the memes'
+  parameters instead of the sample-weighted one (buffers are averaged alike).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -50,6 +60,9 @@ from fedmosaic.core.algorithm import Acceleration, Algorithm, FederationSpec, We
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
+
+LossForm = Literal["detached", "htfllib"]
+ServerAverage = Literal["samples", "uniform"]
 
 
 class MemeExtras(nn.Module):
@@ -76,6 +89,23 @@ def mutual_losses(
     return alpha * ce_p + (1 - alpha) * kl_p, beta * ce_m + (1 - beta) * kl_m
 
 
+def htfllib_mutual_loss(
+    personal_logits: Tensor, meme_logits: Tensor, y: Tensor, alpha: float, beta: float
+) -> Tensor:
+    """HtFLlib's ``loss + loss_g`` (``loss_form = "htfllib"``); its two backward passes sum.
+
+    ``alpha CE(z_p, y) + (1 - alpha) KL(p_m || p_p) / C + beta CE(z_m, y) + (1 - beta) KL(p_p ||
+    p_m) / C`` with KL averaged over the batch and nothing detached: each KL also pulls its target
+    towards the other model.
+    """
+    c = personal_logits.shape[1]
+    kl_p = kl_rows(personal_logits, meme_logits).mean() / c  # nn.KLDivLoss(): mean over B * C
+    kl_m = kl_rows(meme_logits, personal_logits).mean() / c
+    ce_p = F.cross_entropy(personal_logits, y)
+    ce_m = F.cross_entropy(meme_logits, y)
+    return alpha * ce_p + (1 - alpha) * kl_p + beta * ce_m + (1 - beta) * kl_m
+
+
 @ALGORITHMS.register("fml")
 @dataclass(frozen=True)
 class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
@@ -88,6 +118,8 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
     alpha: float = 0.5  # personal model: weight of CE vs (1 - alpha) of KL to the meme
     beta: float = 0.5  # meme model: weight of CE vs (1 - beta) of KL to the personal model
     meme_arch: str = ""  # zoo architecture of the meme; "" = the family's smallest member
+    loss_form: LossForm = "detached"  # "htfllib": the reference's undetached, 1/C-scaled KL terms
+    server_average: ServerAverage = "samples"  # "uniform": the reference's plain mean of memes
 
     supports_heterogeneous: ClassVar[bool] = True
     paper: ClassVar[str] = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020"
@@ -112,10 +144,13 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         self, state: dict[str, Tensor], uploads: Sequence[Weighted[SharedState]], round_num: int
     ) -> dict[str, Tensor]:
         states = [u.payload.state for u in uploads]
-        return weighted_average(states, [u.weight for u in uploads], reference=state)
+        return weighted_average(states, [self._weight(u.weight) for u in uploads], reference=state)
+
+    def _weight(self, samples: float) -> float:
+        return 1.0 if self.server_average == "uniform" else samples
 
     def summands(self, upload: SharedState, weight: float) -> dict[str, Tensor]:
-        return secure.state_terms(upload.state, weight)
+        return secure.state_terms(upload.state, self._weight(weight))
 
     def from_sums(
         self, state: dict[str, Tensor], sums: Mapping[str, Tensor], round_num: int
@@ -137,6 +172,8 @@ class FML(Algorithm[dict[str, Tensor], SharedState, SharedState]):
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState
     ) -> Tensor:
         meme = cast(MemeExtras, extras).meme  # init_client's extras
+        if self.loss_form == "htfllib":
+            return htfllib_mutual_loss(model(x), meme(x), y, self.alpha, self.beta)
         l_personal, l_meme = mutual_losses(model(x), meme(x), y, self.alpha, self.beta)
         # Detached targets: the sum trains each model on its own loss only.
         return l_personal + l_meme

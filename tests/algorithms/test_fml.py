@@ -8,7 +8,7 @@ from helpers.toyfed import fake_zoo, make_clients, member_spec, run_round  # noq
 
 from fedmosaic.algorithms import _distill, build_algorithm
 from fedmosaic.algorithms._shared import SharedState
-from fedmosaic.algorithms.fml import FML, mutual_losses
+from fedmosaic.algorithms.fml import FML, htfllib_mutual_loss, mutual_losses
 from fedmosaic.config import ConfigError
 from fedmosaic.core.algorithm import Weighted
 from fedmosaic.core.payload import PayloadError
@@ -62,6 +62,59 @@ def test_targets_are_detached():
     assert torch.equal(g_personal, torch.zeros_like(zp))
 
 
+# the reference's nn.KLDivLoss() warns that its "mean" is not the per-example KL: that is the point
+@pytest.mark.filterwarnings("ignore:reduction. 'mean' divides:UserWarning")
+def test_htfllib_loss_is_the_references_two_losses_by_hand():
+    # nn.KLDivLoss() averages over B * C elements: the per-example KL divided by C (3 here).
+    want = (
+        0.3 * _ce(ZP, Y)
+        + 0.7 * _kl_batchmean(ZP, ZM) / 3
+        + 0.8 * _ce(ZM, Y)
+        + 0.2 * _kl_batchmean(ZM, ZP) / 3
+    )
+    assert htfllib_mutual_loss(ZP, ZM, Y, 0.3, 0.8).item() == pytest.approx(want, rel=1e-6)
+    # The reference's own expression, term for term.
+    kl = torch.nn.KLDivLoss()
+    ref = (
+        F.cross_entropy(ZP, Y) * 0.3
+        + kl(F.log_softmax(ZP, dim=1), F.softmax(ZM, dim=1)) * 0.7
+        + F.cross_entropy(ZM, Y) * 0.8
+        + kl(F.log_softmax(ZM, dim=1), F.softmax(ZP, dim=1)) * 0.2
+    )
+    assert htfllib_mutual_loss(ZP, ZM, Y, 0.3, 0.8).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_htfllib_loss_trains_each_model_through_the_others_target():
+    # alpha = beta = 1 leaves only CE: no cross gradient. With KL, the meme's logits get a gradient
+    # from the personal model's KL term (and vice versa), unlike the detached default.
+    zp, zm = ZP.clone().requires_grad_(), ZM.clone().requires_grad_()
+    (g_meme,) = torch.autograd.grad(htfllib_mutual_loss(zp, zm, Y, 0.0, 1.0), zm)
+    (g_ce,) = torch.autograd.grad(F.cross_entropy(zm, Y), zm)
+    assert not torch.allclose(g_meme, g_ce)
+    zm2 = ZM.clone().requires_grad_()
+    (g_kl_target,) = torch.autograd.grad(
+        F.kl_div(F.log_softmax(ZP, 1), F.softmax(zm2, 1), reduction="sum") / ZP.numel(), zm2
+    )
+    assert torch.allclose(g_meme, g_ce + g_kl_target, atol=1e-7)
+
+
+def test_uniform_server_average_ignores_sample_counts():
+    a, b = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([5.0, -2.0])}
+    state = {"w": torch.zeros(2)}
+    ups = [Weighted(0, 1.0, SharedState(a)), Weighted(1, 3.0, SharedState(b))]
+    assert torch.equal(FML().aggregate(state, ups, 1)["w"], torch.tensor([4.0, -1.0]))
+    uniform = FML(server_average="uniform")
+    assert torch.equal(uniform.aggregate(state, ups, 1)["w"], torch.tensor([3.0, 0.0]))
+    # The secure-sum path weighs the same way.
+    sums: dict[str, torch.Tensor] = {}
+    for u in ups:
+        for k, v in uniform.summands(u.payload, u.weight).items():
+            sums[k] = sums[k] + v if k in sums else v
+    assert torch.equal(
+        uniform.from_sums(state, sums, 1).payload.state["w"], torch.tensor([3.0, 0.0])
+    )
+
+
 def test_meme_averaged_exactly_with_buffers():
     a = {
         "w": torch.tensor([[1.0, 2.0]]),
@@ -87,7 +140,7 @@ def test_meme_averaged_exactly_with_buffers():
 
 
 def test_hyperparameters_are_checked():
-    for bad in ({"alpha": 1.5}, {"beta": -0.1}):
+    for bad in ({"alpha": 1.5}, {"beta": -0.1}, {"loss_form": "kl"}, {"server_average": "mean"}):
         with pytest.raises(ConfigError):
             build_algorithm({"name": "fml", **bad})
 
