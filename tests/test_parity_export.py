@@ -20,6 +20,7 @@ from fedmosaic.config import DataConfig, from_dict
 from fedmosaic.data.federated import build_federated_data
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "parity" / "harness.py"
+GRAD_NORMS = HARNESS.parent / "grad_norms.py"
 
 
 @pytest.fixture(scope="module")
@@ -515,3 +516,28 @@ def test_report_spread_table_sets_each_repeat_beside_the_run_it_repeats(report: 
     assert "54.00 / 55.00" in report.fill(
         page, {"local_dir01_s0": base, "local_dir01_s0_u1": again}
     )
+
+
+def test_grad_norm_probe_counts_every_step_of_each_group(harness: ModuleType) -> None:
+    spec = importlib.util.spec_from_file_location("parity_grad_norms", GRAD_NORMS)
+    assert spec is not None and spec.loader is not None
+    probe_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_mod)
+    doc = harness.Setup(num_clients=2, rounds=1).fedmosaic_config({"name": "fml"})
+    doc["data"].update(
+        dataset="synthetic", synthetic_size=60, synthetic_classes=10, synthetic_shape=[1, 28, 28]
+    )
+    doc["data"].pop("subsample")
+    cfg = from_dict(doc)
+    low = probe_mod.probe(cfg, 2, 1e-12)
+    high = probe_mod.probe(cfg, 2, 1e12)
+    assert set(low) == {"model", "meme"}  # the client's model and FML's meme, apart
+    fed_steps = low["model"]["steps"]
+    assert fed_steps > 0 and low["meme"]["steps"] == fed_steps
+    for group in low:
+        assert low[group]["over"] == fed_steps and high[group]["over"] == 0
+        assert low[group]["max"] == high[group]["max"] > 0  # the same steps, run again
+    # a loss that its before_fit prepares is refused, not probed half-built
+    tgp = from_dict({**doc, "algorithm": {"name": "fedtgp"}})
+    with pytest.raises(SystemExit, match="before_fit"):
+        probe_mod.probe(tgp, 1, 10.0)
