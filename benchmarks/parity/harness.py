@@ -161,6 +161,9 @@ HTFLLIB: dict[str, Method] = {
             # clientfml/serverfml but its gradient clipping; then with its data pipeline too
             "htfllib_form": HTFLLIB_FML,
             "htfllib_all": {**HTFLLIB_FML, **PIPELINE},
+            # the form's two pieces apart, each with HtFLlib's meme
+            "htfllib_loss": {"meme_arch": "cnn1", "loss_form": "htfllib"},
+            "htfllib_average": {"meme_arch": "cnn1", "server_average": "uniform"},
         },
     ),
     "fedkd": Method(
