@@ -4,9 +4,8 @@ Several reference implementations clip each model's gradient norm (HtFLlib's FML
 where fedmosaic does not. This probe builds the harness's federation (the same split, models and
 training keys), gives every client the server's first broadcast, and trains each client alone with
 plain SGD at the harness's learning rate for ``--epochs`` epochs (its batches in order, the last
-one ragged), recording the gradient norm of
-every step per parameter group: the client's model, and each child module of its extras (FML's
-meme, FedKD's mentee and projection). It prints, per group, the largest norm and how many steps
+one ragged), recording the gradient norm of every step per parameter group: the client's model,
+and each child module of its extras (FML's meme, FedKD's mentee and projection). It prints, per group, the largest norm and how many steps
 reach ``--threshold``. No server step runs between epochs: it probes training from the initial
 weights, where gradients are largest, not a whole federation.
 
