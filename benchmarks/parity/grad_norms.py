@@ -16,23 +16,10 @@ weights, where gradients are largest, not a whole federation.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-
-HERE = Path(__file__).resolve().parent
-
-
-def _harness() -> Any:
-    spec = importlib.util.spec_from_file_location("parity_harness", HERE / "harness.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def probe(cfg: Any, epochs: int, threshold: float) -> dict[str, dict[str, float]]:
@@ -71,43 +58,27 @@ def probe(cfg: Any, epochs: int, threshold: float) -> dict[str, dict[str, float]
                 with torch.no_grad():
                     for p in params:
                         if p.grad is not None:
-                            p -= cfg.train.lr * p.grad
+                            p.sub_(p.grad, alpha=cfg.train.lr)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    h = _harness()
+    import harness  # run as a script: its own folder is on sys.path
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("method", help="a key of the library's table (HTFLLIB, PFLLIB)")
-    p.add_argument("--library", choices=sorted(h.LIBRARIES), default="htfllib")
+    harness.add_split_arguments(p)
     p.add_argument("--variant", help="one of the method's variants (default: its own form)")
-    p.add_argument("--setting", choices=sorted(h.SETTINGS), default="dir01")
-    p.add_argument("--partition", choices=["dirichlet", "pathological"])
-    p.add_argument("--alpha", type=float)
-    p.add_argument("--classes-per-client", type=int)
-    p.add_argument("--subsample", type=float, default=0.05)
-    p.add_argument("--clients", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--threshold", type=float, default=10.0)
     a = p.parse_args(argv)
-    lib = h.LIBRARIES[a.library]
-    if a.method not in lib.methods:
-        p.error(f"{lib.name} methods: {', '.join(sorted(lib.methods))}")
-    method = lib.methods[a.method]
+    setup, method = harness.split_setup(p, a, rounds=1)
     if a.variant is not None and a.variant not in method.variants:
         p.error(f"{a.method} variants: {', '.join(sorted(method.variants)) or 'none'}")
     if a.epochs < 1 or not a.threshold > 0:
         p.error("--epochs must be >= 1 and --threshold > 0")
-    # the harness's own checks of the split's arguments (those of its runs left at their defaults)
-    a.rounds, a.out, a.ref_seed_offset, a.ref_seed_globals, a.ref_repeat = 1, HERE, 0, None, 0
-    h._check_args(p, a)
-    if a.partition is not None:
-        a.setting = h.register_setting(a.partition, a.alpha, a.classes_per_client)
     from fedmosaic.config import from_dict
 
     torch.set_num_threads(1)
-    setup = h.Setup(a.setting, a.subsample, a.clients, 1, a.seed, library=a.library)
     algorithm = {**method.algorithm, **(method.variants[a.variant] if a.variant else {})}
     cfg = from_dict(setup.fedmosaic_config(algorithm, method.plugins))
     res = probe(cfg, a.epochs, a.threshold)

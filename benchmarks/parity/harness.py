@@ -617,28 +617,12 @@ def register_setting(partition: str, alpha: float, classes_per_client: int) -> s
 
 
 def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Refuse a bad argument in one line (exit 2), before anything is built or written, as the
-    library's command line does."""
-    if a.clients < 2:
-        p.error(f"--clients {a.clients}: at least 2 clients")
-    if not (math.isfinite(a.subsample) and 0 < a.subsample <= 1):
-        p.error(f"--subsample {a.subsample}: a fraction in (0, 1]")
+    """Refuse a bad run argument in one line (exit 2), before anything is built or written, as
+    the library's command line does (``split_setup`` checks the split's)."""
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: at least 1")
-    if a.seed < 0:
-        p.error(f"--seed {a.seed}: a seed is >= 0")
     if a.out.exists() and not a.out.is_dir():
         p.error(f"--out {a.out}: a file, not a folder")
-    if a.partition is None and (a.alpha is not None or a.classes_per_client is not None):
-        p.error("--alpha and --classes-per-client need --partition")
-    if a.alpha is None:
-        a.alpha = 0.1
-    if a.classes_per_client is None:
-        a.classes_per_client = 2
-    if a.partition == "dirichlet" and not (math.isfinite(a.alpha) and a.alpha > 0):
-        p.error(f"--alpha {a.alpha}: a positive number")
-    if a.partition == "pathological" and not 1 <= a.classes_per_client <= 10:
-        p.error(f"--classes-per-client {a.classes_per_client}: 1 to 10 (FMNIST's classes)")
     if a.ref_seed_offset < 0:
         p.error(f"--ref-seed-offset {a.ref_seed_offset}: >= 0")
     if a.ref_seed_globals is not None and not 0 <= a.ref_seed_globals < 2**32:
@@ -654,14 +638,10 @@ def _cpu() -> str:
     return str(host()["cpu"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_split_arguments(p: argparse.ArgumentParser) -> None:
+    """The method and split arguments (also ``grad_norms.py``'s); ``split_setup`` reads them."""
     p.add_argument("method", help="a key of the library's table (HTFLLIB, PFLLIB)")
     p.add_argument("--library", choices=sorted(LIBRARIES), default="htfllib")
-    p.add_argument(
-        "--ref", type=Path, required=True, help="the library's checkout (has system/main.py)"
-    )
-    p.add_argument("--ref-python", default=os.environ.get("PARITY_REF_PYTHON", sys.executable))
     p.add_argument(
         "--setting",
         choices=sorted(SETTINGS),
@@ -680,8 +660,47 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--subsample", type=float, default=0.05)
     p.add_argument("--clients", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+
+
+def split_setup(
+    p: argparse.ArgumentParser, a: argparse.Namespace, rounds: int
+) -> tuple[Setup, Method]:
+    """The checked split of ``add_split_arguments``' arguments and the method: a bad one is
+    refused in one line (exit 2) before anything is built."""
+    lib = LIBRARIES[a.library]
+    if a.method not in lib.methods:
+        p.error(f"{lib.name} methods: {', '.join(sorted(lib.methods))}")
+    if a.clients < 2:
+        p.error(f"--clients {a.clients}: at least 2 clients")
+    if not (math.isfinite(a.subsample) and 0 < a.subsample <= 1):
+        p.error(f"--subsample {a.subsample}: a fraction in (0, 1]")
+    if a.seed < 0:
+        p.error(f"--seed {a.seed}: a seed is >= 0")
+    if a.partition is None and (a.alpha is not None or a.classes_per_client is not None):
+        p.error("--alpha and --classes-per-client need --partition")
+    if a.alpha is None:
+        a.alpha = 0.1
+    if a.classes_per_client is None:
+        a.classes_per_client = 2
+    if a.partition == "dirichlet" and not (math.isfinite(a.alpha) and a.alpha > 0):
+        p.error(f"--alpha {a.alpha}: a positive number")
+    if a.partition == "pathological" and not 1 <= a.classes_per_client <= 10:
+        p.error(f"--classes-per-client {a.classes_per_client}: 1 to 10 (FMNIST's classes)")
+    if a.partition is not None:
+        a.setting = register_setting(a.partition, a.alpha, a.classes_per_client)
+    setup = Setup(a.setting, a.subsample, a.clients, rounds, a.seed, library=a.library)
+    return setup, lib.methods[a.method]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_split_arguments(p)
+    p.add_argument(
+        "--ref", type=Path, required=True, help="the library's checkout (has system/main.py)"
+    )
+    p.add_argument("--ref-python", default=os.environ.get("PARITY_REF_PYTHON", sys.executable))
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument(
         "--skip",
@@ -728,14 +747,9 @@ def main(argv: list[str] | None = None) -> int:
         "arguments, e.g. a diagnostic variant of fedmosaic's method) instead of running it",
     )
     a = p.parse_args(argv)
-    lib = LIBRARIES[a.library]
-    if a.method not in lib.methods:
-        p.error(f"{lib.name} methods: {', '.join(sorted(lib.methods))}")
     _check_args(p, a)
-    if a.partition is not None:
-        a.setting = register_setting(a.partition, a.alpha, a.classes_per_client)
-    setup = Setup(a.setting, a.subsample, a.clients, a.rounds, a.seed, library=a.library)
-    method = lib.methods[a.method]
+    setup, method = split_setup(p, a, a.rounds)
+    lib = LIBRARIES[a.library]
     base_stem = setup.stem(a.method)
     stem = base_stem + (f"_r{a.ref_seed_offset}" if a.ref_seed_offset else "")
     stem += "" if a.ref_seed_globals is None else f"_g{a.ref_seed_globals}"
