@@ -560,8 +560,11 @@ def claim_verdict(verdicts: Sequence[str]) -> str:
     failed = [v for v in verdicts if v.startswith(FAILS)]
     if failed:
         return FAILS
-    if not verdicts or any(v.startswith((NOT_RUN, WAITING)) for v in verdicts):
+    if not verdicts or any(v.startswith(NOT_RUN) for v in verdicts):
         return "not run (cells missing)"
+    waiting = [v for v in verdicts if v.startswith(WAITING)]
+    if waiting:  # cells of the planned look are in for some seeds, not yet for all
+        return waiting[0]
     if any(v.startswith(NOT_COMPARABLE) for v in verdicts):
         return NOT_COMPARABLE
     if any(v.startswith((INCONCLUSIVE, NOT_MEASURED)) for v in verdicts):
@@ -803,10 +806,10 @@ def evaluate(results: Path = RESULTS, plans: Sequence[Plan] | None = None) -> di
                 if plan.substitution:
                     verdict += f" ({plan.substitution})"
             up = climbing(plan, judged)
-            if up and not verdict.startswith("not run"):
+            if up and not verdict.startswith((NOT_RUN, WAITING)):
                 verdict += f"; still climbing at round {plan.rounds}: {', '.join(up)}"
             lost, n_lost, n_read = refused(judged)
-            if n_lost and not verdict.startswith("not run"):
+            if n_lost and not verdict.startswith((NOT_RUN, WAITING)):
                 verdict += f"; clients' uploads refused in {n_lost} of the {n_read} cells read"
             claims_out.append(
                 {

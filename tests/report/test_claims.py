@@ -430,7 +430,11 @@ def test_an_unfair_pair_is_not_judged() -> None:
 def test_a_claim_is_a_conjunction() -> None:
     assert claims.claim_verdict([FAILS, "not run", HOLDS]) == FAILS
     assert claims.claim_verdict([HOLDS, "not run"]) == "not run (cells missing)"
-    assert claims.claim_verdict([HOLDS, claims.WAITING + ": 2 of 3"]) == "not run (cells missing)"
+    assert claims.claim_verdict([HOLDS, claims.WAITING + ": 2 of 3"]) == claims.WAITING + ": 2 of 3"
+    assert (
+        claims.claim_verdict([claims.WAITING + ": 2 of 3", "not run"]) == "not run (cells missing)"
+    )
+    assert claims.claim_verdict([claims.WAITING + ": 1 of 3", FAILS]) == FAILS
     assert claims.claim_verdict([]) == "not run (cells missing)"
     assert claims.claim_verdict([HOLDS, SMALLER]) == SMALLER
     assert claims.claim_verdict([HOLDS, INCONCLUSIVE + ": needs 5"]) == INCONCLUSIVE
