@@ -18,6 +18,7 @@ quick loop, until it is listed. ``slow`` (real-data checks) is kept and makes a 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if any(item.get_closest_marker(k) for k in KIND_MARKERS):
             continue
         item.add_marker(kind_of(path) if path.is_relative_to(TESTS) else DEFAULT_KIND)
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_left_as_found():
+    """A command run in-process (``cli.main``, a Flower node's ``main``) adds log handlers bound to
+    that test's captured stderr, which is closed when the test ends: a later test's record would
+    then print "Logging error" to its own stderr. Each test leaves the handlers as it found them
+    (pytest's own capture handlers on the root logger are pytest's to remove)."""
+    fm = logging.getLogger("fedmosaic")
+    before = list(fm.handlers)
+    yield
+    for h in list(fm.handlers):
+        if h not in before:
+            fm.removeHandler(h)
+            h.close()
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_fedmosaic", False):  # the CLI's (fedmosaic.cli: its log setup marks them)
+            root.removeHandler(h)
+            h.close()
 
 
 @pytest.fixture
