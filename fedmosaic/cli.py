@@ -758,6 +758,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def remove_log_handlers() -> None:
+    """Close and remove the root handlers an earlier ``setup_logging`` added (it marks them)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_fedmosaic", False):
+            root.removeHandler(h)
+            h.close()
+
+
 def setup_logging(args: argparse.Namespace) -> None:
     """The ``fedmosaic`` logger: level from ``--log-level`` (default info, warning with
     ``--quiet``), to stderr and, with ``--log-file``, to that file as well."""
@@ -766,11 +775,8 @@ def setup_logging(args: argparse.Namespace) -> None:
         name = "warning" if getattr(args, "quiet", False) else "info"
     level = getattr(logging, name.upper())
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    remove_log_handlers()
     root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_fedmosaic", False):
-            root.removeHandler(h)
-            h.close()
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if getattr(args, "log_file", None):
         path = Path(args.log_file)

@@ -27,6 +27,7 @@ import pytest
 import torch
 from helpers.experiments import TINY
 
+from fedmosaic.cli import remove_log_handlers
 from fedmosaic.federation import install_speed
 
 # The library installs its fast paths when it builds a federation or a client; tests that drive
@@ -216,11 +217,7 @@ def _log_handlers_left_as_found():
         if h not in before:
             fm.removeHandler(h)
             h.close()
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_fedmosaic", False):  # the CLI's (fedmosaic.cli: its log setup marks them)
-            root.removeHandler(h)
-            h.close()
+    remove_log_handlers()  # the CLI's, on the root logger
 
 
 @pytest.fixture

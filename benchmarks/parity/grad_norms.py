@@ -5,9 +5,10 @@ where fedmosaic does not. This probe builds the harness's federation (the same s
 training keys), gives every client the server's first broadcast, and trains each client alone with
 plain SGD at the harness's learning rate for ``--epochs`` epochs (its batches in order, the last
 one ragged), recording the gradient norm of every step per parameter group: the client's model,
-and each child module of its extras (FML's meme, FedKD's mentee and projection). It prints, per group, the largest norm and how many steps
-reach ``--threshold``. No server step runs between epochs: it probes training from the initial
-weights, where gradients are largest, not a whole federation.
+and each child module of its extras (FML's meme, FedKD's mentee and projection). It prints, per
+group, the largest norm and how many steps reach ``--threshold``. No server step runs between
+epochs: it probes training from the initial weights, where gradients are largest, not a whole
+federation.
 
     PYTHONPATH=. python benchmarks/parity/grad_norms.py fml --variant htfllib_form \\
         --partition dirichlet --alpha 1.0 --epochs 5 --threshold 10
