@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _log_handlers_left_as_found():
+def _log_handlers_left_as_found() -> Iterator[None]:
     """A command run in-process (``cli.main``, a Flower node's ``main``) adds log handlers bound to
     that test's captured stderr, which is closed when the test ends: a later test's record would
     then print "Logging error" to its own stderr. Each test leaves the handlers as it found them
