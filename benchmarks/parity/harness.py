@@ -85,6 +85,11 @@ HTFLLIB: dict[str, Method] = {
             # the two halves of the pipeline, one at a time (which one the gap comes from)
             "no_shuffle": {"train.shuffle": False},
             "arch_init": {"model.init": "architecture"},
+            # not the reference's options: fedmosaic's own spread on this split (other initial
+            # weights and batch orders); a single client's nearest-prototype collapse decides
+            # some splits' means
+            "own_seed_1": {"seed": 1001},
+            "own_seed_2": {"seed": 1002},
         },
     ),
     # diagnostic: FedProto uploading the reference's training-time prototypes (variants.py)
