@@ -101,6 +101,7 @@ ZERO_OK = {
     "ktpfl.coef_steps": "coefficients stay uniform",
     "ktpfl.distill_epochs": "no distillation",
     "fedgh.server_batch_size": "the whole set per step (documented)",
+    "fedgh.lar_batch": "LARs over the whole split (paper)",
     "fedhenn.rad_batch": "the whole RAD (paper)",
     "fedhenn_homo.rad_batch": "the whole RAD (paper)",
 }

@@ -143,6 +143,9 @@ HTFLLIB: dict[str, Method] = {
             "server_batch_10": {"server_batch_size": 10},
             # that step with HtFLlib's data pipeline (unshuffled loader, per-architecture weights)
             "pipeline_batch_10": {"server_batch_size": 10, **PIPELINE},
+            # and LARs over its unshuffled drop_last loader (the ragged tail left out): the whole
+            # of HtFLlib's form
+            "htfllib_form": {"server_batch_size": 10, "lar_batch": 10, **PIPELINE},
         },
         ref_mode="acc_global",
     ),

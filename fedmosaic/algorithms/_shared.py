@@ -77,10 +77,15 @@ class FeatureModel(Protocol):
 
 @torch.no_grad()
 def class_means(
-    model: FeatureModel, data: ClientData, num_classes: int, batch_size: int = PROTO_BATCH
+    model: FeatureModel,
+    data: ClientData,
+    num_classes: int,
+    batch_size: int = PROTO_BATCH,
+    keep: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact per-class mean representation over the training split, in eval mode.
 
+    ``keep``: only the split's first ``keep`` examples in stored order (None: all of them).
     Returns ``protos [C, d]`` (zero rows for absent classes) and ``counts [C]`` (int64).
     """
     was_training = model.training
@@ -88,7 +93,13 @@ def class_means(
     d = model.feature_dim
     sums = torch.zeros(num_classes, d, device=data.device)
     counts = torch.zeros(num_classes, dtype=torch.long, device=data.device)
+    seen = 0
     for x, y in data.iter_batches("train", batch_size):
+        if keep is not None:
+            if seen >= keep:
+                break
+            x, y = x[: keep - seen], y[: keep - seen]
+            seen += int(y.numel())
         f = model.features(x)  # [B, d]
         sums.index_add_(0, y, f.float())
         counts.index_add_(0, y, torch.ones_like(y))

@@ -30,7 +30,9 @@ Where we differ from the reference code (HtFLlib ``servergh.py``/``clientgh.py``
 - the upload is ``protos [k, d]`` + ``classes [k]`` (k = |C_k|, sorted int64 class ids) instead of
   a dict keyed by class; no class counts leave the client.
 - LARs are exact means over the whole training split; HtFLlib iterates its training loader
-  (``shuffle=False, drop_last=True``), so the same ragged tail is left out every round.
+  (``shuffle=False, drop_last=True``), so the same ragged tail is left out every round (a class
+  held only there is not uploaded): ``lar_batch = 10`` does the same (the split in stored order
+  less its last ``n mod 10`` examples).
 - the global header starts from client 0's initial head (as HtFLlib); clients' own initial heads
   are replaced by it when they first receive it.
 
@@ -168,6 +170,9 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     server_batch_size: int = (
         0  # 0: steps per server_step; N: pooled shuffled batches of N (HtFLlib)
     )
+    # 0: LARs over the whole training split (Eq. 3); N: less its last n mod N examples in stored
+    # order, as HtFLlib's unshuffled drop_last loader of batch N leaves them out
+    lar_batch: int = 0
 
     paper: ClassVar[str] = (
         "Yi et al., FedGH: Heterogeneous Federated Learning with Generalized Global Header, "
@@ -178,6 +183,8 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
         # ValueError: the config loader reports it as a ConfigError naming [algorithm].
         if self.eta_g <= 0 or self.server_epochs < 0 or self.server_batch_size < 0:
             raise ValueError("eta_g must be > 0, server_epochs >= 0 and server_batch_size >= 0")
+        if self.lar_batch < 0:
+            raise ValueError("lar_batch must be >= 0 (0: LARs over the whole training split)")
 
     def check(self, spec: FederationSpec) -> None:
         heads = {m.partition("/")[2] for m in spec.members}
@@ -243,8 +250,13 @@ class FedGH(Algorithm[FedGHState, SharedState, ClassMeans]):
     def upload(
         self, model: ClientModel, extras: nn.Module, data: ClientData, msg: SharedState
     ) -> ClassMeans:
-        # Exact LARs over the whole training split, in eval mode, after local training.
-        protos, counts = class_means(model, data, model.num_classes)  # [C, d], [C]
+        # Exact LARs over the whole training split (or its full batches), in eval mode, after
+        # local training.
+        keep = None
+        if self.lar_batch:
+            n = data.num("train")
+            keep = n - n % self.lar_batch
+        protos, counts = class_means(model, data, model.num_classes, keep=keep)  # [C, d], [C]
         has = counts > 0  # the counts stay on the client
         classes = has.nonzero().flatten()  # [k] int64, increasing
         return ClassMeans(protos[has].float().contiguous(), classes)

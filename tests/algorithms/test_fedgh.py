@@ -181,6 +181,8 @@ def test_hyperparameters_are_validated():
         FedGH(server_batch_size=-1)
     with pytest.raises(ValueError, match="server_step = 'pairs'; choose one of"):
         FedGH(server_step="pairs")
+    with pytest.raises(ValueError, match="lar_batch"):
+        FedGH(lar_batch=-1)
 
 
 class _Rows:
@@ -215,6 +217,33 @@ def test_client_receives_head_and_uploads_exact_class_means():
         want = sum(feats[i] for i in rows) / len(rows)
         assert torch.allclose(up.protos[row], want, atol=1e-6)
     algo.validate_upload(FedGHState(nn.Linear(4, 3).state_dict(), 0), up, 0)
+
+
+def test_lar_batch_leaves_out_the_ragged_tail_as_an_unshuffled_drop_last_loader():
+    # 8 examples, lar_batch = 3: the loader's two full batches hold rows 0-5; rows 6-7 (the only
+    # class-1 example and one of class 2) are left out, so class 1 is not uploaded at all.
+    torch.manual_seed(0)
+    model = ClientModel(nn.Sequential(nn.Flatten(), nn.Linear(12, 4)), nn.Linear(4, 3), 4, 3)
+    x = torch.randn(8, 1, 3, 4)
+    labels = torch.tensor([0, 2, 0, 2, 0, 0, 1, 2])
+    data = ClientData(0, _Rows(x), labels, {"train": torch.arange(8)}, 3)
+    spec = FederationSpec(3, 3, 4, (1, 3, 4), ("m",), (8,), 0, 1, lambda i: model)
+    head = SharedState({"weight": torch.ones(3, 4), "bias": torch.arange(3.0)})
+    model.eval()
+    with torch.no_grad():
+        feats = model.encoder(x)  # [8, 4]
+        ups = {}
+        for lar_batch in (0, 3, 8):
+            algo = FedGH(lar_batch=lar_batch)
+            ups[lar_batch] = algo.upload(model, algo.init_client(model, spec, data), data, head)
+    assert ups[0].classes.tolist() == [0, 1, 2]
+    assert ups[3].classes.tolist() == [0, 2]
+    assert torch.allclose(ups[3].protos[1], (feats[1] + feats[3]) / 2, atol=1e-6)
+    assert torch.allclose(ups[0].protos[2], (feats[1] + feats[3] + feats[7]) / 3, atol=1e-6)
+    assert torch.allclose(ups[3].protos[0], ups[0].protos[0], atol=1e-6)
+    # a batch that divides the split leaves nothing out
+    assert torch.equal(ups[8].classes, ups[0].classes)
+    assert torch.equal(ups[8].protos, ups[0].protos)
 
 
 def _two_class_client() -> tuple[ClientModel, ClientData]:
