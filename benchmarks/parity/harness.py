@@ -146,6 +146,9 @@ HTFLLIB: dict[str, Method] = {
             # and LARs over its unshuffled drop_last loader (the ragged tail left out): the whole
             # of HtFLlib's form
             "htfllib_form": {"server_batch_size": 10, "lar_batch": 10, **PIPELINE},
+            # HtFLlib's step with each half of its pipeline alone (which half moves the header)
+            "batch_10_no_shuffle": {"server_batch_size": 10, "train.shuffle": False},
+            "batch_10_arch_init": {"server_batch_size": 10, "model.init": "architecture"},
         },
         ref_mode="acc_global",
     ),
