@@ -211,6 +211,9 @@ HTFLLIB: dict[str, Method] = {
 # PFLlib (FedAvgCNN, one architecture) <-> fedmosaic ``fedavgcnn``: methods that share whole
 # models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
 # server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
+# every client from one copy of the model (one architecture: one stream for all clients)
+ONE_INIT: dict[str, Any] = {"model.init": "architecture"}
+
 PFLLIB: dict[str, Method] = {
     "fedavg": Method(
         {"name": "fedavg"},
@@ -225,9 +228,15 @@ PFLLIB: dict[str, Method] = {
         ["-algo", "FedProx", "-mu", "0.01"],
         "both: mu/2 ||w - w_global||^2 (PFLlib adds mu (w - w_global) to the gradient)",
     ),
-    "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"]),
-    "fedrep": Method({"name": "fedrep", "head_epochs": 1}, ["-algo", "FedRep", "-pls", "1"]),
-    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"]),
+    # PFLlib starts every client from a copy of one model (main.py seeds torch once); fedmosaic's
+    # clients draw their own weights (the global part is replaced in round 1, the heads are not)
+    "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"], variants={"one_init": ONE_INIT}),
+    "fedrep": Method(
+        {"name": "fedrep", "head_epochs": 1},
+        ["-algo", "FedRep", "-pls", "1"],
+        variants={"one_init": ONE_INIT},
+    ),
+    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"], variants={"one_init": ONE_INIT}),
     "fedbabu": Method(
         {"name": "fedbabu", "finetune_epochs": 5, "finetune_part": "all"},
         ["-algo", "FedBABU", "-fte", "5"],
