@@ -208,12 +208,12 @@ HTFLLIB: dict[str, Method] = {
 }
 
 
-# PFLlib (FedAvgCNN, one architecture) <-> fedmosaic ``fedavgcnn``: methods that share whole
-# models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
-# server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
 # every client from one copy of the model (one architecture: one stream for all clients)
 ONE_INIT: dict[str, Any] = {"model.init": "architecture"}
 
+# PFLlib (FedAvgCNN, one architecture) <-> fedmosaic ``fedavgcnn``: methods that share whole
+# models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
+# server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
 PFLLIB: dict[str, Method] = {
     "fedavg": Method(
         {"name": "fedavg"},
