@@ -60,8 +60,10 @@ class Method:
 # HtFLlib (commit with the HCNNs8 group) <-> fedmosaic. Hyperparameters as FedTGP's Table 10
 # (benchmarks/suites/fedtgp_table10.toml): lambda 0.1 for FedProto/FedTGP, tau 100, 100 server epochs.
 # HtFLlib's pipeline: its train loader never shuffles, and every client's model is built right
-# after torch.manual_seed(0), so clients of one architecture start identical
-PIPELINE: dict[str, Any] = {"train.shuffle": False, "model.init": "architecture"}
+# after torch.manual_seed(0), so clients of one architecture start identical (ARCH_INIT; with one
+# architecture, as PFLlib's, every client starts from one copy of the model)
+ARCH_INIT: dict[str, Any] = {"model.init": "architecture"}
+PIPELINE: dict[str, Any] = {"train.shuffle": False, **ARCH_INIT}
 # FedKD: HtFLlib uploads the compressed mentee itself, and its mentee is the first member
 HTFLLIB_KD: dict[str, Any] = {"upload_mode": "state", "mentee_arch": "cnn1"}
 HTFLLIB_KD_PIPELINE: dict[str, Any] = {**HTFLLIB_KD, **PIPELINE}
@@ -84,7 +86,7 @@ HTFLLIB: dict[str, Method] = {
             "pipeline": PIPELINE,
             # the two halves of the pipeline, one at a time (which one the gap comes from)
             "no_shuffle": {"train.shuffle": False},
-            "arch_init": {"model.init": "architecture"},
+            "arch_init": ARCH_INIT,
             # not the reference's options: fedmosaic's own spread on this split (other initial
             # weights and batch orders); a single client's nearest-prototype collapse decides
             # some splits' means
@@ -148,7 +150,7 @@ HTFLLIB: dict[str, Method] = {
             "htfllib_form": {"server_batch_size": 10, "lar_batch": 10, **PIPELINE},
             # HtFLlib's step with each half of its pipeline alone (which half moves the header)
             "batch_10_no_shuffle": {"server_batch_size": 10, "train.shuffle": False},
-            "batch_10_arch_init": {"server_batch_size": 10, "model.init": "architecture"},
+            "batch_10_arch_init": {"server_batch_size": 10, **ARCH_INIT},
         },
         ref_mode="acc_global",
     ),
@@ -208,9 +210,6 @@ HTFLLIB: dict[str, Method] = {
 }
 
 
-# every client from one copy of the model (one architecture: one stream for all clients)
-ONE_INIT: dict[str, Any] = {"model.init": "architecture"}
-
 # PFLlib (FedAvgCNN, one architecture) <-> fedmosaic ``fedavgcnn``: methods that share whole
 # models or bodies. PFLlib prints no per-client accuracies: the launch shim prints the ones its
 # server already computes (``PARITY_PRINT_CLIENTS``), in HtFLlib's format, without changing the run.
@@ -229,14 +228,16 @@ PFLLIB: dict[str, Method] = {
         "both: mu/2 ||w - w_global||^2 (PFLlib adds mu (w - w_global) to the gradient)",
     ),
     # PFLlib starts every client from a copy of one model (main.py seeds torch once); fedmosaic's
-    # clients draw their own weights (the global part is replaced in round 1, the heads are not)
-    "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"], variants={"one_init": ONE_INIT}),
+    # clients draw their own weights (the global part is replaced in round 1, the heads are not).
+    # FedRoD's personal head has its own init stream, which model.init does not change: its
+    # one_init run equals the default, kept as the record of that
+    "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"], variants={"one_init": ARCH_INIT}),
     "fedrep": Method(
         {"name": "fedrep", "head_epochs": 1},
         ["-algo", "FedRep", "-pls", "1"],
-        variants={"one_init": ONE_INIT},
+        variants={"one_init": ARCH_INIT},
     ),
-    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"], variants={"one_init": ONE_INIT}),
+    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"], variants={"one_init": ARCH_INIT}),
     "fedbabu": Method(
         {"name": "fedbabu", "finetune_epochs": 5, "finetune_part": "all"},
         ["-algo", "FedBABU", "-fte", "5"],
