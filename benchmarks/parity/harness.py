@@ -230,14 +230,22 @@ PFLLIB: dict[str, Method] = {
     # PFLlib starts every client from a copy of one model (main.py seeds torch once); fedmosaic's
     # clients draw their own weights (the global part is replaced in round 1, the heads are not).
     # FedRoD's personal head has its own init stream, which model.init does not change: its
-    # one_init run equals the default, kept as the record of that
+    # one_init run equals the default, kept as the record of that; pfllib_init also starts each
+    # personal head as a copy of the initial generic head, as PFLlib's clientROD does
     "fedper": Method({"name": "fedper"}, ["-algo", "FedPer"], variants={"one_init": ARCH_INIT}),
     "fedrep": Method(
         {"name": "fedrep", "head_epochs": 1},
         ["-algo", "FedRep", "-pls", "1"],
         variants={"one_init": ARCH_INIT},
     ),
-    "fedrod": Method({"name": "fedrod"}, ["-algo", "FedROD"], variants={"one_init": ARCH_INIT}),
+    "fedrod": Method(
+        {"name": "fedrod"},
+        ["-algo", "FedROD"],
+        variants={
+            "one_init": ARCH_INIT,
+            "pfllib_init": {**ARCH_INIT, "personal_init": "generic"},
+        },
+    ),
     "fedbabu": Method(
         {"name": "fedbabu", "finetune_epochs": 5, "finetune_part": "all"},
         ["-algo", "FedBABU", "-fte", "5"],

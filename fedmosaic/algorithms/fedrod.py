@@ -18,20 +18,24 @@ Choices and differences from the reference code (PFLlib ``clientrod``):
   the extras); PFLlib counts one pass of its shuffled ``drop_last`` loader, which misses a random
   tail of examples.
 - The personal head is a fresh ``Linear(d, C)`` from the client's seeded init stream; PFLlib
-  deep-copies the initial generic head. Generic model and personal head are trained in one step on
+  deep-copies the initial generic head: ``personal_init = "generic"`` does the same (a copy of
+  the client's own initial head; with ``model.init = "architecture"`` every client starts from one
+  model, as in PFLlib, so every personal head starts from that model's head). Generic model and personal head are trained in one step on
   the sum of both losses: the detaches keep the two gradients disjoint, so one SGD/Adam step equals
   PFLlib's two optimizers stepping on the same forward pass.
 - The linear personal head is the paper's FedRoD (linear); its hypernetwork variant is not built.
 - BatchNorm (``bn``): running statistics are averaged with the parameters by default; ``bn =
   "local_stats"`` keeps them on each client (PFLlib/HtFLlib average parameters only), ``bn =
   "local"`` keeps whole BatchNorm layers local (FedBN).
-- No other hyperparameters beyond ``[train]``: PFLlib's FedRoD has none either.
+- No hyperparameters beyond ``[train]`` but ``bn`` and ``personal_init``: PFLlib's FedRoD has
+  none.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,8 @@ from fedmosaic.core.algorithm import Acceleration, FederationSpec
 from fedmosaic.core.client import ClientData
 from fedmosaic.core.model import ClientModel
 from fedmosaic.core.registry import ALGORITHMS
+
+PersonalInit = Literal["fresh", "generic"]  # the personal head's start (module docstring)
 
 
 def balanced_softmax_logits(logits: Tensor, class_counts: Tensor) -> Tensor:
@@ -59,9 +65,16 @@ class PersonalHead(nn.Module):
 
     class_counts: Tensor
 
-    def __init__(self, feature_dim: int, num_classes: int, class_counts: Tensor) -> None:
+    def __init__(
+        self,
+        feature_dim: int,
+        num_classes: int,
+        class_counts: Tensor,
+        head: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.head = nn.Linear(feature_dim, num_classes)
+        # head: a module to start from (PFLlib's copy of the initial generic head), else fresh
+        self.head = nn.Linear(feature_dim, num_classes) if head is None else head
         self.register_buffer("class_counts", class_counts.to(torch.int64).clone())  # [C]
 
     def forward(self, features: Tensor) -> Tensor:
@@ -77,6 +90,8 @@ class FedRoD(SharedWeights):
 
     supports_heterogeneous: ClassVar[bool] = False
     shared: ClassVar[str] = "all"
+    # fresh: a seeded Linear(d, C); generic: a copy of the client's initial generic head (PFLlib)
+    personal_init: PersonalInit = "fresh"
     paper: ClassVar[str] = (
         "Chen & Chao, On Bridging Generic and Personalized Federated Learning for Image "
         "Classification, ICLR 2022"
@@ -84,7 +99,11 @@ class FedRoD(SharedWeights):
 
     def init_client(self, model: ClientModel, spec: FederationSpec, data: ClientData) -> nn.Module:
         # The runtime seeds torch's global RNG per client right before this call.
-        return PersonalHead(model.feature_dim, model.num_classes, data.class_counts("train"))
+        counts = data.class_counts("train")
+        if self.personal_init == "generic":
+            head = copy.deepcopy(model.head)  # its own parameters: trained apart from the generic
+            return PersonalHead(model.feature_dim, model.num_classes, counts, head)
+        return PersonalHead(model.feature_dim, model.num_classes, counts)
 
     def loss(
         self, model: ClientModel, extras: nn.Module, x: Tensor, y: Tensor, msg: SharedState

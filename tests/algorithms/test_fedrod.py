@@ -107,6 +107,34 @@ def test_init_client_counts_labels_and_is_seeded():
     assert not torch.equal(a.extras[0].head.weight, a.extras[1].head.weight)
 
 
+def test_generic_personal_init_starts_from_a_copy_of_the_initial_generic_head():
+    fed = make_toy(FedRoD(personal_init="generic"))
+    for cid in range(3):
+        head, personal = fed.models[cid].head, fed.extras[cid].head
+        assert isinstance(personal, nn.Linear)
+        assert torch.equal(personal.weight, head.weight) and torch.equal(personal.bias, head.bias)
+        assert personal.weight.data_ptr() != head.weight.data_ptr()  # a copy, not shared
+    fresh = make_toy(FedRoD())
+    assert not torch.equal(fresh.extras[0].head.weight, fresh.models[0].head.weight)
+    # the copy trains apart from the generic head it came from
+    algo = FedRoD(personal_init="generic")
+    msg = algo.broadcast(algo.init_server(fed.spec), 0, 1)
+    start = fed.extras[0].head.weight.detach().clone()
+    client_ops.fit(algo, fed.models[0], fed.extras[0], msg, fed.clients[0], settings(), 0, 1, 1)
+    assert not torch.equal(fed.extras[0].head.weight, start)  # trained
+    assert not torch.equal(fed.extras[0].head.weight, fed.models[0].head.weight)
+
+
+def test_personal_init_rejects_an_unknown_start():
+    from helpers.experiments import tiny_raw
+
+    from fedmosaic.config import from_dict
+
+    raw = tiny_raw(model={"family": "cnn1"}, algorithm={"name": "fedrod", "personal_init": "zero"})
+    with pytest.raises(ConfigError, match="personal_init"):
+        from_dict(raw)
+
+
 def test_fit_uploads_the_whole_generic_model_not_the_personal_head():
     algo = FedRoD()
     fed = make_toy(algo)
